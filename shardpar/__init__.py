@@ -1,0 +1,22 @@
+"""shardpar: sharding-aware data-parallel training for PyTorch.
+
+``model = shardpar.wrap(model, stage=0..3)`` trains one model on every rank of a torchrun
+job: stage 0 is DDP, stages 1-3 are ZeRO (optimizer state, gradients, parameters sharded).
+"""
+
+from .config import MixedPrecision, ShardConfig
+from .errors import CheckpointError
+from .module import ShardedModule
+from .optim import ShardedOptimizer, optimizer
+from .wrap import wrap
+
+__all__ = [
+    "CheckpointError",
+    "MixedPrecision",
+    "ShardConfig",
+    "ShardedModule",
+    "ShardedOptimizer",
+    "optimizer",
+    "wrap",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,266 @@
+"""The collective layer: the only module of shardpar that calls ``torch.distributed``.
+
+Functions are named by what they do and carry no training logic. Each works unchanged at
+world size 1 without any process group (the collective is then the identity), returns a
+:class:`Handle` when ``async_op=True``, and records what it moved in a :class:`CommStats`
+when one is passed.
+
+[Note: byte accounting]
+We count the bytes *one rank sends* under the bandwidth-optimal (ring) algorithms, because
+that is what the ZeRO cost model in DESIGN.md is written in and what a user can compare
+across backends: for a tensor of S bytes on N ranks,
+
+    all-reduce       2·S·(N-1)/N
+    reduce-scatter     S·(N-1)/N      (S = the full, unscattered input)
+    all-gather         S·(N-1)/N      (S = the full, gathered output)
+    broadcast          S·(N-1)/N      (scatter + all-gather pipelining; setup only)
+
+Callers say how many of the elements are padding (buckets are padded to a multiple of N),
+so payload and padding are reported separately and the payload matches the closed form.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Any  # torch's ProcessGroup; kept loose so world size 1 needs no torch.distributed
+
+# Ring-algorithm multiplier of S·(N-1)/N per collective kind (see the note above).
+_SEND_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+
+
+@dataclass
+class OpTraffic:
+    calls: int = 0
+    payload_bytes: int = 0
+    """Bytes of real data the op ran over (S without padding), summed over calls."""
+    padding_bytes: int = 0
+    sent_bytes: float = 0.0
+    """Bytes this rank sent for the payload, by the ring model."""
+    padding_sent_bytes: float = 0.0
+
+
+class CommStats:
+    """Per-op traffic counters; one instance per engine so each reports its own traffic."""
+
+    def __init__(self) -> None:
+        self.ops: dict[str, OpTraffic] = defaultdict(OpTraffic)
+
+    def record(self, op: str, numel: int, padding_numel: int, element_size: int, world_size: int) -> None:
+        traffic = self.ops[op]
+        fraction = _SEND_FACTOR[op] * (world_size - 1) / world_size
+        payload = (numel - padding_numel) * element_size
+        padding = padding_numel * element_size
+        traffic.calls += 1
+        traffic.payload_bytes += payload
+        traffic.padding_bytes += padding
+        traffic.sent_bytes += payload * fraction
+        traffic.padding_sent_bytes += padding * fraction
+
+    def reset(self) -> None:
+        self.ops.clear()
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """``{op: {calls, payload_bytes, padding_bytes, sent_bytes, padding_sent_bytes}}`` plus
+        a ``"total"`` entry summing ``sent_bytes`` and ``padding_sent_bytes`` over ops."""
+        out = {op: dict(vars(t)) for op, t in sorted(self.ops.items())}
+        out["total"] = {
+            "sent_bytes": sum(t.sent_bytes for t in self.ops.values()),
+            "padding_sent_bytes": sum(t.padding_sent_bytes for t in self.ops.values()),
+        }
+        return out
+
+
+class Handle:
+    """An in-flight collective. ``wait()`` blocks until it is done; calling it twice is fine."""
+
+    def __init__(self, work: Any = None, then: Callable[[], None] | None = None) -> None:
+        self._work = work
+        self._then = then
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+# --------------------------------------------------------------------------- process group
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def launched_world_size() -> int:
+    """World size torchrun (or another launcher) announced through the environment."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA tensors, gloo for CPU, as torch itself picks."""
+    return dist.get_default_backend_for_device(device.type)
+
+
+def init_default_group(device: torch.device, timeout_s: float) -> None:
+    """Create the default process group from torchrun's environment, if there is none yet.
+
+    Does nothing when a group exists (the script made it) or when no launcher announced a
+    world size above one: a plain ``python train.py`` runs at world size 1 with no group.
+    """
+    if is_initialized() or launched_world_size() <= 1:
+        return
+    if not dist.is_available():
+        raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    for var in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise RuntimeError(
+                f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {var} is not; launch with "
+                "torchrun (which sets RANK, MASTER_ADDR and MASTER_PORT) or call "
+                "torch.distributed.init_process_group yourself"
+            )
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(
+        backend=backend_for(device), timeout=datetime.timedelta(seconds=timeout_s), **kwargs
+    )
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def _record(
+    stats: CommStats | None, op: str, tensor: torch.Tensor, padding_numel: int, world_size: int
+) -> None:
+    if stats is not None:
+        stats.record(op, tensor.numel(), padding_numel, tensor.element_size(), world_size)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    stats: CommStats | None = None,
+    padding_numel: int = 0,
+    op: str = "sum",
+) -> Handle:
+    """Sum (or max) ``tensor`` across ranks, in place."""
+    world_size = get_world_size(group)
+    _record(stats, "all_reduce", tensor, padding_numel, world_size)
+    if world_size == 1:
+        return Handle()
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
+    return Handle(work)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    stats: CommStats | None = None,
+    padding_numel: int = 0,
+) -> Handle:
+    """Sum ``input`` (1-D, numel = N·output.numel()) across ranks; rank r receives slice r.
+
+    ``output`` may be rank r's own slice of ``input`` (an in-place reduce-scatter).
+    """
+    world_size = get_world_size(group)
+    if input.numel() != output.numel() * world_size:
+        raise ValueError(
+            f"reduce_scatter: input has {input.numel()} elements, expected "
+            f"{world_size} x {output.numel()} (output size x world size)"
+        )
+    _record(stats, "reduce_scatter", input, padding_numel, world_size)
+    if world_size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Handle()
+    work = dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
+    return Handle(work)
+
+
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    stats: CommStats | None = None,
+    padding_numel: int = 0,
+) -> Handle:
+    """Concatenate every rank's ``input`` (1-D) into ``output`` in rank order.
+
+    ``input`` may be rank r's own slice of ``output`` (an in-place all-gather).
+    """
+    world_size = get_world_size(group)
+    if output.numel() != input.numel() * world_size:
+        raise ValueError(
+            f"all_gather: output has {output.numel()} elements, expected "
+            f"{world_size} x {input.numel()} (input size x world size)"
+        )
+    _record(stats, "all_gather", output, padding_numel, world_size)
+    if world_size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Handle()
+    work = dist.all_gather_single(output, input, group=group, async_op=async_op)
+    return Handle(work)
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int = 0,
+    *,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    stats: CommStats | None = None,
+) -> Handle:
+    """Overwrite ``tensor`` on every rank with rank ``src``'s (a group rank)."""
+    world_size = get_world_size(group)
+    _record(stats, "broadcast", tensor, 0, world_size)
+    if world_size == 1:
+        return Handle()
+    work = dist.broadcast(tensor, group_src=src, group=group, async_op=async_op)
+    return Handle(work)
+
+
+def all_gather_objects(obj: Any, *, group: ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj`` (small, picklable metadata such as a model signature)."""
+    world_size = get_world_size(group)
+    if world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    if get_world_size(group) > 1:
+        dist.barrier(group=group)

@@ -1,0 +1,143 @@
+"""Typed configuration for :func:`shardpar.wrap`.
+
+Every option is a field with a docstring-style comment; validation happens in
+``__post_init__`` so a bad value fails at ``wrap`` time with a message naming the option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union
+
+import torch
+from torch import nn
+
+_SHORTHAND_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_float_dtype(option: str, dtype: torch.dtype | None) -> None:
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"MixedPrecision.{option}={dtype} is not supported; use one of "
+            f"{', '.join(str(d) for d in _FLOAT_DTYPES)} (or None to keep the parameter's dtype)"
+        )
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Which dtype lives where when training in low precision.
+
+    The optimizer always updates fp32 master copies (of the owned slices at stages 1-3);
+    ``param_dtype`` is what forward/backward compute with and what stage 3 all-gathers.
+    """
+
+    param_dtype: torch.dtype | None = None
+    """dtype of the parameters used by forward and backward (None: keep as created)."""
+    reduce_dtype: torch.dtype | None = None
+    """dtype gradients are communicated in (None: fp32, the safe default)."""
+    buffer_dtype: torch.dtype | None = None
+    """dtype module buffers are cast to (None: leave buffers alone)."""
+
+    def __post_init__(self) -> None:
+        _check_float_dtype("param_dtype", self.param_dtype)
+        _check_float_dtype("reduce_dtype", self.reduce_dtype)
+        _check_float_dtype("buffer_dtype", self.buffer_dtype)
+        if (
+            self.param_dtype is not None
+            and self.reduce_dtype is not None
+            and self.param_dtype.itemsize > self.reduce_dtype.itemsize
+        ):
+            raise ValueError(
+                f"MixedPrecision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}) "
+                "reduces gradients in a narrower dtype than they are computed in only by accident; "
+                "pick reduce_dtype at least as wide as param_dtype"
+            )
+        if {self.param_dtype, self.reduce_dtype} >= {torch.float16, torch.bfloat16}:
+            raise ValueError(
+                "MixedPrecision mixes float16 and bfloat16 (param_dtype and reduce_dtype); "
+                "choose one half-precision format"
+            )
+
+    @classmethod
+    def from_option(cls, option: "MixedPrecisionOption") -> "MixedPrecision | None":
+        """Accept ``None``, ``"bf16"``/``"fp16"`` shorthands or a ``MixedPrecision``."""
+        if option is None or isinstance(option, MixedPrecision):
+            return option
+        if isinstance(option, str):
+            dtype = _SHORTHAND_DTYPES.get(option.lower())
+            if dtype is None:
+                raise ValueError(
+                    f"mixed_precision={option!r} is not understood; use None, 'bf16', 'fp16' "
+                    "or shardpar.MixedPrecision(param_dtype=..., reduce_dtype=...)"
+                )
+            if dtype is torch.float32:
+                return None
+            # Shorthand: compute in half precision, reduce gradients in fp32 for accuracy.
+            return cls(param_dtype=dtype, reduce_dtype=torch.float32)
+        raise TypeError(
+            f"mixed_precision must be None, 'bf16', 'fp16' or shardpar.MixedPrecision, "
+            f"got {type(option).__name__}"
+        )
+
+
+MixedPrecisionOption = Union[None, str, MixedPrecision]
+WrapPolicy = Union[None, int, Sequence[type], Callable[[str, nn.Module], bool]]
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Everything :func:`shardpar.wrap` accepts besides the module itself."""
+
+    stage: int = 0
+    """0 = DDP, 1 = shard optimizer state, 2 = also gradients, 3 = also parameters."""
+    bucket_cap_mb: float = 25.0
+    """Size cap of one gradient bucket (stages 0-2), in MiB of the buffer dtype."""
+    mixed_precision: MixedPrecision | None = None
+    """Low-precision policy; None trains in the parameters' own dtype."""
+    broadcast_buffers: bool = True
+    """Broadcast module buffers (e.g. BatchNorm running stats) from rank 0 before every forward."""
+    wrap_policy: WrapPolicy = None
+    """Stage 3 units: None = submodules above ``min_unit_params`` parameters, an int = that
+    threshold, a sequence of module classes (e.g. transformer blocks), or a callable
+    ``(qualified_name, module) -> bool``."""
+    min_unit_params: int = 100_000
+    """Default stage-3 policy: a submodule with at least this many parameters becomes a unit."""
+    reshard_after_forward: bool = True
+    """Stage 3: free gathered parameters after each unit's forward (gathered again for backward)."""
+    prefetch_units: int = 1
+    """Stage 3: how many units ahead to start all-gathering (0 disables prefetch)."""
+    timeout_s: float = 300.0
+    """Seconds a collective may wait for the other ranks before the job fails (process group
+    timeout when shardpar creates the group)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0, 1, 2 or 3 (or 'auto' with a memory budget), got {self.stage!r}")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+        if self.prefetch_units < 0:
+            raise ValueError(f"prefetch_units must be >= 0, got {self.prefetch_units!r}")
+        if self.min_unit_params < 1:
+            raise ValueError(f"min_unit_params must be >= 1, got {self.min_unit_params!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s!r}")
+        object.__setattr__(self, "mixed_precision", MixedPrecision.from_option(self.mixed_precision))
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def fingerprint(self) -> str:
+        """A string every rank must agree on (compared at wrap time)."""
+        policy = self.wrap_policy
+        if isinstance(policy, (list, tuple)):
+            policy = [getattr(c, "__qualname__", repr(c)) for c in policy]
+        elif callable(policy):
+            policy = getattr(policy, "__qualname__", "callable")
+        return (
+            f"stage={self.stage} bucket_cap_mb={self.bucket_cap_mb} "
+            f"mixed_precision={self.mixed_precision} wrap_policy={policy} "
+            f"min_unit_params={self.min_unit_params} reshard_after_forward={self.reshard_after_forward}"
+        )

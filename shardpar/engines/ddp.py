@@ -1,0 +1,256 @@
+"""Stage 0: data parallelism with bucketed, overlapped gradient all-reduce.
+
+[Note: gradient readiness and launch order]
+Each trainable parameter gets a post-accumulate-grad hook, which autograd calls once the
+parameter's gradient for this backward is final. The hook counts the parameter's bucket
+down; a complete bucket starts its collective at once, so communication runs while
+backward computes earlier layers. Collectives must be issued in the same order on every
+rank, so buckets are *launched strictly in bucket order*: a bucket that completes early
+waits for its predecessors. At the end of backward (an autograd engine callback queued by
+the first hook) every bucket not launched yet -- those holding parameters that got no
+gradient on this rank -- is launched with zeros for the missing gradients, so unused
+branches and rank-dependent control flow neither hang nor corrupt, without walking the
+graph. Then every handle is waited on, so ``param.grad`` is final when ``backward()``
+returns.
+
+Gradients are divided by N before the collective (sum of averages = average of sums),
+which keeps fp32 values in range and makes the result equal one process training on the
+concatenated batch.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .. import collectives as C
+from ..buffer import Bucket, BufferLayout
+from ..config import ShardConfig
+from .base import Engine, OptimizerTensor
+
+
+class FlatParams:
+    """One dtype's trainable parameters stored back to back in one 1-D tensor.
+
+    After construction every parameter's ``.data`` is a view into ``self.data``; the
+    Parameter objects themselves are unchanged (optimizers and user code keep them).
+    """
+
+    def __init__(
+        self, named: Sequence[tuple[str, nn.Parameter]], world_size: int, bucket_cap_numel: int
+    ) -> None:
+        first = named[0][1]
+        self.dtype = first.dtype
+        self.device = first.device
+        self.params = dict(named)
+        # Reverse registration order: see [Note: layout order] in buffer.py.
+        self.layout = BufferLayout([(n, p.shape) for n, p in reversed(named)], world_size, bucket_cap_numel)
+        self.data = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)  # 1-D, padded
+        with torch.no_grad():
+            for name, param in named:
+                view = self.layout.view(self.data, name)
+                view.copy_(param.data)
+                param.data = view
+
+    def param_view(self, name: str) -> torch.Tensor:
+        return self.layout.view(self.data, name)
+
+
+class BucketPhase(enum.Enum):
+    COLLECTING = "collecting"  # waiting for gradients of this backward
+    COMPLETE = "complete"  # every gradient is in, waiting for earlier buckets to launch
+    IN_FLIGHT = "in_flight"  # collective launched, handle pending
+
+
+class GradBucket:
+    """Run-time state of one bucket during a backward pass."""
+
+    def __init__(self, flat: FlatParams, spec: Bucket) -> None:
+        self.flat = flat
+        self.spec = spec
+        self.missing: set[str] = set(spec.names)
+        self.phase = BucketPhase.COLLECTING
+        self.handle: C.Handle | None = None
+
+    def mark_ready(self, name: str) -> None:
+        assert self.phase is BucketPhase.COLLECTING, (
+            f"gradient of '{name}' arrived after bucket {self.spec.index} was already reduced; "
+            "a parameter took part in two backward passes that were not separated by a forward"
+        )
+        self.missing.discard(name)
+        if not self.missing:
+            self.phase = BucketPhase.COMPLETE
+
+    def reset(self) -> None:
+        self.missing = set(self.spec.names)
+        self.phase = BucketPhase.COLLECTING
+        self.handle = None
+
+
+def group_by_dtype(named: Sequence[tuple[str, nn.Parameter]]) -> list[list[tuple[str, nn.Parameter]]]:
+    groups: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+    for name, param in named:
+        groups.setdefault(param.dtype, []).append((name, param))
+    return list(groups.values())
+
+
+class AllReduceEngine(Engine):
+    """Stage 0 (DDP). Stages 1 and 2 subclass this and swap storage and collective."""
+
+    stage = 0
+
+    def __init__(self, module: nn.Module, config: ShardConfig, group: C.ProcessGroup | None = None) -> None:
+        super().__init__(module, config, group)
+        if not self.trainable:
+            raise ValueError(
+                "shardpar.wrap: the module has no parameter with requires_grad=True; "
+                "there is nothing to train in data parallel"
+            )
+        bytes_cap = int(config.bucket_cap_mb * 1024 * 1024)
+        self.flats = [
+            FlatParams(named, self.world_size, max(1, bytes_cap // named[0][1].element_size()))
+            for named in group_by_dtype(self.trainable)
+        ]
+        self.flat_of = {name: flat for flat in self.flats for name in flat.params}
+        self.buckets = [GradBucket(flat, spec) for flat in self.flats for spec in flat.layout.buckets]
+        self.bucket_of = {name: bucket for bucket in self.buckets for name in bucket.spec.names}
+        self.broadcast_module_tensors([flat.data for flat in self.flats] + list(self.iter_frozen_and_buffers()))
+        self.allocate_grads()
+        self._next_launch = 0
+        self._backward_active = False
+        self.timeline: list[tuple[str, object]] | None = None
+        """Set to a list to record ("grad", name) and ("launch", bucket index) events."""
+        for name, param in self.trainable:
+            self.add_hook(param.register_post_accumulate_grad_hook(self._make_grad_hook(name)))
+
+    # ------------------------------------------------------------------ storage (stage hooks)
+
+    def allocate_grads(self) -> None:
+        """Stage 0/1: one full gradient buffer per dtype; ``param.grad`` are views into it."""
+        self.grad_data = {flat: torch.zeros_like(flat.data) for flat in self.flats}
+        # Cached so that `param.grad is view` tells whether autograd still writes into the buffer.
+        self._grad_views = {
+            name: flat.layout.view(self.grad_data[flat], name) for flat in self.flats for name in flat.params
+        }
+        for name, param in self.trainable:
+            param.grad = self._grad_views[name]
+
+    def grad_view(self, name: str) -> torch.Tensor:
+        return self._grad_views[name]
+
+    def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        """Move a just-finished gradient to where its bucket reduces it."""
+        view = self.grad_view(name)
+        if param.grad is not view:
+            # The gradient was set to None (e.g. module.zero_grad()), so autograd allocated a
+            # fresh tensor: take its value and point .grad back at the buffer.
+            view.copy_(param.grad)
+            param.grad = view
+
+    def fill_missing(self, bucket: GradBucket) -> None:
+        """Give parameters that got no gradient this backward a zero one (or keep what they
+        accumulated earlier, e.g. under no_sync)."""
+        for name in bucket.missing:
+            param = bucket.flat.params[name]
+            view = self.grad_view(name)
+            if param.grad is None:
+                view.zero_()
+            elif param.grad is not view:
+                view.copy_(param.grad)
+            param.grad = view
+
+    def start_bucket_sync(self, bucket: GradBucket) -> C.Handle:
+        data = bucket.spec.range.of(self.grad_data[bucket.flat])
+        data.div_(self.world_size)
+        return C.all_reduce(
+            data, group=self.group, async_op=True, stats=self.comm, padding_numel=bucket.spec.padding
+        )
+
+    def finish_bucket_sync(self, bucket: GradBucket) -> None:
+        """After the collective of ``bucket`` completed."""
+
+    # ------------------------------------------------------------------ backward
+
+    def _make_grad_hook(self, name: str):
+        bucket = self.bucket_of[name]
+
+        def on_grad_ready(param: nn.Parameter) -> None:
+            with torch.no_grad():
+                self._on_grad_ready(bucket, name, param)
+
+        return on_grad_ready
+
+    def _on_grad_ready(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        if not self.require_grad_sync:
+            self.accumulate_without_sync(bucket, name, param)
+            return
+        if self.timeline is not None:
+            self.timeline.append(("grad", name))
+        if not self._backward_active:
+            self._backward_active = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self.accept_grad(bucket, name, param)
+        bucket.mark_ready(name)
+        if bucket.phase is BucketPhase.COMPLETE:
+            self._launch_complete_buckets()
+
+    def accumulate_without_sync(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        """Inside ``no_sync()``: keep accumulating locally, no collective."""
+        self.accept_grad(bucket, name, param)
+
+    def _launch(self, bucket: GradBucket) -> None:
+        assert bucket.handle is None, f"bucket {bucket.spec.index} already has a collective in flight"
+        if self.timeline is not None:
+            self.timeline.append(("launch", bucket.spec.index))
+        bucket.handle = self.start_bucket_sync(bucket)
+        bucket.phase = BucketPhase.IN_FLIGHT
+
+    def _launch_complete_buckets(self) -> None:
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].phase is BucketPhase.COMPLETE:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _finish_backward(self) -> None:
+        with torch.no_grad():
+            started = time.perf_counter()
+            for bucket in self.buckets[self._next_launch :]:
+                self.fill_missing(bucket)
+                self._launch(bucket)
+            for bucket in self.buckets:
+                bucket.handle.wait()
+                self.finish_bucket_sync(bucket)
+                bucket.reset()
+            self._next_launch = 0
+            self._backward_active = False
+            self.last_backward_wait_s = time.perf_counter() - started
+
+    # ------------------------------------------------------------------ per step
+
+    def pre_forward(self) -> None:
+        self.broadcast_buffers()
+
+    def zero_grad(self) -> None:
+        for grad in self.grad_data.values():
+            grad.zero_()
+        for name, param in self.trainable:
+            param.grad = self.grad_view(name)
+
+    def optimizer_tensors(self, names: Sequence[str]) -> list[OptimizerTensor]:
+        return [
+            OptimizerTensor(name, self.flat_of[name].params[name], (0, self.flat_of[name].params[name].numel()))
+            for name in names
+        ]
+
+    def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
+        return list(self.grad_data.values()), False
+
+    def memory_stats(self) -> dict[str, int]:
+        return {
+            "params": sum(f.data.numel() * f.data.element_size() for f in self.flats),
+            "grads": sum(g.numel() * g.element_size() for g in self.grad_data.values()),
+            "workspace": 0,
+        }

@@ -1,0 +1,139 @@
+"""``ShardedModule``: the ``nn.Module`` users get back from :func:`shardpar.wrap`.
+
+It is a thin facade: forward runs the wrapped module, everything about storage and
+synchronisation is delegated to the stage's engine. Parameter names, parameter objects
+and state-dict keys are the wrapped module's own, so code written for the unwrapped model
+(param groups, schedulers, ``state_dict`` consumers) keeps working.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from . import collectives as C
+from .engines.base import Engine
+
+
+class ShardedModule(nn.Module):
+    """A module trained data-parallel at one ZeRO stage. ``.module`` is the wrapped model."""
+
+    def __init__(self, module: nn.Module, engine: Engine) -> None:
+        super().__init__()
+        self.module = module
+        self.engine = engine
+
+    @property
+    def stage(self) -> int:
+        return self.engine.stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.engine.pre_forward()
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # Fall through to the wrapped model for its own methods (e.g. ``generate``).
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    # ------------------------------------------------------------------ original names
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``module.state_dict()`` with full, detached tensors, on every rank (every key,
+        tied aliases, frozen parameters and persistent buffers included)."""
+        return self.engine.full_state_dict()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """Same as :meth:`full_state_dict`: the wrapped module's keys and full tensors."""
+        return self.full_state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
+        """Load full tensors (keys as in ``module.state_dict()``) into every stage's storage."""
+        if not strict or assign:
+            raise ValueError("ShardedModule.load_state_dict supports only strict=True, assign=False")
+        self.engine.load_full_state_dict(dict(state_dict))
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+    # ------------------------------------------------------------------ training helpers
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without any collective; the
+        first backward outside reduces the sum. (Stage 2 then holds full gradients until that
+        backward: the price of accumulation.)"""
+        previous = self.engine.require_grad_sync
+        self.engine.require_grad_sync = False
+        try:
+            yield
+        finally:
+            self.engine.require_grad_sync = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Scale gradients so their global norm (over all ranks' shards) is at most
+        ``max_norm``; return the norm before clipping, as ``torch.nn.utils.clip_grad_norm_``."""
+        grads, sharded = self.engine.owned_grads()
+        norm_type = float(norm_type)
+        device = self.engine.device
+        with torch.no_grad():
+            if norm_type == math.inf:
+                local = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros((), device=device)])
+                total = local.max().float()
+                if sharded:
+                    C.all_reduce(total, group=self.engine.group, op="max")
+            else:
+                norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads if g.numel()]
+                partial = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
+                if sharded:
+                    C.all_reduce(partial, group=self.engine.group)
+                total = partial.pow(1.0 / norm_type)
+            if error_if_nonfinite and not torch.isfinite(total):
+                raise RuntimeError(
+                    f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
+                    "pass error_if_nonfinite=False to clip anyway"
+                )
+            clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            for grad in grads:
+                grad.mul_(clip_coef.to(grad.dtype))
+        return total
+
+    def comm_stats(self) -> dict[str, dict[str, float]]:
+        """Bytes this rank sent since wrap (or the last reset), per collective kind; see
+        [Note: byte accounting] in ``shardpar.collectives``."""
+        return self.engine.comm.snapshot()
+
+    def reset_comm_stats(self) -> None:
+        self.engine.comm.reset()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes of model state this rank holds now: ``params``, ``grads``,
+        ``optimizer_state`` (once an optimizer is attached), ``workspace`` and ``total``."""
+        stats = dict(self.engine.memory_stats())
+        optimizer = getattr(self.engine, "optimizer", None)
+        if optimizer is not None:
+            stats["optimizer_state"] = optimizer.state_bytes()
+        stats["total"] = sum(v for k, v in stats.items() if not k.startswith("peak_"))
+        return stats
+
+    def extra_repr(self) -> str:
+        return f"stage={self.engine.stage}, world_size={self.engine.world_size}"

@@ -1,0 +1,191 @@
+"""``shardpar.optimizer``: any ``torch.optim.Optimizer`` class, run on what this rank owns.
+
+The engine decides which tensors the wrapped optimizer sees: the parameters themselves at
+stage 0, flat 1-D views of this rank's pieces at stages 1-3 (see ``ShardPiece``). Param
+groups keep their hyperparameters because each user group becomes one inner group made of
+that group's tensors, so ``param_groups`` stays in the user's order and
+``torch.optim.lr_scheduler`` schedulers drive it unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from .engines.base import Engine, OptimizerTensor
+from .module import ShardedModule
+
+
+def _resolve_param_groups(engine: Engine, params: Any) -> list[dict[str, Any]]:
+    """User params (None, tensors, or dicts as torch takes them) -> groups naming params."""
+    if params is None:
+        params = [p for _, p in engine.trainable]
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of parameters or of dicts, not a single tensor")
+    params = list(params)
+    if not params:
+        raise ValueError("shardpar.optimizer got an empty parameter list")
+    if all(isinstance(g, dict) for g in params):
+        groups = [dict(g) for g in params]
+    elif not any(isinstance(g, dict) for g in params):
+        groups = [{"params": params}]
+    else:
+        raise TypeError("params mixes tensors and param-group dicts; pass one kind")
+
+    seen: dict[str, int] = {}
+    resolved = []
+    for index, group in enumerate(groups):
+        if "params" not in group:
+            raise ValueError(f"param group {index} has no 'params' entry")
+        members = group.pop("params")
+        members = [members] if isinstance(members, torch.Tensor) else list(members)
+        names = []
+        for param in members:
+            name = engine.param_names.get(param) if isinstance(param, nn.Parameter) else None
+            if name is None:
+                raise ValueError(
+                    f"param group {index} holds a tensor of shape {tuple(getattr(param, 'shape', ()))} "
+                    "that is not a parameter of the wrapped model; build groups from "
+                    "model.named_parameters() of the ShardedModule (or of the module before wrapping)"
+                )
+            if name in seen:
+                raise ValueError(
+                    f"parameter '{name}' appears in param groups {seen[name]} and {index}; "
+                    "each parameter may belong to one group only"
+                )
+            seen[name] = index
+            if param.requires_grad:  # frozen parameters are never updated; no storage to hand out
+                names.append(name)
+        resolved.append({**group, "names": names})
+    return resolved
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Facade over one inner torch optimizer that updates this rank's share of the model.
+
+    ``Optimizer.__init__`` is deliberately not called: the inner optimizer owns
+    ``param_groups`` and ``state``; this object exposes them live so schedulers and user code
+    see one optimizer, and adds the engine's work around ``step`` and ``zero_grad``.
+    """
+
+    def __init__(
+        self, engine: Engine, optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]],
+        defaults: dict[str, Any],
+    ) -> None:
+        self.engine = engine
+        self.group_tensors: list[list[OptimizerTensor]] = [engine.optimizer_tensors(g["names"]) for g in groups]
+        inner_groups = [
+            {**{k: v for k, v in group.items() if k != "names"}, "params": [t.tensor for t in tensors]}
+            for group, tensors in zip(groups, self.group_tensors)
+        ]
+        self.inner = optimizer_class(inner_groups, **defaults)
+        self.optimizer_class = optimizer_class
+        self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
+        engine.optimizer = self
+
+    # Live views of the inner optimizer, so schedulers that set group["lr"] reach it.
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.inner.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.inner.defaults = value
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
+        self.engine.before_optimizer_step()
+        loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        self.engine.after_optimizer_step()
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "shardpar optimizers are built once over the wrapped model; pass every param group "
+            "to shardpar.optimizer(...)"
+        )
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors held on this rank."""
+        return sum(
+            value.numel() * value.element_size()
+            for per_tensor in self.inner.state.values()
+            for value in per_tensor.values()
+            if isinstance(value, torch.Tensor)
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state for this rank's tensors, plus what they are."""
+        state = self.inner.state_dict()
+        state["shardpar"] = {
+            "stage": self.engine.stage,
+            "world_size": self.engine.world_size,
+            "rank": self.engine.rank,
+            "tensors": [[[t.name, *t.param_range] for t in tensors] for tensors in self.group_tensors],
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        meta = state_dict.pop("shardpar", None)
+        expected = self.state_dict()["shardpar"]
+        if meta != expected:
+            raise ValueError(
+                "this optimizer state_dict was saved for another stage, world size, rank or set of "
+                "parameters; use shardpar.save_checkpoint / shardpar.load_checkpoint to move "
+                "training state between layouts"
+            )
+        self.inner.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer(stage={self.engine.stage}, {self.inner!r})"
+
+
+def optimizer(
+    model: ShardedModule,
+    optimizer_class: type[torch.optim.Optimizer],
+    params: Iterable[Any] | None = None,
+    **defaults: Any,
+) -> ShardedOptimizer:
+    """Build ``optimizer_class`` over the wrapped model, sharded as the model's stage says.
+
+    ``params`` takes what torch optimizers take (tensors, or dicts with per-group options);
+    None means every trainable parameter.
+    """
+    if not isinstance(model, ShardedModule):
+        raise TypeError(
+            f"shardpar.optimizer needs the model returned by shardpar.wrap, got {type(model).__name__}"
+        )
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, "
+            f"got {optimizer_class!r}"
+        )
+    groups = _resolve_param_groups(model.engine, params)
+    return ShardedOptimizer(model.engine, optimizer_class, groups, defaults)

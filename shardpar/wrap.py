@@ -1,0 +1,73 @@
+"""``shardpar.wrap``: validate, agree across ranks, then build the stage's engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import collectives as C
+from .config import ShardConfig
+from .engines import ENGINES
+from .engines.base import first_difference, model_signature, module_device
+from .module import ShardedModule
+
+
+def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[ShardConfig, torch.device]:
+    if isinstance(module, ShardedModule):
+        raise ValueError("shardpar.wrap: this model is already wrapped (a ShardedModule); wrap the plain model once")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"shardpar.wrap needs a torch.nn.Module, got {type(module).__name__}")
+    unknown = sorted(set(options) - set(ShardConfig.option_names()))
+    if unknown:
+        raise TypeError(
+            f"shardpar.wrap got unknown option(s) {', '.join(unknown)}; "
+            f"known options: {', '.join(n for n in ShardConfig.option_names() if n != 'stage')}"
+        )
+    config = ShardConfig(stage=stage, **options)
+    return config, module_device(module)
+
+
+def _agree_across_ranks(
+    problem: Exception | None, module: nn.Module, config: ShardConfig | None, group: Any
+) -> None:
+    """One all-gather of every rank's local verdict and model signature; every rank raises
+    the same error if any rank failed or differs, so no rank is left waiting in a collective."""
+    signature = model_signature(module, config) if problem is None else None
+    verdict = None if problem is None else f"{type(problem).__name__}: {problem}"
+    gathered = C.all_gather_objects((verdict, signature), group=group)
+    rank = C.get_rank(group)
+    for other, (other_verdict, _) in enumerate(gathered):
+        if other_verdict is not None:
+            if other == rank and problem is not None:
+                raise problem
+            raise ValueError(f"shardpar.wrap failed on rank {other}: {other_verdict}")
+    reference = gathered[0][1]
+    for other, (_, other_signature) in enumerate(gathered[1:], start=1):
+        difference = first_difference(reference, other_signature)
+        if difference is not None:
+            raise ValueError(
+                f"shardpar.wrap: the model or options differ between ranks (seen on rank {rank}): "
+                + difference.format(rank=other)
+            )
+
+
+def wrap(module: nn.Module, stage: int = 0, *, process_group: Any = None, **options: Any) -> ShardedModule:
+    """Train ``module`` data-parallel at ZeRO ``stage`` (0-3) on every rank of the job.
+
+    Works without torchrun (world size 1); under torchrun it creates the default process
+    group if the script has not. Every rank ends with rank 0's weights. Options are the
+    fields of :class:`shardpar.ShardConfig` (``bucket_cap_mb``, ``mixed_precision``, ...).
+    """
+    problem: Exception | None = None
+    config: ShardConfig | None = None
+    device = torch.device("cpu")
+    try:
+        config, device = _build_config(module, stage, options)
+    except (TypeError, ValueError) as error:
+        problem = error
+    C.init_default_group(device, config.timeout_s if config is not None else ShardConfig.timeout_s)
+    _agree_across_ranks(problem, module, config, process_group)
+    engine = ENGINES[config.stage](module, config, process_group)
+    return ShardedModule(module, engine)
