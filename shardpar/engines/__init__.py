@@ -2,7 +2,12 @@
 
 from .base import Engine
 from .ddp import AllReduceEngine
+from .zero import GradientShardEngine, OptimizerShardEngine
 
-ENGINES: dict[int, type[Engine]] = {0: AllReduceEngine}
+ENGINES: dict[int, type[Engine]] = {
+    0: AllReduceEngine,
+    1: OptimizerShardEngine,
+    2: GradientShardEngine,
+}
 
-__all__ = ["ENGINES", "Engine", "AllReduceEngine"]
+__all__ = ["ENGINES", "Engine", "AllReduceEngine", "OptimizerShardEngine", "GradientShardEngine"]

@@ -20,6 +20,7 @@ concatenated batch.
 
 from __future__ import annotations
 
+import collections
 import enum
 import time
 from typing import Sequence
@@ -102,6 +103,9 @@ class AllReduceEngine(Engine):
     """Stage 0 (DDP). Stages 1 and 2 subclass this and swap storage and collective."""
 
     stage = 0
+    max_buckets_in_flight: int | None = None
+    """Finish the oldest collective before launching more than this many (None: no bound).
+    Stage 2 bounds it because every bucket in flight holds full-size gradients."""
 
     def __init__(self, module: nn.Module, config: ShardConfig, group: C.ProcessGroup | None = None) -> None:
         super().__init__(module, config, group)
@@ -121,6 +125,7 @@ class AllReduceEngine(Engine):
         self.broadcast_module_tensors([flat.data for flat in self.flats] + list(self.iter_frozen_and_buffers()))
         self.allocate_grads()
         self._next_launch = 0
+        self._in_flight: collections.deque[GradBucket] = collections.deque()
         self._backward_active = False
         self.timeline: list[tuple[str, object]] | None = None
         """Set to a list to record ("grad", name) and ("launch", bucket index) events."""
@@ -208,6 +213,15 @@ class AllReduceEngine(Engine):
             self.timeline.append(("launch", bucket.spec.index))
         bucket.handle = self.start_bucket_sync(bucket)
         bucket.phase = BucketPhase.IN_FLIGHT
+        self._in_flight.append(bucket)
+        while self.max_buckets_in_flight is not None and len(self._in_flight) > self.max_buckets_in_flight:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        bucket = self._in_flight.popleft()
+        bucket.handle.wait()
+        self.finish_bucket_sync(bucket)
+        bucket.reset()
 
     def _launch_complete_buckets(self) -> None:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].phase is BucketPhase.COMPLETE:
@@ -220,10 +234,8 @@ class AllReduceEngine(Engine):
             for bucket in self.buckets[self._next_launch :]:
                 self.fill_missing(bucket)
                 self._launch(bucket)
-            for bucket in self.buckets:
-                bucket.handle.wait()
-                self.finish_bucket_sync(bucket)
-                bucket.reset()
+            while self._in_flight:
+                self._finish_oldest()
             self._next_launch = 0
             self._backward_active = False
             self.last_backward_wait_s = time.perf_counter() - started
