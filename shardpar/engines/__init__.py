@@ -3,11 +3,13 @@
 from .base import Engine
 from .ddp import AllReduceEngine
 from .zero import GradientShardEngine, OptimizerShardEngine
+from .zero3 import ParameterShardEngine
 
 ENGINES: dict[int, type[Engine]] = {
     0: AllReduceEngine,
     1: OptimizerShardEngine,
     2: GradientShardEngine,
+    3: ParameterShardEngine,
 }
 
-__all__ = ["ENGINES", "Engine", "AllReduceEngine", "OptimizerShardEngine", "GradientShardEngine"]
+__all__ = ["ENGINES", "Engine", "AllReduceEngine", "OptimizerShardEngine", "GradientShardEngine", "ParameterShardEngine"]

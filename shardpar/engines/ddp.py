@@ -42,7 +42,7 @@ class FlatParams:
     """
 
     def __init__(
-        self, named: Sequence[tuple[str, nn.Parameter]], world_size: int, bucket_cap_numel: int
+        self, named: Sequence[tuple[str, nn.Parameter]], world_size: int, bucket_cap_numel: int | None
     ) -> None:
         first = named[0][1]
         self.dtype = first.dtype
@@ -70,7 +70,9 @@ class BucketPhase(enum.Enum):
 class GradBucket:
     """Run-time state of one bucket during a backward pass."""
 
-    def __init__(self, flat: FlatParams, spec: Bucket) -> None:
+    def __init__(self, position: int, flat: FlatParams, spec: Bucket) -> None:
+        self.position = position
+        """Index in the engine's launch order (``spec.index`` counts within one flat)."""
         self.flat = flat
         self.spec = spec
         self.missing: set[str] = set(spec.names)
@@ -79,7 +81,7 @@ class GradBucket:
 
     def mark_ready(self, name: str) -> None:
         assert self.phase is BucketPhase.COLLECTING, (
-            f"gradient of '{name}' arrived after bucket {self.spec.index} was already reduced; "
+            f"gradient of '{name}' arrived after bucket {self.position} was already reduced; "
             "a parameter took part in two backward passes that were not separated by a forward"
         )
         self.missing.discard(name)
@@ -114,25 +116,31 @@ class AllReduceEngine(Engine):
                 "shardpar.wrap: the module has no parameter with requires_grad=True; "
                 "there is nothing to train in data parallel"
             )
-        bytes_cap = int(config.bucket_cap_mb * 1024 * 1024)
-        self.flats = [
-            FlatParams(named, self.world_size, max(1, bytes_cap // named[0][1].element_size()))
-            for named in group_by_dtype(self.trainable)
-        ]
+        self.flats = self.build_flats()
         self.flat_of = {name: flat for flat in self.flats for name in flat.params}
-        self.buckets = [GradBucket(flat, spec) for flat in self.flats for spec in flat.layout.buckets]
+        specs = [(flat, spec) for flat in self.flats for spec in flat.layout.buckets]
+        self.buckets = [GradBucket(position, flat, spec) for position, (flat, spec) in enumerate(specs)]
         self.bucket_of = {name: bucket for bucket in self.buckets for name in bucket.spec.names}
         self.broadcast_module_tensors([flat.data for flat in self.flats] + list(self.iter_frozen_and_buffers()))
         self.allocate_grads()
         self._next_launch = 0
         self._in_flight: collections.deque[GradBucket] = collections.deque()
         self._backward_active = False
+        self._backward_syncs = True
         self.timeline: list[tuple[str, object]] | None = None
         """Set to a list to record ("grad", name) and ("launch", bucket index) events."""
         for name, param in self.trainable:
             self.add_hook(param.register_post_accumulate_grad_hook(self._make_grad_hook(name)))
 
     # ------------------------------------------------------------------ storage (stage hooks)
+
+    def build_flats(self) -> list[FlatParams]:
+        """Stages 0-2: one flat buffer per dtype of all trainable parameters, bucketed."""
+        bytes_cap = int(self.config.bucket_cap_mb * 1024 * 1024)
+        return [
+            FlatParams(named, self.world_size, max(1, bytes_cap // named[0][1].element_size()))
+            for named in group_by_dtype(self.trainable)
+        ]
 
     def allocate_grads(self) -> None:
         """Stage 0/1: one full gradient buffer per dtype; ``param.grad`` are views into it."""
@@ -190,27 +198,32 @@ class AllReduceEngine(Engine):
         return on_grad_ready
 
     def _on_grad_ready(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
-        if not self.require_grad_sync:
+        if not self._backward_active:
+            self._backward_active = True
+            self._backward_syncs = self.require_grad_sync
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if not self._backward_syncs:
             self.accumulate_without_sync(bucket, name, param)
             return
         if self.timeline is not None:
             self.timeline.append(("grad", name))
-        if not self._backward_active:
-            self._backward_active = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self.accept_grad(bucket, name, param)
         bucket.mark_ready(name)
         if bucket.phase is BucketPhase.COMPLETE:
+            self.on_bucket_complete(bucket)
             self._launch_complete_buckets()
+
+    def on_bucket_complete(self, bucket: GradBucket) -> None:
+        """Every gradient of ``bucket`` is in (before its collective may launch)."""
 
     def accumulate_without_sync(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
         """Inside ``no_sync()``: keep accumulating locally, no collective."""
         self.accept_grad(bucket, name, param)
 
     def _launch(self, bucket: GradBucket) -> None:
-        assert bucket.handle is None, f"bucket {bucket.spec.index} already has a collective in flight"
+        assert bucket.handle is None, f"bucket {bucket.position} already has a collective in flight"
         if self.timeline is not None:
-            self.timeline.append(("launch", bucket.spec.index))
+            self.timeline.append(("launch", bucket.position))
         bucket.handle = self.start_bucket_sync(bucket)
         bucket.phase = BucketPhase.IN_FLIGHT
         self._in_flight.append(bucket)
@@ -229,16 +242,22 @@ class AllReduceEngine(Engine):
             self._next_launch += 1
 
     def _finish_backward(self) -> None:
+        self._backward_active = False
         with torch.no_grad():
-            started = time.perf_counter()
-            for bucket in self.buckets[self._next_launch :]:
-                self.fill_missing(bucket)
-                self._launch(bucket)
-            while self._in_flight:
-                self._finish_oldest()
-            self._next_launch = 0
-            self._backward_active = False
-            self.last_backward_wait_s = time.perf_counter() - started
+            if self._backward_syncs:
+                started = time.perf_counter()
+                for bucket in self.buckets[self._next_launch :]:
+                    self.fill_missing(bucket)
+                    self.on_bucket_complete(bucket)
+                    self._launch(bucket)
+                while self._in_flight:
+                    self._finish_oldest()
+                self._next_launch = 0
+                self.last_backward_wait_s = time.perf_counter() - started
+            self.after_backward()
+
+    def after_backward(self) -> None:
+        """End of every backward that reached this engine's parameters (synced or not)."""
 
     # ------------------------------------------------------------------ per step
 

@@ -45,6 +45,10 @@ class OptimizerShardEngine(AllReduceEngine):
     def piece_grad(self, flat: FlatParams, piece: ShardPiece) -> torch.Tensor:
         return piece.buffer_range.of(self.grad_data[flat])
 
+    def piece_param(self, flat: FlatParams, piece: ShardPiece) -> torch.Tensor:
+        """The owned parameter values of ``piece`` (1-D), which the optimizer updates."""
+        return piece.buffer_range.of(flat.data)
+
     # ------------------------------------------------------------------ collectives
 
     def start_bucket_sync(self, bucket: GradBucket) -> C.Handle:
@@ -90,7 +94,7 @@ class OptimizerShardEngine(AllReduceEngine):
         for flat in self.flats:
             for piece in flat.layout.pieces(self.rank):
                 if piece.name in wanted:
-                    tensor = piece.buffer_range.of(flat.data)  # 1-D view of the owned parameter slice
+                    tensor = self.piece_param(flat, piece)
                     tensor.grad = self.piece_grad(flat, piece)
                     tensors[piece.name] = OptimizerTensor(
                         piece.name, tensor, (piece.param_range.start, piece.param_range.end)
@@ -143,14 +147,14 @@ class GradientShardEngine(OptimizerShardEngine):
         self.grad_shards = {
             flat: torch.zeros(flat.layout.shard_numel, dtype=flat.dtype, device=flat.device) for flat in self.flats
         }  # 1-D, this rank's slice of every bucket, in bucket order (local space)
-        self._staging: dict[int, torch.Tensor] = {}  # bucket index -> full-size gradients
+        self._staging: dict[int, torch.Tensor] = {}  # bucket position -> full-size gradients
         self._free_staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self.peak_staging_bytes = 0
         for _, param in self.trainable:
             param.grad = None
 
     def _staging_for(self, bucket: GradBucket) -> torch.Tensor:
-        index = bucket.spec.index
+        index = bucket.position
         staging = self._staging.get(index)
         if staging is None:
             free = self._free_staging.get((bucket.spec.range.size, bucket.flat.dtype))
@@ -198,7 +202,7 @@ class GradientShardEngine(OptimizerShardEngine):
         )
 
     def finish_bucket_sync(self, bucket: GradBucket) -> None:
-        staging = self._staging.pop(bucket.spec.index)
+        staging = self._staging.pop(bucket.position)
         owned = bucket.spec.shard(self.rank).shift(-bucket.spec.range.start).of(staging)
         self.reduced_grad(bucket).add_(owned)
         self._free_staging.setdefault((staging.numel(), staging.dtype), []).append(staging)

@@ -1,0 +1,346 @@
+"""Stage 3 (ZeRO-3): parameters are sharded too, and gathered per unit only while needed.
+
+[Note: units]
+A wrap policy picks submodules as *units*; the wrapped module itself is the root unit and
+holds every parameter no other unit claims. A parameter registered by several modules (a
+tied embedding and LM head) belongs to the innermost unit that encloses all of them, so it
+is gathered whenever any of its users runs -- no user change needed for tied weights.
+Each unit keeps one :class:`ShardedFlatParams` per (dtype, trainable) of its parameters:
+a persistent shard (1/N) and a full buffer whose storage exists only while gathered. The
+parameters are permanent views of the full buffer with their original shapes; freeing
+the storage (``resize_(0)``) and gathering into it again leaves every Parameter object,
+and the tensors autograd saved for backward, pointing at the right memory.
+
+[Note: one step at stage 3]
+forward:  unit pre-hook -> all-gather (or wait for the prefetched gather) -> prefetch the
+          next unit in recorded order -> run -> post-hook frees the full buffer (when
+          ``reshard_after_forward``) and hooks the outputs for backward.
+backward: a hook on the unit's outputs fires before the unit's backward -> gather again,
+          prefetch the next unit in reverse order; once every trainable gradient of the
+          unit is final (stage 0's readiness counting, one bucket per flat) its full
+          parameters are freed and the gradients reduce-scattered into the grad shard
+          exactly as at stage 2.
+step:     the optimizer updates the shards in place; nothing to gather until next forward.
+Bytes per step: 2 all-gathers + 1 reduce-scatter of every parameter = 3Ψ·b·(N-1)/N
+(2Ψ without resharding after forward).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .. import collectives as C
+from ..buffer import ShardPiece
+from .ddp import FlatParams, GradBucket, group_by_dtype
+from .zero import GradientShardEngine
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"  # only the local shard exists
+    GATHERING = "gathering"  # full storage allocated, all-gather in flight
+    UNSHARDED = "unsharded"  # full parameters valid
+
+
+class ShardedFlatParams(FlatParams):
+    """A unit's parameters of one dtype: a local shard, and a full buffer on demand."""
+
+    def __init__(self, named: Sequence[tuple[str, nn.Parameter]], world_size: int, trainable: bool) -> None:
+        super().__init__(named, world_size, bucket_cap_numel=None)  # one bucket: the whole flat
+        self.trainable = trainable
+        self.shard = self.data  # replaced by shard_storage() once ranks agree on the values
+
+    @property
+    def full_bytes(self) -> int:
+        return self.layout.numel * self.data.element_size()
+
+    def shard_storage(self, rank: int) -> None:
+        """Keep only this rank's slice; free the full buffer (after the initial broadcast)."""
+        self.shard = self.layout.buckets[0].shard(rank).of(self.data).clone()  # 1-D, shard_numel
+        self.free_full()
+
+    def free_full(self) -> None:
+        self.data.untyped_storage().resize_(0)
+
+    def start_gather(self, group: Any, stats: C.CommStats) -> C.Handle:
+        self.data.untyped_storage().resize_(self.full_bytes)
+        return C.all_gather(
+            self.data, self.shard, group=group, async_op=True, stats=stats,
+            padding_numel=self.layout.buckets[0].padding,
+        )
+
+
+class Unit:
+    """One module whose parameters are gathered and freed together."""
+
+    def __init__(self, name: str, module: nn.Module, flats: list[ShardedFlatParams]) -> None:
+        self.name = name
+        self.module = module
+        self.flats = flats
+        self.state = ShardState.SHARDED
+        self._handles: list[C.Handle] = []
+
+    def start_unshard(self, engine: "ParameterShardEngine") -> None:
+        if self.state is not ShardState.SHARDED:
+            return
+        with torch.no_grad():
+            self._handles = [flat.start_gather(engine.group, engine.comm) for flat in self.flats]
+        self.state = ShardState.GATHERING
+        engine.note_params_gathered()
+
+    def wait_unsharded(self, engine: "ParameterShardEngine") -> None:
+        self.start_unshard(engine)
+        for handle in self._handles:
+            handle.wait()
+        self._handles = []
+        self.state = ShardState.UNSHARDED
+
+    def reshard(self, flats: Sequence[ShardedFlatParams] | None = None) -> None:
+        """Free the full buffers (all of them, or just ``flats``)."""
+        if self.state is ShardState.SHARDED:
+            return
+        if self.state is ShardState.GATHERING:
+            for handle in self._handles:  # never free memory a collective still writes into
+                handle.wait()
+            self._handles = []
+        for flat in flats if flats is not None else self.flats:
+            flat.free_full()
+        if flats is None or all(f.data.untyped_storage().nbytes() == 0 for f in self.flats):
+            self.state = ShardState.SHARDED
+
+
+def _select_unit_modules(module: nn.Module, policy: Any, min_params: int) -> list[str]:
+    """Qualified names of the submodules the wrap policy makes units (root excluded)."""
+    named = [(n, m) for n, m in module.named_modules() if n]
+    if policy is None or isinstance(policy, int):
+        threshold = min_params if policy is None else policy
+        chosen: list[str] = []
+        claimed: set[nn.Parameter] = set()
+        for name, sub in reversed(named):  # children before parents (post-order by position)
+            own = [p for p in sub.parameters() if p not in claimed]
+            if sum(p.numel() for p in own) >= threshold:
+                chosen.append(name)
+                claimed.update(own)
+        if isinstance(policy, int) and not chosen:
+            raise ValueError(
+                f"wrap_policy={policy} selects no submodule (none has {policy} parameters or more); "
+                "lower the threshold or name module classes"
+            )
+        return sorted(chosen, key=[n for n, _ in named].index)
+    if isinstance(policy, (list, tuple, set)):
+        classes = tuple(policy)
+        for cls in classes:
+            if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+                raise ValueError(f"wrap_policy entries must be nn.Module classes, got {cls!r}")
+            if not any(type(m) is cls or isinstance(m, cls) for _, m in named):
+                raise ValueError(f"wrap_policy names {cls.__qualname__}, but the model has no module of that class")
+        return [n for n, m in named if isinstance(m, classes)]
+    if callable(policy):
+        chosen = [n for n, m in named if policy(n, m)]
+        if not chosen:
+            raise ValueError("wrap_policy selects no submodule; every parameter would be in the root unit")
+        return chosen
+    raise TypeError(f"wrap_policy must be None, an int, a sequence of module classes or a callable, got {policy!r}")
+
+
+def _assign_params_to_units(module: nn.Module, unit_names: list[str]) -> dict[str, list[str]]:
+    """``unit name ('' = root) -> parameter names``, each parameter in the innermost unit
+    enclosing every module that registers it (see [Note: units])."""
+    canonical = {p: n for n, p in module.named_parameters()}
+    users: dict[str, list[str]] = {}
+    for module_name, sub in module.named_modules(remove_duplicate=False):
+        for _, param in sub.named_parameters(recurse=False, remove_duplicate=False):
+            users.setdefault(canonical[param], []).append(module_name)
+
+    def unit_path(module_name: str) -> list[str]:
+        """Units enclosing a module, outermost (root) first."""
+        return [""] + [u for u in unit_names if module_name == u or module_name.startswith(u + ".")]
+
+    assignment: dict[str, list[str]] = {name: [] for name in [""] + unit_names}
+    for param_name in canonical.values():
+        paths = [unit_path(m) for m in users[param_name]]
+        common = paths[0]
+        for path in paths[1:]:
+            common = [a for a, b in zip(common, path) if a == b]
+        assignment[common[-1]].append(param_name)
+    return assignment
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, dict) and not isinstance(output, torch.Tensor):
+        output = list(output.values())
+    leaves, _ = tree_flatten(output)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class ParameterShardEngine(GradientShardEngine):
+    """Stage 3: stage 2 plus sharded parameters, gathered per unit around its compute."""
+
+    stage = 3
+
+    def build_flats(self) -> list[FlatParams]:
+        named = dict(self.named_params)
+        assignment = _assign_params_to_units(
+            self.module, _select_unit_modules(self.module, self.config.wrap_policy, self.config.min_unit_params)
+        )
+        modules = dict(self.module.named_modules())
+        self.units: list[Unit] = []
+        for unit_name, param_names in assignment.items():
+            if not param_names and unit_name:
+                continue
+            flats = [
+                ShardedFlatParams(group, self.world_size, trainable)
+                for trainable in (True, False)
+                for group in group_by_dtype([(n, named[n]) for n in param_names if named[n].requires_grad == trainable])
+            ]
+            self.units.append(Unit(unit_name, modules[unit_name], flats))
+        self.root = self.units[0]
+        # Gradients come last-unit-first; the root (embeddings, head) finishes last.
+        trainable = [f for unit in reversed(self.units[1:]) for f in unit.flats if f.trainable]
+        trainable += [f for f in self.root.flats if f.trainable]
+        self.frozen_flats = [f for unit in self.units for f in unit.flats if not f.trainable]
+        self.unit_of_flat = {flat: unit for unit in self.units for flat in unit.flats}
+        return trainable
+
+    def iter_frozen_and_buffers(self):
+        yield from (flat.data for flat in self.frozen_flats)
+        yield from self.module.buffers()
+
+    def allocate_grads(self) -> None:
+        super().allocate_grads()
+        for flat in self.flats + self.frozen_flats:
+            flat.shard_storage(self.rank)
+        self._forward_order: list[Unit] = []
+        self._order_checked = False
+        self._params_bytes_peak = 0
+        self.note_params_gathered()
+        for unit in self.units:
+            self.add_hook(unit.module.register_forward_pre_hook(self._make_pre_forward(unit), prepend=True))
+            self.add_hook(unit.module.register_forward_hook(self._make_post_forward(unit)))
+
+    # ------------------------------------------------------------------ forward
+
+    def _make_pre_forward(self, unit: Unit) -> Callable:
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            if not self._order_checked:
+                self._forward_order.append(unit)
+            unit.wait_unsharded(self)
+            self._prefetch_after(unit, self._forward_order)
+
+        return pre_forward
+
+    def _make_post_forward(self, unit: Unit) -> Callable:
+        def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
+            if torch.is_grad_enabled():
+                tensors = _output_tensors(output)
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda grads: self._pre_backward(unit), mode="any"
+                    )
+            if self.config.reshard_after_forward or not torch.is_grad_enabled():
+                unit.reshard()
+            if unit is self.root:
+                self._after_root_forward()
+            return output
+
+        return post_forward
+
+    def _after_root_forward(self) -> None:
+        if not self._order_checked:
+            self._check_order_across_ranks()
+        for unit in self.units:  # prefetched but never run (e.g. a skipped branch)
+            if unit.state is ShardState.GATHERING or (
+                unit.state is ShardState.UNSHARDED and (self.config.reshard_after_forward or not torch.is_grad_enabled())
+            ):
+                unit.reshard()
+
+    def _check_order_across_ranks(self) -> None:
+        """Gathers are collectives: every rank must run units in the same order."""
+        order = [u.name for u in self._forward_order]
+        orders = C.all_gather_objects(order, group=self.group)
+        for rank, other in enumerate(orders):
+            if other != orders[0]:
+                raise RuntimeError(
+                    f"stage 3: units ran in a different order on rank {rank} than on rank 0 "
+                    f"({other} vs {orders[0]}); every rank must call the same submodules in the same order"
+                )
+        self._order_checked = True
+
+    def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
+        if not self._order_checked or self.config.prefetch_units == 0 or unit not in order:
+            return
+        index = order.index(unit)
+        for upcoming in order[index + 1 : index + 1 + self.config.prefetch_units]:
+            upcoming.start_unshard(self)
+
+    # ------------------------------------------------------------------ backward
+
+    def _pre_backward(self, unit: Unit) -> None:
+        unit.wait_unsharded(self)
+        self._prefetch_after(unit, self._forward_order[::-1])
+
+    def on_bucket_complete(self, bucket: GradBucket) -> None:
+        """All gradients of this flat are final: its full parameters are no longer needed."""
+        self.unit_of_flat[bucket.flat].reshard([bucket.flat])
+
+    def after_backward(self) -> None:
+        for unit in self.units:
+            unit.reshard()
+
+    # ------------------------------------------------------------------ shards
+
+    def piece_param(self, flat: FlatParams, piece: ShardPiece) -> torch.Tensor:
+        return piece.local_range.of(flat.shard)
+
+    def after_optimizer_step(self) -> None:
+        """The shards were updated in place; the next forward gathers them."""
+
+    def wait_for_params(self) -> None:
+        """Nothing is pending between steps at stage 3."""
+
+    def pre_forward(self) -> None:
+        self.broadcast_buffers()
+
+    def note_params_gathered(self) -> None:
+        self._params_bytes_peak = max(self._params_bytes_peak, self._params_bytes())
+
+    def _params_bytes(self) -> int:
+        flats = self.flats + self.frozen_flats
+        shards = sum(f.shard.numel() * f.shard.element_size() for f in flats)
+        return shards + sum(f.data.untyped_storage().nbytes() for f in flats)
+
+    def memory_stats(self) -> dict[str, int]:
+        stats = super().memory_stats()
+        stats["params"] = self._params_bytes()
+        stats["peak_params"] = self._params_bytes_peak
+        return stats
+
+    # ------------------------------------------------------------------ full state
+
+    def _gathered(self):
+        engine = self
+
+        class _Gathered:
+            def __enter__(self) -> None:
+                for unit in engine.units:
+                    unit.wait_unsharded(engine)
+
+            def __exit__(self, *exc: Any) -> None:
+                for unit in engine.units:
+                    unit.reshard()
+
+        return _Gathered()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        with torch.no_grad(), self._gathered():
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad(), self._gathered():
+            self.module.load_state_dict(state, strict=True)
+            for flat in self.flats + self.frozen_flats:
+                flat.shard.copy_(flat.layout.buckets[0].shard(self.rank).of(flat.data))
