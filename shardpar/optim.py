@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .engines.base import Engine, OptimizerTensor
+from .engines.base import Engine, TensorPiece
 from .module import ShardedModule
 
 
@@ -76,7 +76,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         defaults: dict[str, Any],
     ) -> None:
         self.engine = engine
-        self.group_tensors: list[list[OptimizerTensor]] = [engine.optimizer_tensors(g["names"]) for g in groups]
+        self.group_tensors: list[list[TensorPiece]] = [engine.optimizer_tensors(g["names"]) for g in groups]
         inner_groups = [
             {**{k: v for k, v in group.items() if k != "names"}, "params": [t.tensor for t in tensors]}
             for group, tensors in zip(groups, self.group_tensors)

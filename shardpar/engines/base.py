@@ -19,11 +19,12 @@ from ..config import ShardConfig
 
 
 @dataclass(frozen=True)
-class OptimizerTensor:
-    """One tensor handed to the wrapped torch optimizer, and what part of which parameter it is.
+class TensorPiece:
+    """A local tensor holding part of one parameter, and which part.
 
-    ``param_range`` is in param space (offsets into the flattened parameter); it is the whole
-    parameter at stage 0 and this rank's piece of it at stages 1-3.
+    ``param_range`` is in param space (offsets into the flattened parameter). Used for what
+    the wrapped optimizer updates (the whole parameter at stage 0, this rank's piece at
+    stages 1-3) and for what a checkpoint writes and reads.
     """
 
     name: str
@@ -151,7 +152,7 @@ class Engine:
     def zero_grad(self) -> None:
         raise NotImplementedError
 
-    def optimizer_tensors(self, names: Sequence[str]) -> list[OptimizerTensor]:
+    def optimizer_tensors(self, names: Sequence[str]) -> list[TensorPiece]:
         """The tensors the wrapped optimizer updates for these parameters, on this rank."""
         raise NotImplementedError
 
@@ -183,6 +184,20 @@ class Engine:
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds, by kind: ``params``, ``grads``, plus engine specifics."""
         raise NotImplementedError
+
+    def save_pieces(self) -> list[TensorPiece]:
+        """What this rank writes to a checkpoint: 1-D pieces of parameters (trainable and
+        frozen) such that, over all ranks, every element of every parameter is written
+        exactly once. Buffers are not included (replicated; the checkpoint takes rank 0's)."""
+        raise NotImplementedError
+
+    def load_pieces(self) -> list[TensorPiece]:
+        """Where this rank must put parameter values on load (1-D views into live storage).
+        After filling them, call :meth:`after_load`."""
+        raise NotImplementedError
+
+    def after_load(self) -> None:
+        """Called once every load piece was filled."""
 
     def iter_frozen_and_buffers(self) -> Iterator[torch.Tensor]:
         for _, p in self.frozen:

@@ -31,7 +31,7 @@ from torch import nn
 from .. import collectives as C
 from ..buffer import Bucket, BufferLayout
 from ..config import ShardConfig
-from .base import Engine, OptimizerTensor
+from .base import Engine, TensorPiece
 
 
 class FlatParams:
@@ -270,14 +270,34 @@ class AllReduceEngine(Engine):
         for name, param in self.trainable:
             param.grad = self.grad_view(name)
 
-    def optimizer_tensors(self, names: Sequence[str]) -> list[OptimizerTensor]:
+    def optimizer_tensors(self, names: Sequence[str]) -> list[TensorPiece]:
         return [
-            OptimizerTensor(name, self.flat_of[name].params[name], (0, self.flat_of[name].params[name].numel()))
+            TensorPiece(name, self.flat_of[name].params[name], (0, self.flat_of[name].params[name].numel()))
             for name in names
         ]
 
     def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
         return list(self.grad_data.values()), False
+
+    def save_pieces(self) -> list[TensorPiece]:
+        # Parameters are replicated at stages 0-2, yet each rank writes only its bucket
+        # slices, so saving is parallel and every rank writes the same amount.
+        pieces = [
+            TensorPiece(p.name, p.buffer_range.of(flat.data), (p.param_range.start, p.param_range.end))
+            for flat in self.flats
+            for p in flat.layout.pieces(self.rank)
+        ]
+        if self.rank == 0:
+            pieces += [TensorPiece(name, param.data.reshape(-1), (0, param.numel())) for name, param in self.frozen]
+        return pieces
+
+    def load_pieces(self) -> list[TensorPiece]:
+        pieces = []
+        for name, param in self.named_params:
+            if not param.data.is_contiguous():
+                raise ValueError(f"parameter '{name}' is not contiguous; cannot load into it in place")
+            pieces.append(TensorPiece(name, param.data.view(-1), (0, param.numel())))
+        return pieces
 
     def memory_stats(self) -> dict[str, int]:
         return {

@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import collectives as C
 from ..buffer import ShardPiece
-from .base import OptimizerTensor
+from .base import TensorPiece
 from .ddp import AllReduceEngine, FlatParams, GradBucket
 
 
@@ -88,7 +88,7 @@ class OptimizerShardEngine(AllReduceEngine):
 
     # ------------------------------------------------------------------ optimizer
 
-    def optimizer_tensors(self, names: Sequence[str]) -> list[OptimizerTensor]:
+    def optimizer_tensors(self, names: Sequence[str]) -> list[TensorPiece]:
         wanted = set(names)
         tensors = {}
         for flat in self.flats:
@@ -96,7 +96,7 @@ class OptimizerShardEngine(AllReduceEngine):
                 if piece.name in wanted:
                     tensor = self.piece_param(flat, piece)
                     tensor.grad = self.piece_grad(flat, piece)
-                    tensors[piece.name] = OptimizerTensor(
+                    tensors[piece.name] = TensorPiece(
                         piece.name, tensor, (piece.param_range.start, piece.param_range.end)
                     )
         # Keep the user's order within the group; names this rank owns nothing of drop out.

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import collectives as C
 from ..buffer import ShardPiece
+from .base import TensorPiece
 from .ddp import FlatParams, GradBucket, group_by_dtype
 from .zero import GradientShardEngine
 
@@ -318,6 +319,18 @@ class ParameterShardEngine(GradientShardEngine):
         stats["params"] = self._params_bytes()
         stats["peak_params"] = self._params_bytes_peak
         return stats
+
+    # ------------------------------------------------------------------ checkpoint pieces
+
+    def save_pieces(self) -> list[TensorPiece]:
+        return [
+            TensorPiece(p.name, p.local_range.of(flat.shard), (p.param_range.start, p.param_range.end))
+            for flat in self.flats + self.frozen_flats
+            for p in flat.layout.pieces(self.rank)
+        ]
+
+    def load_pieces(self) -> list[TensorPiece]:
+        return self.save_pieces()  # a rank holds exactly its shards
 
     # ------------------------------------------------------------------ full state
 
