@@ -8,9 +8,15 @@ from .config import MixedPrecision, ShardConfig
 from .errors import CheckpointError
 from .module import ShardedModule
 from .optim import ShardedOptimizer, optimizer
+from .planner import CommEstimate, MemoryEstimate, choose_stage, estimate_communication, estimate_memory
 from .wrap import wrap
 
 __all__ = [
+    "CommEstimate",
+    "MemoryEstimate",
+    "choose_stage",
+    "estimate_communication",
+    "estimate_memory",
     "CheckpointError",
     "MixedPrecision",
     "ShardConfig",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,35 +33,53 @@ ProcessGroup = Any  # torch's ProcessGroup; kept loose so world size 1 needs no 
 
 # Ring-algorithm multiplier of S·(N-1)/N per collective kind (see the note above).
 _SEND_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
 
 @dataclass
 class OpTraffic:
+    """Traffic of one collective kind. Totals are integers and divided once when read, so
+    sums over many calls stay exact."""
+
+    factor: int
+    """Ring multiplier of S·(N-1)/N for this kind (see the note above)."""
+    world_size: int
     calls: int = 0
     payload_bytes: int = 0
     """Bytes of real data the op ran over (S without padding), summed over calls."""
     padding_bytes: int = 0
-    sent_bytes: float = 0.0
-    """Bytes this rank sent for the payload, by the ring model."""
-    padding_sent_bytes: float = 0.0
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes this rank sent for the payload, by the ring model."""
+        return self.payload_bytes * self.factor * (self.world_size - 1) / self.world_size
+
+    @property
+    def padding_sent_bytes(self) -> float:
+        return self.padding_bytes * self.factor * (self.world_size - 1) / self.world_size
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "calls": self.calls,
+            "payload_bytes": self.payload_bytes,
+            "padding_bytes": self.padding_bytes,
+            "sent_bytes": self.sent_bytes,
+            "padding_sent_bytes": self.padding_sent_bytes,
+        }
 
 
 class CommStats:
     """Per-op traffic counters; one instance per engine so each reports its own traffic."""
 
     def __init__(self) -> None:
-        self.ops: dict[str, OpTraffic] = defaultdict(OpTraffic)
+        self.ops: dict[str, OpTraffic] = {}
 
     def record(self, op: str, numel: int, padding_numel: int, element_size: int, world_size: int) -> None:
-        traffic = self.ops[op]
-        fraction = _SEND_FACTOR[op] * (world_size - 1) / world_size
-        payload = (numel - padding_numel) * element_size
-        padding = padding_numel * element_size
+        traffic = self.ops.setdefault(op, OpTraffic(factor=_SEND_FACTOR[op], world_size=world_size))
+        assert traffic.world_size == world_size, "one CommStats counts one process group"
         traffic.calls += 1
-        traffic.payload_bytes += payload
-        traffic.padding_bytes += padding
-        traffic.sent_bytes += payload * fraction
-        traffic.padding_sent_bytes += padding * fraction
+        traffic.payload_bytes += (numel - padding_numel) * element_size
+        traffic.padding_bytes += padding_numel * element_size
 
     def reset(self) -> None:
         self.ops.clear()
@@ -70,7 +87,7 @@ class CommStats:
     def snapshot(self) -> dict[str, dict[str, float]]:
         """``{op: {calls, payload_bytes, padding_bytes, sent_bytes, padding_sent_bytes}}`` plus
         a ``"total"`` entry summing ``sent_bytes`` and ``padding_sent_bytes`` over ops."""
-        out = {op: dict(vars(t)) for op, t in sorted(self.ops.items())}
+        out = {op: t.as_dict() for op, t in sorted(self.ops.items())}
         out["total"] = {
             "sent_bytes": sum(t.sent_bytes for t in self.ops.values()),
             "padding_sent_bytes": sum(t.padding_sent_bytes for t in self.ops.values()),
@@ -168,12 +185,14 @@ def all_reduce(
     padding_numel: int = 0,
     op: str = "sum",
 ) -> Handle:
-    """Sum (or max) ``tensor`` across ranks, in place."""
+    """Sum (or max, min) ``tensor`` across ranks, in place."""
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce: op must be one of {', '.join(_REDUCE_OPS)}, got {op!r}")
     world_size = get_world_size(group)
     _record(stats, "all_reduce", tensor, padding_numel, world_size)
     if world_size == 1:
         return Handle()
-    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[op])
     work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
     return Handle(work)
 
@@ -264,3 +283,16 @@ def all_gather_objects(obj: Any, *, group: ProcessGroup | None = None) -> list[A
 def barrier(group: ProcessGroup | None = None) -> None:
     if get_world_size(group) > 1:
         dist.barrier(group=group)
+
+
+def send(tensor: torch.Tensor, dst: int, *, group: ProcessGroup | None = None) -> None:
+    """Send ``tensor`` to rank ``dst`` (a group rank), blocking; the peer calls :func:`recv`.
+
+    Point-to-point, for moving one tensor to one rank (e.g. a full export gathering piece by
+    piece on rank 0) where a collective would move it to every rank."""
+    dist.send(tensor, group_dst=dst, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, *, group: ProcessGroup | None = None) -> None:
+    """Receive into ``tensor`` what rank ``src`` (a group rank) sends with :func:`send`."""
+    dist.recv(tensor, group_src=src, group=group)

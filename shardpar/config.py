@@ -74,8 +74,9 @@ class MixedPrecision:
                 )
             if dtype is torch.float32:
                 return None
-            # Shorthand: compute in half precision, reduce gradients in fp32 for accuracy.
-            return cls(param_dtype=dtype, reduce_dtype=torch.float32)
+            # Shorthand: compute (parameters and floating buffers) in half precision, reduce
+            # gradients in fp32 for accuracy.
+            return cls(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
         raise TypeError(
             f"mixed_precision must be None, 'bf16', 'fp16' or shardpar.MixedPrecision, "
             f"got {type(option).__name__}"
@@ -131,13 +132,12 @@ class ShardConfig:
 
     def fingerprint(self) -> str:
         """A string every rank must agree on (compared at wrap time)."""
-        policy = self.wrap_policy
-        if isinstance(policy, (list, tuple)):
-            policy = [getattr(c, "__qualname__", repr(c)) for c in policy]
-        elif callable(policy):
-            policy = getattr(policy, "__qualname__", "callable")
-        return (
-            f"stage={self.stage} bucket_cap_mb={self.bucket_cap_mb} "
-            f"mixed_precision={self.mixed_precision} wrap_policy={policy} "
-            f"min_unit_params={self.min_unit_params} reshard_after_forward={self.reshard_after_forward}"
-        )
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (list, tuple)):
+                value = [getattr(c, "__qualname__", repr(c)) for c in value]
+            elif callable(value) and not isinstance(value, type):
+                value = getattr(value, "__qualname__", "callable")
+            parts.append(f"{f.name}={value}")
+        return " ".join(parts)

@@ -33,6 +33,7 @@ class ShardedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.engine.pre_forward()
+        args, kwargs = self.engine.cast_inputs(args, kwargs)
         return self.module(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

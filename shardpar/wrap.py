@@ -12,6 +12,7 @@ from .config import ShardConfig
 from .engines import ENGINES
 from .engines.base import first_difference, model_signature, module_device
 from .module import ShardedModule
+from .planner import choose_stage
 
 
 def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[ShardConfig, torch.device]:
@@ -19,6 +20,18 @@ def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[Sha
         raise ValueError("shardpar.wrap: this model is already wrapped (a ShardedModule); wrap the plain model once")
     if not isinstance(module, nn.Module):
         raise TypeError(f"shardpar.wrap needs a torch.nn.Module, got {type(module).__name__}")
+    budget = options.pop("memory_budget", None)
+    if stage == "auto" or budget is not None:
+        if stage != "auto":
+            raise ValueError(f"memory_budget is used with stage='auto' only, got stage={stage!r}")
+        if budget is None:
+            raise ValueError("stage='auto' needs memory_budget= (bytes per rank, or a string such as '24GB')")
+        # The optimizer is not known yet: the planner assumes AdamW (8 bytes of state per element).
+        planner_options = {
+            k: options[k] for k in ("mixed_precision", "bucket_cap_mb", "wrap_policy", "min_unit_params") if k in options
+        }
+        world_size = C.get_world_size() if C.is_initialized() else C.launched_world_size()
+        stage = choose_stage(module, world_size, budget, **planner_options)
     unknown = sorted(set(options) - set(ShardConfig.option_names()))
     if unknown:
         raise TypeError(
@@ -59,6 +72,8 @@ def wrap(module: nn.Module, stage: int = 0, *, process_group: Any = None, **opti
     Works without torchrun (world size 1); under torchrun it creates the default process
     group if the script has not. Every rank ends with rank 0's weights. Options are the
     fields of :class:`shardpar.ShardConfig` (``bucket_cap_mb``, ``mixed_precision``, ...).
+    ``stage="auto"`` with ``memory_budget=`` (bytes per rank or e.g. ``"24GB"``) lets the
+    planner pick the lowest stage whose estimate fits.
     """
     problem: Exception | None = None
     config: ShardConfig | None = None

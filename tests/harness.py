@@ -78,7 +78,10 @@ __all__ = [
 START_METHOD = "forkserver"
 """multiprocessing start method for the ranks; see [Note: start method]."""
 
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
+# torch._dynamo too: building any torch optimizer imports it (torch.optim wraps
+# Optimizer.__init__ in torch._disable_dynamo), several seconds of CPU each; preloading it in
+# the fork server pays that once instead of once per rank of every pool.
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 GLOO_TIMEOUT_S = 60.0
 """Process-group timeout: a collective stuck on a missing peer errors after this long."""

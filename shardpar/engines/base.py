@@ -13,6 +13,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .. import collectives as C
 from ..config import ShardConfig
@@ -107,9 +108,15 @@ class Engine:
         self.trainable = [(n, p) for n, p in self.named_params if p.requires_grad]
         self.frozen = [(n, p) for n, p in self.named_params if not p.requires_grad]
         self.aliases = tied_names(module)
+        self.original_dtypes = {name: p.dtype for name, p in self.named_params}
+        """Parameter dtypes as created: what checkpoints and full state dicts hold."""
+        # The wrapped module's own zero_grad must clear the engine's gradients too.
+        module.zero_grad = lambda set_to_none=True: self.zero_grad()
         self._hook_handles: list[Any] = []
         self.optimizer: Any = None
         """The ShardedOptimizer built over this engine, once there is one."""
+        mp = config.mixed_precision
+        self.param_dtype = mp.param_dtype if mp is not None else None
         self.last_backward_wait_s = 0.0
         """Seconds the end of the last backward waited for gradient collectives (exposed
         communication; the rest overlapped backward)."""
@@ -121,6 +128,27 @@ class Engine:
         with torch.no_grad():
             for tensor in tensors:
                 C.broadcast(tensor, 0, group=self.group)
+
+    def cast_buffers(self) -> None:
+        """``MixedPrecision.buffer_dtype``: floating buffers are kept in that dtype."""
+        mp = self.config.mixed_precision
+        if mp is None or mp.buffer_dtype is None:
+            return
+        for buffer in self.module.buffers():
+            if buffer.is_floating_point():
+                buffer.data = buffer.data.to(mp.buffer_dtype)
+
+    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Floating-point inputs are cast to ``param_dtype`` so layers see one dtype."""
+        if self.param_dtype is None:
+            return args, kwargs
+
+        def cast(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return value.to(self.param_dtype)
+            return value
+
+        return tree_map(cast, args), tree_map(cast, kwargs)
 
     def broadcast_buffers(self) -> None:
         """DDP semantics: before each forward, every rank takes rank 0's buffers."""
@@ -142,6 +170,7 @@ class Engine:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+        self.module.__dict__.pop("zero_grad", None)
 
     # ------------------------------------------------------------------ interface
 
@@ -171,15 +200,72 @@ class Engine:
         """Block until parameters are complete and current (e.g. pending all-gathers)."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every tensor of ``module.state_dict()``, full and detached, on every rank."""
+        """Every tensor of ``module.state_dict()``, full, detached and in full precision (the
+        master values), on every rank. Tied aliases map to the same tensor."""
         self.wait_for_params()
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        params = self.gather_full_params()
+        out = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            canonical = self.aliases.get(key, key)
+            out[key] = params[canonical] if canonical in params else value.detach().clone()
+        return out
+
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """``name -> full tensor`` of every parameter, assembled on every rank from all
+        ranks' :meth:`save_pieces` (each element is written by exactly one rank, so one
+        all-reduce per dtype of the zero-filled rest reproduces the values exactly)."""
+        by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+        for name, param in self.named_params:
+            by_dtype.setdefault(self.original_dtypes[name], []).append((name, param))
+        pieces = {}
+        for piece in self.save_pieces():
+            pieces.setdefault(piece.name, []).append(piece)
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for dtype, named in by_dtype.items():
+                flat = torch.zeros(sum(p.numel() for _, p in named), dtype=dtype, device=self.device)
+                offset = 0
+                for name, param in named:
+                    full = flat[offset : offset + param.numel()]
+                    for piece in pieces.get(name, []):
+                        full[piece.param_range[0] : piece.param_range[1]].copy_(piece.tensor)
+                    out[name] = full.view(param.shape)
+                    offset += param.numel()
+                C.all_reduce(flat, group=self.group)
+        return out
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Inverse of :meth:`full_state_dict` (every rank passes the same full tensors)."""
+        """Inverse of :meth:`full_state_dict` (every rank passes the same full tensors).
+
+        Values go through :meth:`load_pieces`, so master copies and stage-3 shards get the
+        full-precision values, not a low-precision compute copy.
+        """
         self.wait_for_params()
+        expected = {name: tuple(t.shape) for name, t in self.module.state_dict(keep_vars=True).items()}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        wrong_shape = [
+            f"{name}: {tuple(state[name].shape)} vs model {shape}"
+            for name, shape in expected.items()
+            if name in state and tuple(state[name].shape) != shape
+        ]
+        if missing or unexpected or wrong_shape:
+            raise ValueError(
+                "state dict does not match the model: "
+                + "; ".join(
+                    f"{label}: {', '.join(items)}"
+                    for label, items in (("missing", missing), ("unexpected", unexpected), ("shape", wrong_shape))
+                    if items
+                )
+            )
         with torch.no_grad():
-            self.module.load_state_dict(state, strict=True)
+            for piece in self.load_pieces():
+                start, end = piece.param_range
+                piece.tensor.copy_(state[piece.name].reshape(-1)[start:end])
+            for name, buffer in self.module.named_buffers():
+                if name in state:
+                    buffer.copy_(state[name])
+            self.after_load()
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds, by kind: ``params``, ``grads``, plus engine specifics."""
@@ -198,6 +284,9 @@ class Engine:
 
     def after_load(self) -> None:
         """Called once every load piece was filled."""
+
+    def frozen_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for _, p in self.frozen)
 
     def iter_frozen_and_buffers(self) -> Iterator[torch.Tensor]:
         for _, p in self.frozen:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .. import collectives as C
-from ..buffer import Bucket, BufferLayout
+from ..buffer import Bucket, BufferLayout, ShardPiece
 from ..config import ShardConfig
 from .base import Engine, TensorPiece
 
@@ -39,23 +39,41 @@ class FlatParams:
 
     After construction every parameter's ``.data`` is a view into ``self.data``; the
     Parameter objects themselves are unchanged (optimizers and user code keep them).
+    With a low-precision ``param_dtype``, ``self.data`` holds the compute copy and
+    ``self.master`` the parameters' original (full-precision) values, which are what the
+    optimizer updates; stages 1-3 keep only their shard of the master.
     """
 
     def __init__(
-        self, named: Sequence[tuple[str, nn.Parameter]], world_size: int, bucket_cap_numel: int | None
+        self,
+        named: Sequence[tuple[str, nn.Parameter]],
+        world_size: int,
+        bucket_cap_numel: int | None,
+        param_dtype: torch.dtype | None = None,
     ) -> None:
         first = named[0][1]
-        self.dtype = first.dtype
+        self.master_dtype = first.dtype
+        self.dtype = param_dtype if param_dtype is not None and first.dtype.is_floating_point else first.dtype
         self.device = first.device
         self.params = dict(named)
         # Reverse registration order: see [Note: layout order] in buffer.py.
         self.layout = BufferLayout([(n, p.shape) for n, p in reversed(named)], world_size, bucket_cap_numel)
         self.data = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)  # 1-D, padded
+        self.master: torch.Tensor | None = None
+        if self.dtype != self.master_dtype:
+            self.master = torch.zeros(self.layout.numel, dtype=self.master_dtype, device=self.device)
         with torch.no_grad():
             for name, param in named:
+                if self.master is not None:
+                    self.layout.view(self.master, name).copy_(param.data)
                 view = self.layout.view(self.data, name)
                 view.copy_(param.data)
                 param.data = view
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The full-precision parameter values (the master copy when there is one)."""
+        return self.master if self.master is not None else self.data
 
     def param_view(self, name: str) -> torch.Tensor:
         return self.layout.view(self.data, name)
@@ -78,6 +96,8 @@ class GradBucket:
         self.missing: set[str] = set(spec.names)
         self.phase = BucketPhase.COLLECTING
         self.handle: C.Handle | None = None
+        self.reduced = False
+        """Holds reduced gradients not consumed by ``zero_grad`` yet (stages 1-3)."""
 
     def mark_ready(self, name: str) -> None:
         assert self.phase is BucketPhase.COLLECTING, (
@@ -121,7 +141,13 @@ class AllReduceEngine(Engine):
         specs = [(flat, spec) for flat in self.flats for spec in flat.layout.buckets]
         self.buckets = [GradBucket(position, flat, spec) for position, (flat, spec) in enumerate(specs)]
         self.bucket_of = {name: bucket for bucket in self.buckets for name in bucket.spec.names}
-        self.broadcast_module_tensors([flat.data for flat in self.flats] + list(self.iter_frozen_and_buffers()))
+        self.cast_buffers()
+        self.frozen_masters = self.cast_frozen_params()
+        self.broadcast_module_tensors(
+            [flat.data for flat in self.flats]
+            + [flat.master for flat in self.flats if flat.master is not None]
+            + list(self.iter_frozen_and_buffers())
+        )
         self.allocate_grads()
         self._next_launch = 0
         self._in_flight: collections.deque[GradBucket] = collections.deque()
@@ -138,19 +164,51 @@ class AllReduceEngine(Engine):
         """Stages 0-2: one flat buffer per dtype of all trainable parameters, bucketed."""
         bytes_cap = int(self.config.bucket_cap_mb * 1024 * 1024)
         return [
-            FlatParams(named, self.world_size, max(1, bytes_cap // named[0][1].element_size()))
+            FlatParams(named, self.world_size, max(1, bytes_cap // named[0][1].element_size()), self.param_dtype)
             for named in group_by_dtype(self.trainable)
         ]
 
+    def cast_frozen_params(self) -> dict[str, torch.Tensor]:
+        """Mixed precision: frozen parameters compute in ``param_dtype`` too; their original
+        values are kept (``name -> tensor``) so checkpoints stay exact."""
+        masters = {}
+        if self.param_dtype is not None:
+            for name, param in self.frozen:
+                if param.is_floating_point() and param.dtype != self.param_dtype:
+                    masters[name] = param.data
+                    param.data = param.data.to(self.param_dtype)
+        return masters
+
+    def iter_frozen_and_buffers(self):
+        yield from self.frozen_masters.values()
+        yield from super().iter_frozen_and_buffers()
+
+    def grad_dtype(self, flat: FlatParams) -> torch.dtype:
+        """dtype gradients are accumulated and communicated in (``reduce_dtype``)."""
+        mp = self.config.mixed_precision
+        if mp is None or not flat.master_dtype.is_floating_point:
+            return flat.dtype
+        return mp.reduce_dtype if mp.reduce_dtype is not None else flat.master_dtype
+
     def allocate_grads(self) -> None:
-        """Stage 0/1: one full gradient buffer per dtype; ``param.grad`` are views into it."""
-        self.grad_data = {flat: torch.zeros_like(flat.data) for flat in self.flats}
+        """Stage 0/1: one full gradient buffer per flat, in the reduce dtype. When that is the
+        parameters' dtype, ``param.grad`` are views into it (autograd accumulates in place);
+        otherwise each finished gradient is added into it and ``param.grad`` is released."""
+        self.grad_data = {
+            flat: torch.zeros(flat.layout.numel, dtype=self.grad_dtype(flat), device=flat.device) for flat in self.flats
+        }
         # Cached so that `param.grad is view` tells whether autograd still writes into the buffer.
         self._grad_views = {
             name: flat.layout.view(self.grad_data[flat], name) for flat in self.flats for name in flat.params
         }
         for name, param in self.trainable:
-            param.grad = self._grad_views[name]
+            if self._grad_views[name].dtype == param.dtype:
+                param.grad = self._grad_views[name]
+        # What the optimizer reads: the reduced gradients in the master dtype (stage 0: full).
+        self.master_grads = {
+            flat: grad if grad.dtype == flat.master_dtype else torch.zeros_like(grad, dtype=flat.master_dtype)
+            for flat, grad in self.grad_data.items()
+        }
 
     def grad_view(self, name: str) -> torch.Tensor:
         return self._grad_views[name]
@@ -158,11 +216,17 @@ class AllReduceEngine(Engine):
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
         """Move a just-finished gradient to where its bucket reduces it."""
         view = self.grad_view(name)
-        if param.grad is not view:
+        if param.grad is view:
+            return
+        if view.dtype == param.dtype:
             # The gradient was set to None (e.g. module.zero_grad()), so autograd allocated a
             # fresh tensor: take its value and point .grad back at the buffer.
             view.copy_(param.grad)
             param.grad = view
+        else:
+            # Low-precision gradient into the reduce-dtype buffer, which accumulates.
+            view.add_(param.grad)
+            param.grad = None
 
     def fill_missing(self, bucket: GradBucket) -> None:
         """Give parameters that got no gradient this backward a zero one (or keep what they
@@ -170,11 +234,14 @@ class AllReduceEngine(Engine):
         for name in bucket.missing:
             param = bucket.flat.params[name]
             view = self.grad_view(name)
-            if param.grad is None:
+            if view.dtype != param.dtype:
+                if param.grad is not None:
+                    self.accept_grad(bucket, name, param)
+            elif param.grad is None:
                 view.zero_()
+                param.grad = view
             elif param.grad is not view:
-                view.copy_(param.grad)
-            param.grad = view
+                self.accept_grad(bucket, name, param)
 
     def start_bucket_sync(self, bucket: GradBucket) -> C.Handle:
         data = bucket.spec.range.of(self.grad_data[bucket.flat])
@@ -185,6 +252,9 @@ class AllReduceEngine(Engine):
 
     def finish_bucket_sync(self, bucket: GradBucket) -> None:
         """After the collective of ``bucket`` completed."""
+        master_grad = self.master_grads[bucket.flat]
+        if master_grad is not self.grad_data[bucket.flat]:
+            bucket.spec.range.of(master_grad).copy_(bucket.spec.range.of(self.grad_data[bucket.flat]))
 
     # ------------------------------------------------------------------ backward
 
@@ -265,43 +335,85 @@ class AllReduceEngine(Engine):
         self.broadcast_buffers()
 
     def zero_grad(self) -> None:
-        for grad in self.grad_data.values():
+        for flat, grad in self.grad_data.items():
             grad.zero_()
+            self.master_grads[flat].zero_()
         for name, param in self.trainable:
-            param.grad = self.grad_view(name)
+            view = self.grad_view(name)
+            param.grad = view if view.dtype == param.dtype else None
 
     def optimizer_tensors(self, names: Sequence[str]) -> list[TensorPiece]:
-        return [
-            TensorPiece(name, self.flat_of[name].params[name], (0, self.flat_of[name].params[name].numel()))
-            for name in names
-        ]
+        pieces = []
+        for name in names:
+            flat = self.flat_of[name]
+            param = flat.params[name]
+            if flat.master is None:
+                tensor = param  # no master copy: the optimizer updates the parameter itself
+            else:
+                tensor = flat.layout.view(flat.master, name)
+                tensor.grad = flat.layout.view(self.master_grads[flat], name)
+            pieces.append(TensorPiece(name, tensor, (0, param.numel())))
+        return pieces
 
     def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
-        return list(self.grad_data.values()), False
+        return list(self.master_grads.values()), False
+
+    def after_optimizer_step(self) -> None:
+        """Refresh the low-precision compute copy from the updated master."""
+        with torch.no_grad():
+            for flat in self.flats:
+                if flat.master is not None:
+                    flat.data.copy_(flat.master)
+
+    def master_piece(self, flat: FlatParams, piece: ShardPiece) -> torch.Tensor:
+        """This rank's full-precision values of ``piece`` (1-D view)."""
+        return piece.buffer_range.of(flat.values)
 
     def save_pieces(self) -> list[TensorPiece]:
         # Parameters are replicated at stages 0-2, yet each rank writes only its bucket
         # slices, so saving is parallel and every rank writes the same amount.
         pieces = [
-            TensorPiece(p.name, p.buffer_range.of(flat.data), (p.param_range.start, p.param_range.end))
+            TensorPiece(p.name, self.master_piece(flat, p), (p.param_range.start, p.param_range.end))
             for flat in self.flats
             for p in flat.layout.pieces(self.rank)
         ]
         if self.rank == 0:
-            pieces += [TensorPiece(name, param.data.reshape(-1), (0, param.numel())) for name, param in self.frozen]
+            pieces += [TensorPiece(name, tensor.reshape(-1), (0, tensor.numel())) for name, tensor in self.frozen_values()]
         return pieces
+
+    def frozen_values(self) -> list[tuple[str, torch.Tensor]]:
+        """Frozen parameters at full precision (their originals under mixed precision)."""
+        return [(name, self.frozen_masters.get(name, param.data)) for name, param in self.frozen]
 
     def load_pieces(self) -> list[TensorPiece]:
+        pieces = [
+            TensorPiece(name, flat.layout.view(flat.values, name).view(-1), (0, flat.params[name].numel()))
+            for flat in self.flats
+            for name in flat.params
+        ]
+        return pieces + self.frozen_load_pieces()
+
+    def frozen_load_pieces(self) -> list[TensorPiece]:
         pieces = []
-        for name, param in self.named_params:
-            if not param.data.is_contiguous():
-                raise ValueError(f"parameter '{name}' is not contiguous; cannot load into it in place")
-            pieces.append(TensorPiece(name, param.data.view(-1), (0, param.numel())))
+        for name, tensor in self.frozen_values():
+            if not tensor.is_contiguous():
+                raise ValueError(f"frozen parameter '{name}' is not contiguous; cannot load into it in place")
+            pieces.append(TensorPiece(name, tensor.view(-1), (0, tensor.numel())))
         return pieces
 
+    def after_load(self) -> None:
+        with torch.no_grad():
+            for name, param in self.frozen:
+                if name in self.frozen_masters:
+                    param.data.copy_(self.frozen_masters[name])
+        self.after_optimizer_step()
+
     def memory_stats(self) -> dict[str, int]:
+        masters = [f.master for f in self.flats if f.master is not None]
+        extra_grads = [g for f, g in self.master_grads.items() if g is not self.grad_data[f]]
         return {
-            "params": sum(f.data.numel() * f.data.element_size() for f in self.flats),
-            "grads": sum(g.numel() * g.element_size() for g in self.grad_data.values()),
+            "params": sum(t.numel() * t.element_size() for t in [f.data for f in self.flats] + masters)
+            + self.frozen_bytes(),
+            "grads": sum(g.numel() * g.element_size() for g in list(self.grad_data.values()) + extra_grads),
             "workspace": 0,
         }

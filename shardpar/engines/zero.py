@@ -5,11 +5,14 @@ gradients live and which collective moves them.
 [Note: stage 1 accumulation across reductions]
 Stage 1 reduce-scatters each bucket *in place*, so after backward the owned slice of the
 full gradient buffer holds the averaged gradient while the rest of the buffer holds stale
-local gradients -- no extra memory (DESIGN.md's ``8Ψ + 8Ψ/N``). A second backward without
-``zero_grad`` (accumulation across reductions, or ``no_sync`` after a reduced backward)
-would mix the two, so the next forward first moves the reduced owned slices to a carry
-shard and zeroes the buffer; the reduction after that adds the carry back. The carry
-(``4Ψ/N``) exists only in that case and is freed by ``zero_grad``.
+local gradients -- no extra memory (DESIGN.md's ``8Ψ + 8Ψ/N``). ``param.grad`` of the
+bucket's parameters is then released (it would show that mix; the optimizer reads the
+owned slices). A later backward without ``zero_grad`` (accumulation across reductions, or
+``no_sync`` after a reduced backward) therefore finds ``param.grad`` None; the first new
+gradient of such a bucket moves the bucket's reduced slice to a carry shard and zeroes the
+bucket before anything is added, and the next reduction adds the carry back. The carry
+(``4Ψ/N``) exists only in that case and is freed by ``zero_grad``. Nothing happens at
+forward, so a forward between backward and step (evaluation, logging) changes nothing.
 """
 
 from __future__ import annotations
@@ -33,8 +36,23 @@ class OptimizerShardEngine(AllReduceEngine):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._gather_handles: list[C.Handle] = []
-        self._holds_reduced = False
         self._carry: dict[FlatParams, torch.Tensor] | None = None
+        # Mixed precision: keep only this rank's shard of the master (1-D, local space).
+        self.master_shards: dict[FlatParams, torch.Tensor] = {}
+        for flat in self.flats:
+            if flat.master is not None:
+                self.master_shards[flat] = torch.cat([b.shard(self.rank).of(flat.master) for b in flat.layout.buckets])
+                flat.master = None
+
+    def allocate_grads(self) -> None:
+        super().allocate_grads()
+        # Reduced gradients in the master dtype exist only where the reduce dtype differs.
+        self.master_grads = {}
+        self.master_grad_shards = {
+            flat: torch.zeros(flat.layout.shard_numel, dtype=flat.master_dtype, device=flat.device)
+            for flat, grad in self.grad_data.items()
+            if grad.dtype != flat.master_dtype
+        }
 
     # ------------------------------------------------------------------ where reduced grads live
 
@@ -43,10 +61,14 @@ class OptimizerShardEngine(AllReduceEngine):
         return bucket.spec.shard(self.rank).of(self.grad_data[bucket.flat])
 
     def piece_grad(self, flat: FlatParams, piece: ShardPiece) -> torch.Tensor:
+        if flat in self.master_grad_shards:
+            return piece.local_range.of(self.master_grad_shards[flat])
         return piece.buffer_range.of(self.grad_data[flat])
 
-    def piece_param(self, flat: FlatParams, piece: ShardPiece) -> torch.Tensor:
-        """The owned parameter values of ``piece`` (1-D), which the optimizer updates."""
+    def master_piece(self, flat: FlatParams, piece: ShardPiece) -> torch.Tensor:
+        """The owned full-precision values of ``piece`` (1-D), which the optimizer updates."""
+        if flat in self.master_shards:
+            return piece.local_range.of(self.master_shards[flat])
         return piece.buffer_range.of(flat.data)
 
     # ------------------------------------------------------------------ collectives
@@ -60,31 +82,51 @@ class OptimizerShardEngine(AllReduceEngine):
         )
 
     def finish_bucket_sync(self, bucket: GradBucket) -> None:
+        flat = bucket.flat
         if self._carry is not None:
-            self.reduced_grad(bucket).add_(bucket.flat.layout.shard_of(bucket.spec, self._carry[bucket.flat]))
-        self._holds_reduced = True
+            carried = flat.layout.shard_of(bucket.spec, self._carry[flat])
+            self.reduced_grad(bucket).add_(carried)
+            carried.zero_()
+        if flat in self.master_grad_shards:
+            flat.layout.shard_of(bucket.spec, self.master_grad_shards[flat]).copy_(self.reduced_grad(bucket))
+        bucket.reduced = True
+        for name in bucket.spec.names:  # see [Note: stage 1 accumulation across reductions]
+            flat.params[name].grad = None
+
+    def _carry_reduced(self, bucket: GradBucket) -> None:
+        """See [Note: stage 1 accumulation across reductions]."""
+        if self._carry is None:
+            self._carry = {
+                flat: torch.zeros(flat.layout.shard_numel, dtype=grad.dtype, device=flat.device)
+                for flat, grad in self.grad_data.items()
+            }
+        bucket.flat.layout.shard_of(bucket.spec, self._carry[bucket.flat]).add_(self.reduced_grad(bucket))
+        bucket.spec.range.of(self.grad_data[bucket.flat]).zero_()
+        bucket.reduced = False
+
+    def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        if bucket.reduced:
+            self._carry_reduced(bucket)
+        super().accept_grad(bucket, name, param)
+
+    def fill_missing(self, bucket: GradBucket) -> None:
+        if bucket.reduced:
+            self._carry_reduced(bucket)
+        super().fill_missing(bucket)
 
     def pre_forward(self) -> None:
         self.wait_for_params()
         self.broadcast_buffers()
-        if self._holds_reduced and torch.is_grad_enabled():
-            self._move_reduced_to_carry()
-
-    def _move_reduced_to_carry(self) -> None:
-        """See [Note: stage 1 accumulation across reductions]."""
-        with torch.no_grad():
-            if self._carry is None:
-                self._carry = {flat: torch.zeros(flat.layout.shard_numel, dtype=flat.dtype, device=flat.device) for flat in self.flats}
-            for bucket in self.buckets:
-                bucket.flat.layout.shard_of(bucket.spec, self._carry[bucket.flat]).add_(self.reduced_grad(bucket))
-            for grad in self.grad_data.values():
-                grad.zero_()
-        self._holds_reduced = False
 
     def zero_grad(self) -> None:
-        super().zero_grad()
+        for grad in list(self.grad_data.values()) + list(self.master_grad_shards.values()):
+            grad.zero_()
+        for name, param in self.trainable:
+            view = self.grad_view(name)
+            param.grad = view if view.dtype == param.dtype else None
+        for bucket in self.buckets:
+            bucket.reduced = False
         self._carry = None
-        self._holds_reduced = False
 
     # ------------------------------------------------------------------ optimizer
 
@@ -94,7 +136,7 @@ class OptimizerShardEngine(AllReduceEngine):
         for flat in self.flats:
             for piece in flat.layout.pieces(self.rank):
                 if piece.name in wanted:
-                    tensor = self.piece_param(flat, piece)
+                    tensor = self.master_piece(flat, piece)
                     tensor.grad = self.piece_grad(flat, piece)
                     tensors[piece.name] = TensorPiece(
                         piece.name, tensor, (piece.param_range.start, piece.param_range.end)
@@ -103,6 +145,8 @@ class OptimizerShardEngine(AllReduceEngine):
         return [tensors[name] for name in names if name in tensors]
 
     def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
+        if self.master_grad_shards:
+            return list(self.master_grad_shards.values()), True
         return [self.reduced_grad(bucket) for bucket in self.buckets], True
 
     def after_optimizer_step(self) -> None:
@@ -115,6 +159,8 @@ class OptimizerShardEngine(AllReduceEngine):
             for bucket in self.buckets:
                 full = bucket.spec.range.of(bucket.flat.data)
                 owned = bucket.spec.shard(self.rank).of(bucket.flat.data)
+                if bucket.flat in self.master_shards:  # gathered in the (narrower) compute dtype
+                    owned.copy_(bucket.flat.layout.shard_of(bucket.spec, self.master_shards[bucket.flat]))
                 self._gather_handles.append(
                     C.all_gather(full, owned, group=self.group, async_op=True, stats=self.comm,
                                  padding_numel=bucket.spec.padding)
@@ -126,11 +172,27 @@ class OptimizerShardEngine(AllReduceEngine):
             handle.wait()
         self._gather_handles.clear()
 
+    def load_pieces(self) -> list[TensorPiece]:
+        """Own master pieces (then all-gathered by :meth:`after_load`) and full frozen params."""
+        pieces = [
+            TensorPiece(p.name, self.master_piece(flat, p), (p.param_range.start, p.param_range.end))
+            for flat in self.flats
+            for p in flat.layout.pieces(self.rank)
+        ]
+        return pieces + self.frozen_load_pieces()
+
+    def _bytes(self, tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def memory_stats(self) -> dict[str, int]:
-        stats = super().memory_stats()
+        grads = list(self.grad_data.values()) + list(self.master_grad_shards.values())
         if self._carry is not None:
-            stats["grads"] += sum(c.numel() * c.element_size() for c in self._carry.values())
-        return stats
+            grads += list(self._carry.values())
+        return {
+            "params": self._bytes([f.data for f in self.flats] + list(self.master_shards.values())) + self.frozen_bytes(),
+            "grads": self._bytes(grads),
+            "workspace": 0,
+        }
 
 
 class GradientShardEngine(OptimizerShardEngine):
@@ -145,8 +207,12 @@ class GradientShardEngine(OptimizerShardEngine):
 
     def allocate_grads(self) -> None:
         self.grad_shards = {
-            flat: torch.zeros(flat.layout.shard_numel, dtype=flat.dtype, device=flat.device) for flat in self.flats
-        }  # 1-D, this rank's slice of every bucket, in bucket order (local space)
+            flat: torch.zeros(flat.layout.shard_numel, dtype=flat.master_dtype, device=flat.device)
+            for flat in self.flats
+        }  # 1-D, this rank's slice of every bucket, in bucket order (local space), master dtype
+        self.grad_data = {}
+        self.master_grads = {}
+        self.master_grad_shards = {}
         self._staging: dict[int, torch.Tensor] = {}  # bucket position -> full-size gradients
         self._free_staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self.peak_staging_bytes = 0
@@ -157,9 +223,10 @@ class GradientShardEngine(OptimizerShardEngine):
         index = bucket.position
         staging = self._staging.get(index)
         if staging is None:
-            free = self._free_staging.get((bucket.spec.range.size, bucket.flat.dtype))
+            dtype = self.grad_dtype(bucket.flat)
+            free = self._free_staging.get((bucket.spec.range.size, dtype))
             staging = free.pop().zero_() if free else torch.zeros(
-                bucket.spec.range.size, dtype=bucket.flat.dtype, device=bucket.flat.device
+                bucket.spec.range.size, dtype=dtype, device=bucket.flat.device
             )
             self._staging[index] = staging
             self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_bytes())
@@ -219,9 +286,8 @@ class GradientShardEngine(OptimizerShardEngine):
 
     def memory_stats(self) -> dict[str, int]:
         return {
-            "params": sum(f.data.numel() * f.data.element_size() for f in self.flats),
-            "grads": sum(s.numel() * s.element_size() for s in self.grad_shards.values()),
-            "workspace": self._staging_bytes()
-            + sum(s.numel() * s.element_size() for free in self._free_staging.values() for s in free),
+            "params": self._bytes([f.data for f in self.flats] + list(self.master_shards.values())) + self.frozen_bytes(),
+            "grads": self._bytes(self.grad_shards.values()),
+            "workspace": self._staging_bytes() + self._bytes(s for free in self._free_staging.values() for s in free),
             "peak_staging": self.peak_staging_bytes,
         }

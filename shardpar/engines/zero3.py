@@ -50,18 +50,24 @@ class ShardState(enum.Enum):
 class ShardedFlatParams(FlatParams):
     """A unit's parameters of one dtype: a local shard, and a full buffer on demand."""
 
-    def __init__(self, named: Sequence[tuple[str, nn.Parameter]], world_size: int, trainable: bool) -> None:
-        super().__init__(named, world_size, bucket_cap_numel=None)  # one bucket: the whole flat
+    def __init__(
+        self, named: Sequence[tuple[str, nn.Parameter]], world_size: int, trainable: bool,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(named, world_size, bucket_cap_numel=None, param_dtype=param_dtype)  # one bucket
         self.trainable = trainable
-        self.shard = self.data  # replaced by shard_storage() once ranks agree on the values
+        self.shard = self.values  # replaced by shard_storage() once ranks agree on the values
+        self._send: torch.Tensor | None = None
 
     @property
     def full_bytes(self) -> int:
         return self.layout.numel * self.data.element_size()
 
     def shard_storage(self, rank: int) -> None:
-        """Keep only this rank's slice; free the full buffer (after the initial broadcast)."""
-        self.shard = self.layout.buckets[0].shard(rank).of(self.data).clone()  # 1-D, shard_numel
+        """Keep only this rank's slice (of the master, in full precision); free the full
+        buffers (after the initial broadcast)."""
+        self.shard = self.layout.buckets[0].shard(rank).of(self.values).clone()  # 1-D, shard_numel
+        self.master = None
         self.free_full()
 
     def free_full(self) -> None:
@@ -69,8 +75,10 @@ class ShardedFlatParams(FlatParams):
 
     def start_gather(self, group: Any, stats: C.CommStats) -> C.Handle:
         self.data.untyped_storage().resize_(self.full_bytes)
+        # Mixed precision: gather the compute dtype (half the bytes of the fp32 shard).
+        self._send = self.shard if self.shard.dtype == self.dtype else self.shard.to(self.dtype)
         return C.all_gather(
-            self.data, self.shard, group=group, async_op=True, stats=stats,
+            self.data, self._send, group=group, async_op=True, stats=stats,
             padding_numel=self.layout.buckets[0].padding,
         )
 
@@ -84,6 +92,13 @@ class Unit:
         self.flats = flats
         self.state = ShardState.SHARDED
         self._handles: list[C.Handle] = []
+        self.trainable_flats_pending = sum(f.trainable for f in flats)
+        """Trainable flats whose gradients are not final yet in this backward."""
+
+    @property
+    def backward_done(self) -> bool:
+        """Every trainable gradient of this unit is final: no gather needed until forward."""
+        return any(f.trainable for f in self.flats) and self.trainable_flats_pending == 0
 
     def start_unshard(self, engine: "ParameterShardEngine") -> None:
         if self.state is not ShardState.SHARDED:
@@ -98,6 +113,8 @@ class Unit:
         for handle in self._handles:
             handle.wait()
         self._handles = []
+        for flat in self.flats:
+            flat._send = None  # the low-precision send copy is not needed once gathered
         self.state = ShardState.UNSHARDED
 
     def reshard(self, flats: Sequence[ShardedFlatParams] | None = None) -> None:
@@ -114,9 +131,15 @@ class Unit:
             self.state = ShardState.SHARDED
 
 
+def _runs_forward(module: nn.Module) -> bool:
+    """Containers such as ModuleList/ModuleDict never run ``forward``: hooks on them never
+    fire, so they cannot be units."""
+    return type(module).forward is not nn.Module.forward
+
+
 def _select_unit_modules(module: nn.Module, policy: Any, min_params: int) -> list[str]:
     """Qualified names of the submodules the wrap policy makes units (root excluded)."""
-    named = [(n, m) for n, m in module.named_modules() if n]
+    named = [(n, m) for n, m in module.named_modules() if n and _runs_forward(m)]
     if policy is None or isinstance(policy, int):
         threshold = min_params if policy is None else policy
         chosen: list[str] = []
@@ -194,7 +217,7 @@ class ParameterShardEngine(GradientShardEngine):
             if not param_names and unit_name:
                 continue
             flats = [
-                ShardedFlatParams(group, self.world_size, trainable)
+                ShardedFlatParams(group, self.world_size, trainable, self.param_dtype)
                 for trainable in (True, False)
                 for group in group_by_dtype([(n, named[n]) for n in param_names if named[n].requires_grad == trainable])
             ]
@@ -207,8 +230,12 @@ class ParameterShardEngine(GradientShardEngine):
         self.unit_of_flat = {flat: unit for unit in self.units for flat in unit.flats}
         return trainable
 
+    def cast_frozen_params(self) -> dict[str, torch.Tensor]:
+        """Frozen parameters live in the units' flats (sharded, cast on gather)."""
+        return {}
+
     def iter_frozen_and_buffers(self):
-        yield from (flat.data for flat in self.frozen_flats)
+        yield from (flat.values for flat in self.frozen_flats)
         yield from self.module.buffers()
 
     def allocate_grads(self) -> None:
@@ -281,20 +308,25 @@ class ParameterShardEngine(GradientShardEngine):
     # ------------------------------------------------------------------ backward
 
     def _pre_backward(self, unit: Unit) -> None:
+        if unit.backward_done:
+            return
         unit.wait_unsharded(self)
-        self._prefetch_after(unit, self._forward_order[::-1])
+        self._prefetch_after(unit, [u for u in self._forward_order[::-1] if not u.backward_done])
 
     def on_bucket_complete(self, bucket: GradBucket) -> None:
         """All gradients of this flat are final: its full parameters are no longer needed."""
-        self.unit_of_flat[bucket.flat].reshard([bucket.flat])
+        unit = self.unit_of_flat[bucket.flat]
+        unit.trainable_flats_pending -= 1
+        unit.reshard([bucket.flat])
 
     def after_backward(self) -> None:
         for unit in self.units:
             unit.reshard()
+            unit.trainable_flats_pending = sum(f.trainable for f in unit.flats)
 
     # ------------------------------------------------------------------ shards
 
-    def piece_param(self, flat: FlatParams, piece: ShardPiece) -> torch.Tensor:
+    def master_piece(self, flat: FlatParams, piece: ShardPiece) -> torch.Tensor:
         return piece.local_range.of(flat.shard)
 
     def after_optimizer_step(self) -> None:
@@ -311,7 +343,7 @@ class ParameterShardEngine(GradientShardEngine):
 
     def _params_bytes(self) -> int:
         flats = self.flats + self.frozen_flats
-        shards = sum(f.shard.numel() * f.shard.element_size() for f in flats)
+        shards = self._bytes(f.shard for f in flats)
         return shards + sum(f.data.untyped_storage().nbytes() for f in flats)
 
     def memory_stats(self) -> dict[str, int]:
@@ -324,7 +356,7 @@ class ParameterShardEngine(GradientShardEngine):
 
     def save_pieces(self) -> list[TensorPiece]:
         return [
-            TensorPiece(p.name, p.local_range.of(flat.shard), (p.param_range.start, p.param_range.end))
+            TensorPiece(p.name, self.master_piece(flat, p), (p.param_range.start, p.param_range.end))
             for flat in self.flats + self.frozen_flats
             for p in flat.layout.pieces(self.rank)
         ]
@@ -332,28 +364,6 @@ class ParameterShardEngine(GradientShardEngine):
     def load_pieces(self) -> list[TensorPiece]:
         return self.save_pieces()  # a rank holds exactly its shards
 
-    # ------------------------------------------------------------------ full state
+    def after_load(self) -> None:
+        """Shards are the only copy at stage 3; the next forward gathers them."""
 
-    def _gathered(self):
-        engine = self
-
-        class _Gathered:
-            def __enter__(self) -> None:
-                for unit in engine.units:
-                    unit.wait_unsharded(engine)
-
-            def __exit__(self, *exc: Any) -> None:
-                for unit in engine.units:
-                    unit.reshard()
-
-        return _Gathered()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        with torch.no_grad(), self._gathered():
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad(), self._gathered():
-            self.module.load_state_dict(state, strict=True)
-            for flat in self.flats + self.frozen_flats:
-                flat.shard.copy_(flat.layout.buckets[0].shard(self.rank).of(flat.data))

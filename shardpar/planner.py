@@ -1,0 +1,607 @@
+"""The memory planner and communication model: what one rank holds and sends at each stage.
+
+``estimate_memory`` predicts the bytes of model state per rank (parameters, gradients,
+optimizer state, workspace), ``choose_stage`` picks the lowest stage that fits a per-rank
+budget, and ``estimate_communication`` predicts the bytes each rank sends per step and,
+given a bandwidth and latency, the seconds that takes. All three are *models*: closed
+forms of what the engines store and move, checked against the engines' own reports in
+``tests/test_planner.py``; ``docs/planner.md`` explains how to use them.
+
+[Note: storage model]
+Ψ = trainable parameters, N = world size, k = optimizer-state bytes per fp32 element
+(AdamW 8, SGD with momentum 4, ...), d = bytes of the stored (master) parameters (4 for
+fp32), p = bytes of the compute parameters, r = bytes of the reduced gradients. Without
+mixed precision p = r = d and there is no separate master copy. Per rank:
+
+    stage   params                  grads     optimizer   workspace
+    0       pΨ (+ dΨ master)        rΨ        kΨ          0
+    1       pΨ (+ dΨ/N master)      rΨ        kΨ/N        0
+    2       pΨ (+ dΨ/N master)      dΨ/N      kΨ/N        staging: ≤3 buckets (2 in flight + 1 collecting), in r
+    3       dΨ/N                    dΨ/N      kΨ/N        gathered units in p + gradient staging of units in r
+
+With fp32 Adam this is DESIGN.md's 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N and 16Ψ/N. Frozen parameters
+add their own bytes to ``params`` (full at stages 0-2, 1/N at stage 3) and nothing else.
+Padding (every bucket and unit is padded to a multiple of N: fewer than N elements each) is
+ignored. Not modelled: activations, the stage-1 carry shard that exists only while
+accumulating across reduced backwards (see zero.py), allocator caching and fragmentation.
+
+Stage 3 workspace: the root unit (the wrapped module's own parameters, e.g. a tied
+embedding) is gathered for the whole forward and backward, because its forward encloses
+every other unit's; besides it, the unit computing and the one being prefetched. So the
+gathered peak is root + the two largest units. Gradient staging holds the root's (its
+bucket is reduced last) + up to three units (2 reductions in flight + 1 collecting), as
+stage 2 does with buckets. Given only a parameter count the units are unknown: we assume
+units of ``largest_unit_params`` (default Ψ/10) and an empty root.
+
+[Note: communication model]
+Bytes one rank sends per step by the ring algorithms (see [Note: byte accounting] in
+``shardpar.collectives``; S = bytes of a tensor, f = (N-1)/N): all-reduce 2·S·f,
+reduce-scatter S·f, all-gather S·f. Per step:
+
+    stage 0     all-reduce of every gradient bucket           2Ψ·r·f
+    stage 1, 2  reduce-scatter of every bucket + all-gather    Ψ·r·f + Ψ·g·f
+                of the updated parameters after the step
+    stage 3     all-gather of every unit before forward and    2Ψ·g·f + Ψ·r·f
+                again before backward, reduce-scatter of its   (1Ψ·g·f + Ψ·r·f without
+                gradients                                      resharding after forward)
+
+with g = bytes of the gathered parameters (= r unless mixed precision gathers in p). Time
+follows the α-β model: ``calls·latency + bytes/bandwidth``, one call per bucket or unit and
+collective. It is the communication time if nothing overlapped; the engines overlap
+gradient collectives with backward and stage 3 prefetches gathers, so the time a step
+actually waits is lower. It ignores congestion, hierarchical (intra/inter-node) topologies
+and the ring latency growing with N (fold that into ``latency_us`` if it matters).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from .buffer import BufferLayout
+from .config import MixedPrecision, MixedPrecisionOption, WrapPolicy
+
+__all__ = [
+    "CommEstimate",
+    "MemoryEstimate",
+    "OPTIMIZER_STATE_BYTES",
+    "choose_stage",
+    "estimate_communication",
+    "estimate_memory",
+    "format_both",
+    "format_bytes",
+    "parse_bytes",
+    "parse_count",
+]
+
+STAGES = (0, 1, 2, 3)
+
+OPTIMIZER_STATE_BYTES: dict[str, int] = {
+    "adamw": 8,  # exp_avg + exp_avg_sq
+    "adam": 8,
+    "sgd": 0,  # momentum=0: no state
+    "sgd_momentum": 4,  # momentum_buffer
+    "adagrad": 4,  # sum
+    "rmsprop": 4,  # square_avg
+    "rmsprop_momentum": 8,  # square_avg + momentum_buffer
+}
+"""Optimizer-state bytes per fp32 parameter element (per-tensor scalars such as Adam's
+``step`` are ignored)."""
+
+_OPTIMIZER_CLASS_NAMES: dict[type, str] = {
+    torch.optim.AdamW: "adamw",
+    torch.optim.Adam: "adam",
+    torch.optim.SGD: "sgd",  # the class alone cannot say whether momentum is on
+    torch.optim.Adagrad: "adagrad",
+    torch.optim.RMSprop: "rmsprop",
+}
+
+DEFAULT_UNITS = 10
+"""Stage-3 units assumed when only a parameter count is given (units of Ψ/10)."""
+
+STAGING_BUCKETS = 3
+"""Stage 2/3 gradient staging alive at once: 2 reductions in flight + 1 collecting
+(``GradientShardEngine.max_buckets_in_flight`` + 1)."""
+
+GATHERED_UNITS = 2
+"""Stage 3 units gathered at once besides the root: the one computing + one prefetched."""
+
+ModelOrCount = Union[nn.Module, int]
+
+
+# --------------------------------------------------------------------------- model shape
+
+
+@dataclass(frozen=True)
+class _UnitShape:
+    trainable: int
+    """Trainable elements of the unit."""
+    frozen_bytes: int
+    """Bytes of its frozen parameters (gathered with it at stage 3)."""
+    flats: int
+    """Flat buffers it gathers (one per dtype and trainable/frozen): all-gather calls."""
+    trainable_flats: int
+    """Of which trainable: reduce-scatter calls."""
+
+
+@dataclass(frozen=True)
+class _ModelShape:
+    """What the planner needs to know about a model: counts, dtypes, buckets, units."""
+
+    trainable: int
+    frozen: int
+    frozen_bytes: int
+    stored_bytes: float
+    """Bytes per trainable element as stored (the master dtype; 4 for fp32)."""
+    buckets: tuple[int, ...]
+    """Elements per stage 0-2 gradient bucket."""
+    root: _UnitShape
+    units: tuple[_UnitShape, ...]
+    """Stage 3 units other than the root."""
+    buffer_bytes: int = 0
+    float_buffer_numel: int = 0
+    """Elements of floating-point buffers (cast to ``MixedPrecision.buffer_dtype``)."""
+    float_buffer_bytes: int = 0
+    buffer_count: int = 0
+    measured: bool = False
+    """True when read from a module, False when assumed from a count."""
+
+
+def _bucket_cap_numel(bucket_cap_mb: float, element_size: float) -> int:
+    # Same rule as AllReduceEngine.build_flats: the cap is MiB of the buffer's dtype.
+    return max(1, int(int(bucket_cap_mb * 1024 * 1024) // element_size))
+
+
+def _shape_of_count(
+    trainable: int, bucket_cap_mb: float, largest_unit_params: int | None
+) -> _ModelShape:
+    if isinstance(trainable, bool) or not isinstance(trainable, int) or trainable < 1:
+        raise ValueError(f"parameter count must be a positive int or an nn.Module, got {trainable!r}")
+    cap = _bucket_cap_numel(bucket_cap_mb, 4)
+    full, rest = divmod(trainable, cap)
+    buckets = (cap,) * full + ((rest,) if rest else ())
+    unit = largest_unit_params if largest_unit_params is not None else -(-trainable // DEFAULT_UNITS)
+    unit = min(unit, trainable)
+    whole, rest = divmod(trainable, unit)
+    units = tuple(_UnitShape(n, 0, 1, 1) for n in (unit,) * whole + ((rest,) if rest else ()))
+    return _ModelShape(trainable, 0, 0, 4.0, buckets, _UnitShape(0, 0, 0, 0), units)
+
+
+def _shape_of_module(
+    module: nn.Module,
+    bucket_cap_mb: float,
+    largest_unit_params: int | None,
+    wrap_policy: WrapPolicy,
+    min_unit_params: int,
+) -> _ModelShape:
+    # Imported here: the engines sit below the planner and need not load for a count.
+    from .engines.ddp import group_by_dtype
+    from .engines.zero3 import _assign_params_to_units, _select_unit_modules
+
+    named = list(module.named_parameters())  # each tied parameter once, as the engines see it
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if not trainable:
+        raise ValueError("the module has no parameter with requires_grad=True; nothing to plan for")
+    psi = sum(p.numel() for _, p in trainable)
+    stored = sum(p.numel() * p.element_size() for _, p in trainable) / psi
+    buckets: list[int] = []
+    for group in group_by_dtype(trainable):  # one flat buffer per dtype, as the engines build
+        layout = BufferLayout(
+            [(n, p.shape) for n, p in reversed(group)], 1,
+            _bucket_cap_numel(bucket_cap_mb, group[0][1].element_size()),
+        )
+        buckets += [b.range.size for b in layout.buckets]
+    buffers = list(module.buffers())
+    if largest_unit_params is not None:
+        units = _shape_of_count(psi, bucket_cap_mb, largest_unit_params).units
+        root = _UnitShape(0, 0, 0, 0)
+    else:
+        params = dict(named)
+        assignment = _assign_params_to_units(module, _select_unit_modules(module, wrap_policy, min_unit_params))
+        shapes = {}
+        for unit_name, names in assignment.items():
+            mine = [(n, params[n]) for n in names]
+            train = [x for x in mine if x[1].requires_grad]
+            frozen = [x for x in mine if not x[1].requires_grad]
+            t_flats = len(group_by_dtype(train)) if train else 0
+            f_flats = len(group_by_dtype(frozen)) if frozen else 0
+            shapes[unit_name] = _UnitShape(
+                sum(p.numel() for _, p in train),
+                sum(p.numel() * p.element_size() for _, p in frozen),
+                t_flats + f_flats,
+                t_flats,
+            )
+        root = shapes.pop("")
+        units = tuple(u for u in shapes.values() if u.flats)
+    return _ModelShape(
+        trainable=psi,
+        frozen=sum(p.numel() for _, p in named if not p.requires_grad),
+        frozen_bytes=sum(p.numel() * p.element_size() for _, p in named if not p.requires_grad),
+        stored_bytes=stored,
+        buckets=tuple(buckets),
+        root=root,
+        units=units,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
+        float_buffer_numel=sum(b.numel() for b in buffers if b.is_floating_point()),
+        float_buffer_bytes=sum(b.numel() * b.element_size() for b in buffers if b.is_floating_point()),
+        buffer_count=len(buffers),
+        measured=True,
+    )
+
+
+def _model_shape(
+    model_or_count: ModelOrCount,
+    bucket_cap_mb: float = 25.0,
+    largest_unit_params: int | None = None,
+    wrap_policy: WrapPolicy = None,
+    min_unit_params: int = 100_000,
+) -> _ModelShape:
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+    if largest_unit_params is not None and (isinstance(largest_unit_params, bool) or largest_unit_params < 1):
+        raise ValueError(f"largest_unit_params must be a positive int, got {largest_unit_params!r}")
+    if isinstance(model_or_count, nn.Module):
+        return _shape_of_module(model_or_count, bucket_cap_mb, largest_unit_params, wrap_policy, min_unit_params)
+    return _shape_of_count(model_or_count, bucket_cap_mb, largest_unit_params)
+
+
+def _largest(values: list[int], count: int) -> int:
+    return sum(sorted(values, reverse=True)[:count])
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _state_bytes_per_element(optimizer: Any) -> tuple[str, int]:
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        name = _OPTIMIZER_CLASS_NAMES.get(optimizer)
+        if name is None:
+            raise ValueError(
+                f"the planner does not know the state size of {optimizer.__qualname__}; "
+                f"pass one of {', '.join(OPTIMIZER_STATE_BYTES)} instead"
+            )
+        return name, OPTIMIZER_STATE_BYTES[name]
+    if isinstance(optimizer, str) and optimizer.lower() in OPTIMIZER_STATE_BYTES:
+        return optimizer.lower(), OPTIMIZER_STATE_BYTES[optimizer.lower()]
+    raise ValueError(
+        f"optimizer={optimizer!r} is not known to the planner; use one of "
+        f"{', '.join(OPTIMIZER_STATE_BYTES)} or a torch.optim class among "
+        f"{', '.join(c.__name__ for c in _OPTIMIZER_CLASS_NAMES)}"
+    )
+
+
+def _check_world_and_stage(world_size: int, stage: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted bytes of model state on one rank (see [Note: storage model]) and the
+    inputs they were computed from."""
+
+    params: int
+    """Parameters: compute copy, master copy (mixed precision) and frozen parameters."""
+    grads: int
+    """Gradients kept between backward and the optimizer step."""
+    optimizer_state: int
+    workspace: int
+    """Transient buffers at their peak: gradient staging (stages 2-3), gathered units (3)."""
+    total: int
+    param_count: int
+    """Ψ: trainable parameters."""
+    frozen_param_count: int
+    world_size: int
+    stage: int
+    optimizer: str
+    optimizer_bytes_per_param: int
+    """k: optimizer-state bytes per fp32 element."""
+    param_bytes: float
+    """p: bytes per element of the compute parameters."""
+    reduce_bytes: float
+    """r: bytes per element of reduced gradients."""
+    master_bytes: float
+    """d: bytes per element of stored parameters (4 for fp32; the master copy under mixed
+    precision)."""
+    mixed_precision: MixedPrecision | None
+    bucket_cap_mb: float
+    units_from_model: bool
+    """True when buckets and stage-3 units were read from a module, False when assumed."""
+
+    @property
+    def model_state(self) -> int:
+        """params + grads + optimizer state: DESIGN.md's "model-state memory"."""
+        return self.params + self.grads + self.optimizer_state
+
+    def as_dict(self) -> dict[str, int]:
+        """The per-kind bytes under the keys ``ShardedModule.memory_stats()`` uses."""
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer_state": self.optimizer_state,
+            "workspace": self.workspace,
+            "total": self.total,
+        }
+
+
+def estimate_memory(
+    model_or_param_count: ModelOrCount,
+    world_size: int,
+    stage: int,
+    optimizer: Any = "adamw",
+    mixed_precision: MixedPrecisionOption = None,
+    bucket_cap_mb: float = 25.0,
+    largest_unit_params: int | None = None,
+    *,
+    wrap_policy: WrapPolicy = None,
+    min_unit_params: int = 100_000,
+) -> MemoryEstimate:
+    """Bytes of model state one rank holds at ``stage`` on ``world_size`` ranks.
+
+    ``model_or_param_count``: an ``nn.Module`` (trainable parameters Ψ counted once even if
+    tied, frozen parameters separately, real dtypes, the real gradient buckets for
+    ``bucket_cap_mb`` and the real stage-3 units for ``wrap_policy``/``min_unit_params`` as
+    ``shardpar.wrap`` would build them; a module on the meta device works and costs no
+    memory) or an int Ψ (fp32, no frozen parameters, stage-3 units of Ψ/10 unless
+    ``largest_unit_params`` says otherwise, which also overrides a module's units).
+    ``optimizer``: a name in ``OPTIMIZER_STATE_BYTES`` or a torch.optim class (``SGD`` is
+    taken without momentum; say ``"sgd_momentum"``). ``mixed_precision``: as ``wrap`` takes
+    it; ``"bf16"``/``"fp16"`` compute in half precision and reduce in fp32.
+
+    The model is [Note: storage model]; padding to multiples of N is ignored, and
+    activations are not model state.
+    """
+    _check_world_and_stage(world_size, stage)
+    name, k = _state_bytes_per_element(optimizer)
+    mp = MixedPrecision.from_option(mixed_precision)
+    shape = _model_shape(model_or_param_count, bucket_cap_mb, largest_unit_params, wrap_policy, min_unit_params)
+    n, psi, d = world_size, shape.trainable, shape.stored_bytes
+    p = mp.param_dtype.itemsize if mp is not None and mp.param_dtype is not None else d
+    r = (mp.reduce_dtype.itemsize if mp.reduce_dtype is not None else 4) if mp is not None else d
+    master = mp is not None and p != d  # a separate fp32 copy for the optimizer to update
+
+    shards = 1 if stage == 0 else n  # how many ranks share the optimizer's tensors
+    optimizer_state = k * (d / 4) * psi / shards  # the state has the master's dtype
+    if stage == 3:
+        root, units = shape.root, shape.units
+        params = d * psi / n + shape.frozen_bytes / n
+        grads = d * psi / n
+        gathered = p * (root.trainable + _largest([u.trainable for u in units], GATHERED_UNITS)) + (
+            root.frozen_bytes + _largest([u.frozen_bytes for u in units], GATHERED_UNITS)
+        )
+        staging = r * (root.trainable + _largest([u.trainable for u in units], STAGING_BUCKETS))
+        workspace = gathered + staging
+    else:
+        params = p * psi + (d * psi / shards if master else 0) + shape.frozen_bytes
+        grads = r * psi if stage < 2 else d * psi / n
+        workspace = r * _largest(list(shape.buckets), STAGING_BUCKETS) if stage == 2 else 0
+    parts = [round(x) for x in (params, grads, optimizer_state, workspace)]
+    return MemoryEstimate(
+        *parts,
+        total=sum(parts),
+        param_count=psi,
+        frozen_param_count=shape.frozen,
+        world_size=world_size,
+        stage=stage,
+        optimizer=name,
+        optimizer_bytes_per_param=k,
+        param_bytes=p,
+        reduce_bytes=r,
+        master_bytes=d,
+        mixed_precision=mp,
+        bucket_cap_mb=bucket_cap_mb,
+        units_from_model=shape.measured and largest_unit_params is None,
+    )
+
+
+def choose_stage(
+    model_or_param_count: ModelOrCount, world_size: int, memory_budget: int | str, **kwargs: Any
+) -> int:
+    """The lowest stage whose estimated ``total`` fits ``memory_budget`` bytes per rank.
+
+    ``memory_budget`` is an int of bytes or a string such as ``"24GB"`` (decimal) or
+    ``"512MiB"`` (binary); ``kwargs`` go to :func:`estimate_memory`. Lower stages move
+    fewer bytes per step, so the lowest that fits is the fastest. Raises ValueError naming
+    the budget and the smallest requirement when no stage fits.
+    """
+    if memory_budget is None:
+        raise ValueError("stage='auto' needs memory_budget (bytes per rank, e.g. '24GB')")
+    budget = parse_bytes(memory_budget)
+    estimates = [estimate_memory(model_or_param_count, world_size, s, **kwargs) for s in STAGES]
+    for estimate in estimates:
+        if estimate.total <= budget:
+            return estimate.stage
+    smallest = min(estimates, key=lambda e: e.total)
+    raise ValueError(
+        f"no stage fits the memory budget of {format_both(budget)} per rank at world size "
+        f"{world_size}: the smallest estimate is {format_both(smallest.total)} (stage "
+        f"{smallest.stage}); add ranks, raise the budget"
+        + (" or use mixed_precision='bf16'" if kwargs.get("mixed_precision") is None else "")
+    )
+
+
+# --------------------------------------------------------------------------- communication
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    """Predicted bytes one rank sends per training step (see [Note: communication model])
+    and, given a bandwidth, the seconds that takes if nothing overlapped."""
+
+    all_reduce_bytes: float
+    reduce_scatter_bytes: float
+    all_gather_bytes: float
+    broadcast_bytes: float
+    """Module buffers broadcast from rank 0 before each forward (0 for a count)."""
+    sent_bytes: float
+    """Sum of the above: comparable with ``comm_stats()["total"]["sent_bytes"]``."""
+    calls: int
+    """Collectives issued per step (one per bucket or unit flat and kind)."""
+    seconds: float | None
+    """``calls·latency + sent_bytes/bandwidth``; None without a bandwidth."""
+    param_count: int
+    world_size: int
+    stage: int
+    reduce_bytes: float
+    gather_bytes: float
+    bandwidth_gbps: float | None
+    latency_us: float | None
+    reshard_after_forward: bool
+
+    def as_dict(self) -> dict[str, float]:
+        """Sent bytes per collective kind, under ``comm_stats()``'s op names (nonzero only)."""
+        ops = {
+            "all_reduce": self.all_reduce_bytes,
+            "reduce_scatter": self.reduce_scatter_bytes,
+            "all_gather": self.all_gather_bytes,
+            "broadcast": self.broadcast_bytes,
+        }
+        return {op: sent for op, sent in ops.items() if sent}
+
+
+def estimate_communication(
+    param_count: ModelOrCount,
+    world_size: int,
+    stage: int,
+    reduce_bytes: float = 4,
+    gather_bytes: float | None = None,
+    bandwidth_gbps: float | None = None,
+    latency_us: float | None = None,
+    buckets: int | None = None,
+    reshard_after_forward: bool = True,
+    *,
+    bucket_cap_mb: float = 25.0,
+    wrap_policy: WrapPolicy = None,
+    min_unit_params: int = 100_000,
+    buffer_dtype: torch.dtype | None = None,
+) -> CommEstimate:
+    """Bytes each rank sends per step (one forward, one backward, one optimizer step) by
+    the ring model, and the α-β time: a model, see [Note: communication model].
+
+    ``param_count``: Ψ, or an ``nn.Module`` (then the real bucket and unit counts, frozen
+    parameters gathered at stage 3 and buffer broadcasts are included). ``reduce_bytes``:
+    bytes per element of reduced gradients (4 = fp32); ``gather_bytes``: of gathered
+    parameters (default ``reduce_bytes``; 2 when mixed precision gathers bf16).
+    ``bandwidth_gbps``: per-rank bandwidth in GB/s (decimal, 1e9 bytes/s);
+    ``latency_us``: fixed cost per collective. ``buckets``: collectives per kind per step
+    (gradient buckets at stages 0-2, units at stage 3); default from the module, else
+    ``ceil(4Ψ / bucket_cap_mb MiB)`` buckets and 10 units. ``buffer_dtype``: the
+    ``MixedPrecision.buffer_dtype`` floating buffers are broadcast in (None: their own).
+    """
+    _check_world_and_stage(world_size, stage)
+    for option, value in (("reduce_bytes", reduce_bytes), ("gather_bytes", gather_bytes),
+                          ("bandwidth_gbps", bandwidth_gbps)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{option} must be > 0, got {value!r}")
+    if latency_us is not None and latency_us < 0:
+        raise ValueError(f"latency_us must be >= 0, got {latency_us!r}")
+    if buckets is not None and (isinstance(buckets, bool) or buckets < 1):
+        raise ValueError(f"buckets must be a positive int, got {buckets!r}")
+    shape = _model_shape(param_count, bucket_cap_mb, None, wrap_policy, min_unit_params)
+    g = reduce_bytes if gather_bytes is None else gather_bytes
+    psi, n = shape.trainable, world_size
+    f = (n - 1) / n
+    all_reduce = reduce_scatter = all_gather = 0.0
+    if stage == 0:
+        calls = buckets or len(shape.buckets)
+        all_reduce = 2 * psi * reduce_bytes * f
+    elif stage in (1, 2):
+        calls = 2 * (buckets or len(shape.buckets))
+        reduce_scatter = psi * reduce_bytes * f
+        all_gather = psi * g * f
+    else:
+        gathers = 2 if reshard_after_forward else 1
+        units = [shape.root, *shape.units]
+        gather_calls = buckets or sum(u.flats for u in units)
+        scatter_calls = buckets or sum(u.trainable_flats for u in units)
+        calls = gathers * gather_calls + scatter_calls
+        reduce_scatter = psi * reduce_bytes * f
+        all_gather = gathers * (psi * g + shape.frozen_bytes) * f
+    broadcast_bytes = shape.buffer_bytes
+    if buffer_dtype is not None:  # floating buffers are broadcast in the cast dtype
+        broadcast_bytes += shape.float_buffer_numel * buffer_dtype.itemsize - shape.float_buffer_bytes
+    broadcast = broadcast_bytes * f
+    calls += shape.buffer_count
+    sent = all_reduce + reduce_scatter + all_gather + broadcast
+    seconds = None
+    if bandwidth_gbps is not None:
+        latency = (latency_us or 0.0) * 1e-6 * calls if n > 1 else 0.0
+        seconds = latency + sent / (bandwidth_gbps * 1e9)
+    return CommEstimate(
+        all_reduce_bytes=all_reduce,
+        reduce_scatter_bytes=reduce_scatter,
+        all_gather_bytes=all_gather,
+        broadcast_bytes=broadcast,
+        sent_bytes=sent,
+        calls=calls,
+        seconds=seconds,
+        param_count=psi,
+        world_size=world_size,
+        stage=stage,
+        reduce_bytes=reduce_bytes,
+        gather_bytes=g,
+        bandwidth_gbps=bandwidth_gbps,
+        latency_us=latency_us,
+        reshard_after_forward=reshard_after_forward,
+    )
+
+
+# --------------------------------------------------------------------------- units
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def _parse(text: Any, units: dict[str, int], what: str, example: str) -> int:
+    if isinstance(text, bool):
+        raise ValueError(f"{what} must be a number, got {text!r}")
+    if isinstance(text, (int, float)):
+        value, unit = float(text), ""
+    else:
+        match = _NUMBER.match(str(text))
+        if match is None or match.group(2).lower() not in units:
+            raise ValueError(f"cannot read {what} {text!r}; write e.g. {example}")
+        value, unit = float(match.group(1)), match.group(2).lower()
+    result = value * units[unit]
+    if not math.isfinite(result) or result <= 0:
+        raise ValueError(f"{what} must be positive, got {text!r}")
+    return round(result)
+
+
+def parse_bytes(text: int | float | str) -> int:
+    """``"24GB"`` -> 24·10⁹, ``"512MiB"`` -> 512·2²⁰, ``"80G"`` -> 80·10⁹, an int -> itself."""
+    return _parse(text, _BYTE_UNITS, "memory size", "24GB, 80GiB or 512MiB")
+
+
+def parse_count(text: int | float | str) -> int:
+    """``"7e9"``, ``"7B"``, ``"350M"``, ``"125k"`` -> a parameter count."""
+    return _parse(text, _COUNT_UNITS, "parameter count", "7e9, 7B, 350M or 125K")
+
+
+def format_bytes(n: float, binary: bool = True) -> str:
+    """``format_bytes(3 * 2**30)`` -> ``'3.00 GiB'``; ``binary=False`` -> decimal GB."""
+    base, units = (1024.0, ("B", "KiB", "MiB", "GiB", "TiB", "PiB")) if binary else (
+        1000.0, ("B", "kB", "MB", "GB", "TB", "PB"))
+    value = float(n)
+    for unit in units:
+        if abs(value) < base or unit == units[-1]:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= base
+    raise AssertionError("unreachable")
+
+
+def format_both(n: float) -> str:
+    """``'24.00 GB (22.35 GiB)'``: budgets are written in both bases, so show both."""
+    return f"{format_bytes(n, binary=False)} ({format_bytes(n)})"

@@ -1,0 +1,208 @@
+"""Bad arguments fail at once, with the right exception type and a message naming the
+problem, on every rank, and never leave a rank waiting in a collective.
+
+Multi-rank cases catch the error *inside* each rank and return its message, so the test
+can assert that every rank raised (and the rank pool stays healthy for other tests); a
+short harness timeout turns a hang into a failure within seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardpar
+from shardpar import collectives as C
+from tests.harness import run_ranks
+from tests.models import KITCHEN
+
+SHORT = 30.0  # seconds: wrap-time checks take milliseconds; only a hang gets near this
+
+
+def _mlp(hidden: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 2))
+
+
+# --------------------------------------------------------------------------- one process
+
+
+@pytest.mark.parametrize("stage", [4, -1, "x", True, None, 2.5])
+def test_stage_outside_0_to_3(stage: object) -> None:
+    with pytest.raises(ValueError, match="stage"):
+        shardpar.wrap(_mlp(), stage=stage)
+
+
+@pytest.mark.parametrize("not_a_module", [object(), torch.zeros(3), [nn.Linear(2, 2)], "model"])
+def test_non_module(not_a_module: object) -> None:
+    with pytest.raises(TypeError, match="nn.Module"):
+        shardpar.wrap(not_a_module)
+
+
+def test_unknown_option_is_named() -> None:
+    with pytest.raises(TypeError, match="bucket_cap_gb"):
+        shardpar.wrap(_mlp(), stage=0, bucket_cap_gb=1)
+
+
+@pytest.mark.parametrize("option, value", [("bucket_cap_mb", 0), ("bucket_cap_mb", -1.0), ("timeout_s", 0)])
+def test_invalid_option_value_is_named(option: str, value: object) -> None:
+    with pytest.raises(ValueError, match=option):
+        shardpar.wrap(_mlp(), stage=0, **{option: value})
+
+
+def test_params_on_two_devices_name_both_tensors() -> None:
+    model = _mlp()
+    model[2].weight = nn.Parameter(torch.empty(2, 8, device="meta"))
+    with pytest.raises(ValueError) as info:
+        shardpar.wrap(model, stage=0)
+    message = str(info.value)
+    assert "'0.weight'" in message and "'2.weight'" in message
+    assert "cpu" in message and "meta" in message
+
+
+def test_buffer_on_another_device_is_named() -> None:
+    model = _mlp()
+    model.register_buffer("stats", torch.zeros(3, device="meta"))
+    with pytest.raises(ValueError) as info:
+        shardpar.wrap(model, stage=1)
+    assert "'stats'" in str(info.value) and "'0.weight'" in str(info.value)
+
+
+def test_wrapping_twice() -> None:
+    model = shardpar.wrap(_mlp(), stage=0)
+    with pytest.raises(ValueError, match="already wrapped"):
+        shardpar.wrap(model, stage=0)
+
+
+def test_nothing_to_train() -> None:
+    model = _mlp().requires_grad_(False)
+    with pytest.raises(ValueError, match="requires_grad"):
+        shardpar.wrap(model, stage=0)
+
+
+@pytest.mark.parametrize("cls", [object, torch.nn.Linear, "AdamW", torch.optim.AdamW([torch.zeros(1, requires_grad=True)])])
+def test_optimizer_class_must_be_an_optimizer(cls: object) -> None:
+    model = shardpar.wrap(_mlp(), stage=0)
+    with pytest.raises(TypeError, match="Optimizer"):
+        shardpar.optimizer(model, cls, lr=0.1)
+
+
+def test_optimizer_needs_a_wrapped_model() -> None:
+    with pytest.raises(TypeError, match="shardpar.wrap"):
+        shardpar.optimizer(_mlp(), torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_param_group_with_a_foreign_tensor(stage: int) -> None:
+    model = shardpar.wrap(_mlp(), stage=stage)
+    stranger = nn.Parameter(torch.zeros(5, 3))
+    with pytest.raises(ValueError, match=r"not a parameter of the wrapped model") as info:
+        shardpar.optimizer(model, torch.optim.AdamW, [{"params": list(model.parameters())}, {"params": [stranger]}])
+    assert "(5, 3)" in str(info.value)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_same_parameter_in_two_groups_is_named(stage: int) -> None:
+    model = shardpar.wrap(_mlp(), stage=stage)
+    params = dict(model.named_parameters())
+    groups = [{"params": [params["0.weight"], params["2.bias"]]}, {"params": [params["2.bias"], params["2.weight"]]}]
+    with pytest.raises(ValueError, match=r"'2\.bias'"):
+        shardpar.optimizer(model, torch.optim.AdamW, groups, lr=0.1)
+
+
+def test_tied_parameter_twice_through_its_alias_is_named() -> None:
+    model = shardpar.wrap(KITCHEN.build(), stage=0)
+    module = model.module
+    # head.weight is emb.weight: naming it through both attributes lists one parameter twice
+    with pytest.raises(ValueError, match=r"'emb\.weight'"):
+        shardpar.optimizer(model, torch.optim.AdamW, [{"params": [module.emb.weight]}, {"params": [module.head.weight]}])
+
+
+def test_mixed_params_and_groups() -> None:
+    model = shardpar.wrap(_mlp(), stage=0)
+    params = list(model.parameters())
+    with pytest.raises(TypeError, match="mixes"):
+        shardpar.optimizer(model, torch.optim.SGD, [params[0], {"params": params[1:]}], lr=0.1)
+
+
+# --------------------------------------------------------------------------- across ranks
+
+
+def _wrap_and_report(hidden_on_rank_1: int, stage_on_rank_1: object, options_on_rank_1: dict) -> str | None:
+    """wrap() on every rank, rank 1 with its own model/stage/options; the error message, or
+    None when wrap returned. Nothing collective runs after wrap, so a rank that wrongly
+    succeeds cannot hang the others."""
+    rank = C.get_rank()
+    module = _mlp(hidden_on_rank_1 if rank == 1 else 8)
+    module.register_buffer("running", torch.zeros(2))
+    stage = stage_on_rank_1 if rank == 1 else 1
+    options = options_on_rank_1 if rank == 1 else {}
+    try:
+        shardpar.wrap(module, stage=stage, **options)
+    except (TypeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _assert_every_rank_raised(messages: list[str | None], *fragments: str) -> None:
+    for rank, message in enumerate(messages):
+        assert message is not None, f"rank {rank} did not raise (the others did): {messages}"
+        assert message.startswith("ValueError"), message
+        for fragment in fragments:
+            assert fragment in message, f"rank {rank}: {fragment!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mismatched_models_fail_on_every_rank(world_size: int) -> None:
+    messages = run_ranks(_wrap_and_report, world_size, 9, 1, {}, timeout=SHORT)
+    _assert_every_rank_raised(messages, "'0.weight'", "rank 1", "(9, 4)", "(8, 4)")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_invalid_stage_on_one_rank_fails_on_every_rank(world_size: int) -> None:
+    messages = run_ranks(_wrap_and_report, world_size, 8, 5, {}, timeout=SHORT)
+    _assert_every_rank_raised(messages, "stage")
+    assert "rank 1" in messages[0]
+
+
+def test_different_stage_on_one_rank_fails_on_every_rank() -> None:
+    messages = run_ranks(_wrap_and_report, 2, 8, 2, {}, timeout=SHORT)
+    _assert_every_rank_raised(messages, "stage=1", "stage=2", "rank 1")
+
+
+def test_different_bucket_cap_on_one_rank_fails_on_every_rank() -> None:
+    messages = run_ranks(_wrap_and_report, 2, 8, 1, {"bucket_cap_mb": 1.0}, timeout=SHORT)
+    _assert_every_rank_raised(messages, "bucket_cap_mb", "rank 1")
+
+
+def test_different_broadcast_buffers_on_one_rank_fails_on_every_rank() -> None:
+    # With broadcast_buffers=True rank 0 broadcasts its buffers before every forward; a rank
+    # with False would skip those collectives, and the ranks' collectives would no longer
+    # pair up (a hang or, worse, a buffer all-reduced into a gradient). DESIGN.md: "a
+    # mismatch between ranks (model shape, stage, config) is detected up front and raised
+    # on every rank with a message that says what differs".
+    messages = run_ranks(_wrap_and_report, 2, 8, 1, {"broadcast_buffers": False}, timeout=SHORT)
+    _assert_every_rank_raised(messages, "broadcast_buffers", "rank 1")
+
+
+def test_unknown_option_on_one_rank_fails_on_every_rank() -> None:
+    messages = run_ranks(_wrap_and_report, 3, 8, 1, {"bucket_size": 3}, timeout=SHORT)
+    assert messages[1] is not None and messages[1].startswith("TypeError") and "bucket_size" in messages[1]
+    for rank in (0, 2):
+        assert messages[rank] is not None and "rank 1" in messages[rank] and "bucket_size" in messages[rank]
+
+
+def _frozen_on_rank_1() -> str | None:
+    module = _mlp()
+    if C.get_rank() == 1:
+        module[0].bias.requires_grad_(False)
+    try:
+        shardpar.wrap(module, stage=2)
+    except ValueError as error:
+        return f"ValueError: {error}"
+    return None
+
+
+def test_different_requires_grad_on_one_rank_fails_on_every_rank() -> None:
+    _assert_every_rank_raised(run_ranks(_frozen_on_rank_1, 2, timeout=SHORT), "'0.bias'", "requires_grad", "rank 1")

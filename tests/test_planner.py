@@ -1,0 +1,492 @@
+"""The memory planner and communication model (``shardpar.planner``, ``tools/estimate.py``).
+
+Closed forms first (DESIGN.md's four formulas, other optimizers, bf16), then the model
+against what the engines measure on 2 gloo ranks: per-rank memory by kind within 10% at
+every stage, and bytes sent per step exactly. Then ``choose_stage`` around its boundaries
+and the command-line tool end to end.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardpar
+from shardpar import collectives as C
+from shardpar.planner import (
+    OPTIMIZER_STATE_BYTES,
+    choose_stage,
+    estimate_communication,
+    estimate_memory,
+    format_bytes,
+    parse_bytes,
+    parse_count,
+)
+from tests.harness import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+PSI = 7_000_000_000  # divisible by every world size below, so Ψ/N is exact
+WORLD_SIZES = [1, 2, 8, 64]
+MiB = 2**20
+
+
+# --------------------------------------------------------------------------- models
+
+
+class Tower(nn.Module):
+    """Six equal 512x512 weights (1.57M parameters) and a buffer. With a 1 MiB bucket cap
+    every weight is one bucket and, at stage 3, one unit: equal sizes arriving in order,
+    the case the workspace model describes exactly."""
+
+    width = 512
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(self.width, self.width, bias=False) for _ in range(6))
+        self.register_buffer("gain", torch.ones(self.width))  # broadcast before every forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x * self.gain))
+        return x
+
+
+class Uneven(nn.Module):
+    """256-1024-1024-256 MLP with biases (1.58M parameters): buckets of very different sizes."""
+
+    width = 256
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 256)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def tower() -> Tower:
+    """Factory for ``tools/estimate.py --model tests.test_planner:tower``."""
+    return Tower()
+
+
+TOWER_PSI = 6 * 512 * 512
+TOWER_CAP_MB = 1.0  # 262144 fp32 elements: exactly one 512x512 weight per bucket
+MODELS = {"tower": Tower, "uneven": Uneven}
+
+
+# --------------------------------------------------------------------------- closed forms
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_design_formulas_fp32_adam(world_size: int) -> None:
+    """DESIGN.md: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N, plus bounded workspace."""
+    n = world_size
+    expected = {0: 16 * PSI, 1: 8 * PSI + 8 * PSI // n, 2: 4 * PSI + 12 * PSI // n, 3: 16 * PSI // n}
+    per_kind = {
+        0: (4 * PSI, 4 * PSI, 8 * PSI),
+        1: (4 * PSI, 4 * PSI, 8 * PSI // n),
+        2: (4 * PSI, 4 * PSI // n, 8 * PSI // n),
+        3: (4 * PSI // n, 4 * PSI // n, 8 * PSI // n),
+    }
+    for stage in range(4):
+        e = estimate_memory(PSI, n, stage)
+        assert e.model_state == expected[stage], f"stage {stage}, N={n}"
+        assert (e.params, e.grads, e.optimizer_state) == per_kind[stage]
+        assert e.total == e.model_state + e.workspace
+        assert (e.param_count, e.world_size, e.stage, e.optimizer) == (PSI, n, stage, "adamw")
+    # Workspace: none at stages 0-1; 3 buckets of 25 MiB at stage 2; stage 3 with units of
+    # Ψ/10: 2 gathered + 3 staged, fp32.
+    assert estimate_memory(PSI, n, 0).workspace == estimate_memory(PSI, n, 1).workspace == 0
+    assert estimate_memory(PSI, n, 2).workspace == 3 * 25 * MiB
+    assert estimate_memory(PSI, n, 3).workspace == (2 + 3) * 4 * PSI // 10
+
+
+def test_workspace_is_capped_by_the_model() -> None:
+    small = 1000  # one bucket, one unit
+    assert estimate_memory(small, 2, 2).workspace == 4 * small
+    assert estimate_memory(small, 2, 3, largest_unit_params=small).workspace == (4 + 4) * small
+    assert estimate_memory(PSI, 8, 3, largest_unit_params=PSI // 100).workspace == (2 + 3) * 4 * PSI // 100
+    assert estimate_memory(PSI, 8, 2, bucket_cap_mb=100).workspace == 3 * 100 * MiB
+
+
+def test_optimizer_table_covers_the_documented_names() -> None:
+    assert {"adamw": 8, "adam": 8, "sgd": 0, "sgd_momentum": 4, "adagrad": 4, "rmsprop": 4}.items() <= (
+        OPTIMIZER_STATE_BYTES.items()
+    )
+
+
+@pytest.mark.parametrize(
+    "optimizer, k",
+    [("sgd", 0), ("sgd_momentum", 4), ("adagrad", 4), ("rmsprop", 4), ("rmsprop_momentum", 8), ("adam", 8),
+     (torch.optim.SGD, 0), (torch.optim.Adam, 8), (torch.optim.AdamW, 8), (torch.optim.Adagrad, 4),
+     (torch.optim.RMSprop, 4)],
+)
+def test_optimizer_state_bytes(optimizer: Any, k: int) -> None:
+    for stage, divisor in [(0, 1), (1, 8), (2, 8), (3, 8)]:
+        e = estimate_memory(PSI, 8, stage, optimizer=optimizer)
+        assert e.optimizer_state == k * PSI // divisor
+        assert e.optimizer_bytes_per_param == k
+    sgd = [estimate_memory(PSI, 8, s, optimizer="sgd").model_state for s in range(4)]
+    assert sgd == [8 * PSI, 8 * PSI, 4 * PSI + 4 * PSI // 8, 8 * PSI // 8]
+
+
+def test_bf16_formulas() -> None:
+    """Param dtype 2 bytes, reduce in fp32, fp32 master copy and optimizer state."""
+    n = 8
+    expected = {  # (params, grads, optimizer_state)
+        0: (2 * PSI + 4 * PSI, 4 * PSI, 8 * PSI),
+        1: (2 * PSI + 4 * PSI // n, 4 * PSI, 8 * PSI // n),
+        2: (2 * PSI + 4 * PSI // n, 4 * PSI // n, 8 * PSI // n),
+        3: (4 * PSI // n, 4 * PSI // n, 8 * PSI // n),
+    }
+    for stage in range(4):
+        e = estimate_memory(PSI, n, stage, mixed_precision="bf16")
+        assert (e.params, e.grads, e.optimizer_state) == expected[stage], f"stage {stage}"
+        assert (e.param_bytes, e.reduce_bytes) == (2, 4)
+        full = estimate_memory(
+            PSI, n, stage,
+            mixed_precision=shardpar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        )
+        assert (full.as_dict(), full.param_bytes, full.reduce_bytes) == (e.as_dict(), 2, 4)
+    assert estimate_memory(PSI, n, 2, mixed_precision="bf16").workspace == 3 * 25 * MiB  # staged in fp32
+    assert estimate_memory(PSI, n, 3, mixed_precision="bf16").workspace == (2 * 2 + 3 * 4) * PSI // 10
+    # Reducing in bf16 halves stage 0-1 gradients and all staging.
+    both = shardpar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    assert estimate_memory(PSI, n, 0, mixed_precision=both).grads == 2 * PSI
+    assert estimate_memory(PSI, n, 2, mixed_precision=both).workspace == 3 * 25 * MiB // 2
+    assert estimate_memory(PSI, n, 1, mixed_precision="fp16").params == 2 * PSI + 4 * PSI // n
+
+
+class WithFrozenAndTied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 10)
+        self.head = nn.Linear(10, 100, bias=False)
+        self.head.weight = self.emb.weight  # tied: counted once
+        self.frozen = nn.Parameter(torch.zeros(40), requires_grad=False)
+
+
+def test_module_counts_tied_once_and_frozen_in_params() -> None:
+    model = WithFrozenAndTied()
+    psi, frozen = 1000, 40
+    for stage in range(4):
+        e = estimate_memory(model, 2, stage)
+        assert (e.param_count, e.frozen_param_count) == (psi, frozen)
+        count = estimate_memory(psi, 2, stage)
+        shares = 2 if stage == 3 else 1
+        assert e.params == count.params + 4 * frozen // shares
+        assert (e.grads, e.optimizer_state) == (count.grads, count.optimizer_state)
+    with torch.device("meta"):  # costs no memory: how tools/estimate.py builds models
+        meta = Tower()
+    assert estimate_memory(meta, 8, 3).as_dict() == estimate_memory(Tower(), 8, 3).as_dict()
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: estimate_memory(PSI, 0, 0), "world_size"),
+        (lambda: estimate_memory(PSI, 8, 4), "stage"),
+        (lambda: estimate_memory(0, 8, 0), "parameter count"),
+        (lambda: estimate_memory(PSI, 8, 0, optimizer="lion"), "optimizer='lion'"),
+        (lambda: estimate_memory(PSI, 8, 0, optimizer=torch.optim.LBFGS), "LBFGS"),
+        (lambda: estimate_memory(PSI, 8, 0, mixed_precision="int8"), "mixed_precision"),
+        (lambda: estimate_memory(PSI, 8, 2, bucket_cap_mb=0), "bucket_cap_mb"),
+        (lambda: estimate_communication(PSI, 8, 0, bandwidth_gbps=0), "bandwidth_gbps"),
+        (lambda: choose_stage(PSI, 8, None), "memory_budget"),
+        (lambda: choose_stage(PSI, 8, "lots"), "cannot read memory size 'lots'"),
+    ],
+)
+def test_bad_arguments_name_the_problem(call: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("24GB", 24 * 10**9), ("24 GiB", 24 * 2**30), ("512MiB", 512 * 2**20), ("80G", 80 * 10**9),
+     ("1.5TB", 1.5 * 10**12), ("100", 100), (4096, 4096), ("2kib", 2048)],
+)
+def test_parse_bytes(text: Any, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("7e9", 7 * 10**9), ("7B", 7 * 10**9), ("350M", 350 * 10**6), ("1.3b", 1_300_000_000),
+     ("125K", 125_000), ("1000", 1000), (42, 42)],
+)
+def test_parse_count(text: Any, expected: int) -> None:
+    assert parse_count(text) == expected
+
+
+@pytest.mark.parametrize("text", ["7x", "", "GB", "-3GB", "1e400"])
+def test_parse_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_bytes(text)
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+    assert format_bytes(55.125e9, binary=False) == "55.12 GB"
+    assert format_bytes(0) == "0 B"
+
+
+# --------------------------------------------------------------------------- choose_stage
+
+
+def test_choose_stage_at_the_boundaries() -> None:
+    psi, n = 1_000_000_000, 8
+    totals = [estimate_memory(psi, n, s).total for s in range(4)]
+    assert totals == sorted(totals, reverse=True)  # here every stage needs less than the one below
+    for stage, total in enumerate(totals):
+        assert choose_stage(psi, n, total) == stage  # exactly at the budget: fits
+        if stage < 3:
+            assert choose_stage(psi, n, total - 1) == stage + 1  # a byte short: next stage
+    with pytest.raises(ValueError) as error:
+        choose_stage(psi, n, totals[3] - 1)
+    message = str(error.value)
+    assert "\n" not in message
+    assert format_bytes(totals[3] - 1, binary=False) in message and format_bytes(totals[3]) in message
+
+
+def test_choose_stage_reads_decimal_and_binary_budgets() -> None:
+    psi = 1_550_000_000  # 16Ψ = 24.8e9 bytes: more than 24GB, less than 24GiB
+    assert choose_stage(psi, 1, "24GiB") == 0
+    with pytest.raises(ValueError, match="24.00 GB"):
+        choose_stage(psi, 1, "24GB")
+    assert choose_stage(psi, 2, "24GB") == 1  # 8Ψ + 4Ψ = 18.6e9
+    assert choose_stage(PSI, 64, "24GB") == 3
+    assert choose_stage(PSI, 64, "24GB", mixed_precision="bf16") == 2
+    assert choose_stage(PSI, 64, "80GB") == 1
+    assert choose_stage(PSI, 64, "80GB", optimizer="sgd") == 0  # 8Ψ = 56e9
+
+
+# --------------------------------------------------------------------------- communication
+
+
+def test_communication_closed_form_7b_on_64_ranks() -> None:
+    n, f = 64, 63 / 64
+    for stage in (0, 1, 2):
+        c = estimate_communication(PSI, n, stage, bandwidth_gbps=25, latency_us=10)
+        assert c.sent_bytes == pytest.approx(2 * PSI * 4 * f)  # 55.125 GB
+        assert c.seconds == pytest.approx(c.sent_bytes / 25e9 + c.calls * 10e-6)
+    assert estimate_communication(PSI, n, 0).as_dict() == {"all_reduce": pytest.approx(2 * PSI * 4 * f)}
+    assert estimate_communication(PSI, n, 1).as_dict() == {
+        "reduce_scatter": pytest.approx(PSI * 4 * f), "all_gather": pytest.approx(PSI * 4 * f)}
+    c3 = estimate_communication(PSI, n, 3, bandwidth_gbps=25)
+    assert c3.sent_bytes == pytest.approx(3 * PSI * 4 * f)  # 82.69 GB
+    assert c3.seconds == pytest.approx(3 * PSI * 4 * f / 25e9)  # 3.31 s
+    assert c3.calls == 30  # 10 assumed units: gather twice, reduce-scatter once
+    assert estimate_communication(PSI, n, 3, reshard_after_forward=False).sent_bytes == pytest.approx(2 * PSI * 4 * f)
+    bf16 = estimate_communication(PSI, n, 3, reduce_bytes=4, gather_bytes=2)
+    assert bf16.sent_bytes == pytest.approx((2 * 2 + 4) * PSI * f)
+    assert estimate_communication(PSI, 1, 0, bandwidth_gbps=25, latency_us=10).seconds == 0.0
+    assert estimate_communication(PSI, n, 0).seconds is None  # no bandwidth, no time
+    assert estimate_communication(PSI, n, 0, buckets=7).calls == 7
+
+
+# --------------------------------------------------------------------------- measured
+
+
+def _measure(cases: dict[str, tuple[str, int, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """On every rank: wrap, two AdamW steps; memory after the second step, bytes sent by each."""
+    results = {}
+    for case, (model_name, stage, options) in cases.items():
+        torch.manual_seed(0)
+        module = MODELS[model_name]()
+        model = shardpar.wrap(module, stage=stage, **options)
+        opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-3)
+        x = torch.randn(4, module.width, generator=torch.Generator().manual_seed(C.get_rank()))
+        comm = []
+        for _ in range(2):
+            model.reset_comm_stats()
+            model(x).float().square().mean().backward()
+            opt.step()
+            comm.append(model.comm_stats())
+            memory = model.memory_stats()
+            opt.zero_grad()
+        model.engine.close()
+        results[case] = {"memory": memory, "comm": comm}
+    return results
+
+
+CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
+    **{f"stage{s}": ("tower", s, {"bucket_cap_mb": TOWER_CAP_MB}) for s in range(4)},
+    **{f"stage{s}-bf16": ("tower", s, {"bucket_cap_mb": TOWER_CAP_MB, "mixed_precision": "bf16"}) for s in range(4)},
+    "stage3-keep-gathered": ("tower", 3, {"reshard_after_forward": False}),
+    "stage2-uneven": ("uneven", 2, {"bucket_cap_mb": 1.0}),
+}
+MEMORY_CASES = [f"stage{s}{mp}" for mp in ("", "-bf16") for s in range(4)]
+
+
+@functools.lru_cache(maxsize=None)
+def measured() -> dict[str, dict[str, Any]]:
+    """Rank 0's measurements for every case (one harness call for all)."""
+    return run_ranks(_measure, 2, CASES, timeout=60)[0]
+
+
+def _estimates(case: str) -> tuple[Any, Any]:
+    """The planner's memory and communication estimates for a case, as tools/estimate.py
+    makes them (mixed precision: reduce in fp32, gather and broadcast buffers in bf16)."""
+    model_name, stage, options = CASES[case]
+    cap = options.get("bucket_cap_mb", 25.0)
+    memory = estimate_memory(MODELS[model_name](), 2, stage, mixed_precision=options.get("mixed_precision"),
+                             bucket_cap_mb=cap)
+    mp = memory.mixed_precision
+    comm = estimate_communication(
+        MODELS[model_name](), 2, stage, reduce_bytes=memory.reduce_bytes,
+        gather_bytes=memory.param_bytes if mp else None, bucket_cap_mb=cap,
+        reshard_after_forward=options.get("reshard_after_forward", True),
+        buffer_dtype=mp.buffer_dtype if mp else None,
+    )
+    return memory, comm
+
+
+def _peak_workspace(memory: dict[str, int], stage: int) -> int:
+    """What the planner's ``workspace`` models: transient buffers at their peak. The engines
+    report the staging peak, and at stage 3 the parameter peak including gathered units."""
+    if stage == 2:
+        return memory["peak_staging"]
+    return memory["peak_staging"] + memory["peak_params"] - memory["params"]
+
+
+@pytest.mark.parametrize("case", MEMORY_CASES)
+def test_memory_matches_the_engines_within_10_percent(case: str) -> None:
+    """params, grads and optimizer state within 10% of what the engine holds (they match to
+    Adam's per-tensor ``step`` scalars; the margin is for padding at other world sizes).
+    Workspace too: with equal buckets and units arriving in order the model is exact, so
+    10% also covers only padding. ``memory_stats()["workspace"]`` itself is what stays
+    allocated between steps (a staging pool), so the peak is compared."""
+    stage = CASES[case][1]
+    memory = measured()[case]["memory"]
+    estimate, _ = _estimates(case)
+    assert estimate.param_count == TOWER_PSI
+    for kind in ("params", "grads", "optimizer_state"):
+        assert memory[kind] == pytest.approx(getattr(estimate, kind), rel=0.10), f"{case}: {kind}"
+    assert memory["params"] + memory["grads"] + memory["optimizer_state"] == pytest.approx(
+        estimate.model_state, rel=0.10
+    )
+    if stage < 2:
+        assert memory["workspace"] == estimate.workspace == 0
+        assert memory["total"] == pytest.approx(estimate.total, rel=0.10)
+    else:
+        assert _peak_workspace(memory, stage) == pytest.approx(estimate.workspace, rel=0.10)
+        assert memory["workspace"] <= estimate.workspace  # what stays allocated is within the peak
+
+
+def test_workspace_bounds_uneven_buckets() -> None:
+    """Buckets of 256 to 1M elements: the model (3 largest buckets) is an upper bound of
+    the staging peak (3 consecutive buckets) when gradients arrive in bucket order."""
+    memory = measured()["stage2-uneven"]["memory"]
+    estimate, _ = _estimates("stage2-uneven")
+    assert memory["peak_staging"] <= estimate.workspace <= 1.25 * memory["peak_staging"]
+    assert memory["total"] <= estimate.total
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_communication_matches_measured_bytes(case: str) -> None:
+    """Bytes sent per step, by kind and in total, equal ``comm_stats()`` (which reports
+    payload and padding apart; the model ignores padding), every step."""
+    _, estimate = _estimates(case)
+    for step, comm in enumerate(measured()[case]["comm"]):
+        sent = {op: stats["sent_bytes"] for op, stats in comm.items() if op != "total"}
+        assert sent == pytest.approx(estimate.as_dict()), f"step {step}"
+        assert comm["total"]["sent_bytes"] == pytest.approx(estimate.sent_bytes)
+        total_with_padding = comm["total"]["sent_bytes"] + comm["total"]["padding_sent_bytes"]
+        assert abs(total_with_padding - estimate.sent_bytes) <= comm["total"]["padding_sent_bytes"] + 1e-6
+        assert sum(stats["calls"] for op, stats in comm.items() if op != "total") == estimate.calls
+
+
+# --------------------------------------------------------------------------- tools/estimate.py
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("estimate_tool", ROOT / "tools" / "estimate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _start_tool(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "tools" / "estimate.py"), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+
+
+def test_tool_end_to_end() -> None:
+    # Both at once: each pays for importing torch.
+    good = _start_tool("--params", "7B", "--world-size", "8", "--world-size", "64",
+                       "--bandwidth", "25", "--latency", "10", "--budget", "80GB")
+    bad = _start_tool("--params", "7B", "--world-size", "1", "--budget", "10GB")
+    (stdout, stderr), (_, bad_stderr) = good.communicate(timeout=60), bad.communicate(timeout=60)
+    assert good.returncode == 0, stderr
+    lines = stdout.splitlines()
+    assert lines[0].startswith("7,000,000,000 trainable parameters")
+    rows = [line.split() for line in lines[2:]]
+    assert [(r[0], r[1]) for r in rows] == [(str(n), str(s)) for n in (8, 64) for s in range(4)]
+    for row in rows:
+        n, stage = int(row[0]), int(row[1])
+        e = estimate_memory(PSI, n, stage)
+        assert " ".join(row[10:12]) == format_bytes(e.total)
+        comm = estimate_communication(PSI, n, stage, bandwidth_gbps=25, latency_us=10)
+        assert float(row[14]) == pytest.approx(comm.seconds, abs=1e-3)
+        assert ("picks" in row) == (stage == choose_stage(PSI, n, "80GB"))
+
+    assert bad.returncode != 0
+    assert bad_stderr.startswith("error: no stage fits --budget 10GB") and bad_stderr.count("\n") == 1
+
+
+def test_tool_with_a_model_factory(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _tool().main(["--model", "tests.test_planner:tower", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{TOWER_PSI:,} trainable parameters")
+    assert format_bytes(estimate_memory(Tower(), 2, 3).total) in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--params", "7x", "--world-size", "8"], "cannot read parameter count '7x'"),
+        (["--model", "nope.nothing:f", "--world-size", "8"], "cannot import 'nope.nothing'"),
+        (["--model", "tests.test_planner:nothing", "--world-size", "8"], "has no factory 'nothing'"),
+        (["--model", "tests.test_planner", "--world-size", "8"], "MODULE:FACTORY"),
+        (["--params", "7B", "--world-size", "8", "--budget", "lots"], "cannot read memory size 'lots'"),
+        (["--params", "7B", "--world-size", "8", "--budget", "1GB"], "no stage fits --budget 1GB"),
+        (["--params", "7B", "--world-size", "0"], "--world-size must be >= 1"),
+        (["--params", "7B"], "--world-size"),
+        (["--params", "7B", "--world-size", "8", "--bogus"], "unrecognized arguments: --bogus"),
+        (["--params", "7B", "--model", "tests.test_planner:tower", "--world-size", "8"], "not allowed with"),
+    ],
+)
+def test_tool_bad_input_is_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    tool = _tool()
+    try:
+        code = tool.main(argv)
+    except SystemExit as exit:  # argparse's own errors
+        code = exit.code
+    assert code != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_docs_tables_are_the_tools_output(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/planner.md pastes the tool's output; keep it true."""
+    doc = (ROOT / "docs" / "planner.md").read_text()
+    blocks = re.findall(r"```\n\$ python tools/estimate.py ([^\n]*)\n(.*?)```", doc, re.S)
+    assert len(blocks) >= 2
+    for argv, pasted in blocks:
+        assert _tool().main(shlex.split(argv)) == 0
+        assert capsys.readouterr().out == pasted, f"docs/planner.md is stale for: {argv}"
