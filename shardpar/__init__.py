@@ -4,6 +4,7 @@
 job: stage 0 is DDP, stages 1-3 are ZeRO (optimizer state, gradients, parameters sharded).
 """
 
+from .amp import GradScaler
 from .config import MixedPrecision, ShardConfig
 from .errors import CheckpointError
 from .module import ShardedModule
@@ -12,6 +13,7 @@ from .planner import CommEstimate, MemoryEstimate, choose_stage, estimate_commun
 from .wrap import wrap
 
 __all__ = [
+    "GradScaler",
     "CommEstimate",
     "MemoryEstimate",
     "choose_stage",

@@ -6,10 +6,12 @@ holds every parameter no other unit claims. A parameter registered by several mo
 tied embedding and LM head) belongs to the innermost unit that encloses all of them, so it
 is gathered whenever any of its users runs -- no user change needed for tied weights.
 Each unit keeps one :class:`ShardedFlatParams` per (dtype, trainable) of its parameters:
-a persistent shard (1/N) and a full buffer whose storage exists only while gathered. The
-parameters are permanent views of the full buffer with their original shapes; freeing
-the storage (``resize_(0)``) and gathering into it again leaves every Parameter object,
-and the tensors autograd saved for backward, pointing at the right memory.
+a persistent shard (1/N) and a full buffer whose storage exists only while gathered.
+While gathered, parameters are views of the full buffer with their original shapes; while
+sharded, they point at a NaN scalar expanded to their shape (reading a parameter outside
+forward gives NaN, never freed memory). The Parameter objects never change, and tensors
+autograd saved in forward (the parameter, or views of its storage) see the data again once
+the storage is re-allocated and gathered for backward.
 
 [Note: one step at stage 3]
 forward:  unit pre-hook -> all-gather (or wait for the prefetched gather) -> prefetch the
@@ -32,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import collectives as C
 from ..buffer import ShardPiece
@@ -58,6 +60,14 @@ class ShardedFlatParams(FlatParams):
         self.trainable = trainable
         self.shard = self.values  # replaced by shard_storage() once ranks agree on the values
         self._send: torch.Tensor | None = None
+        self._views = {name: self.layout.view(self.data, name) for name in self.params}
+        # While sharded, parameters point at a NaN scalar expanded to their shape: reading one
+        # outside forward shows NaN instead of touching freed memory. See [Note: units].
+        self._placeholder = torch.full((), float("nan"), dtype=self.dtype, device=self.device)
+
+    @property
+    def is_gathered(self) -> bool:
+        return self.data.untyped_storage().nbytes() > 0
 
     @property
     def full_bytes(self) -> int:
@@ -71,10 +81,14 @@ class ShardedFlatParams(FlatParams):
         self.free_full()
 
     def free_full(self) -> None:
+        for param in self.params.values():
+            param.data = self._placeholder.expand(param.shape)
         self.data.untyped_storage().resize_(0)
 
     def start_gather(self, group: Any, stats: C.CommStats) -> C.Handle:
         self.data.untyped_storage().resize_(self.full_bytes)
+        for name, param in self.params.items():
+            param.data = self._views[name]
         # Mixed precision: gather the compute dtype (half the bytes of the fp32 shard).
         self._send = self.shard if self.shard.dtype == self.dtype else self.shard.to(self.dtype)
         return C.all_gather(
@@ -94,6 +108,8 @@ class Unit:
         self._handles: list[C.Handle] = []
         self.trainable_flats_pending = sum(f.trainable for f in flats)
         """Trainable flats whose gradients are not final yet in this backward."""
+        self.pending_backward = 0
+        """Forward calls (with autograd) whose backward has not reached this unit's inputs yet."""
 
     @property
     def backward_done(self) -> bool:
@@ -101,10 +117,13 @@ class Unit:
         return any(f.trainable for f in self.flats) and self.trainable_flats_pending == 0
 
     def start_unshard(self, engine: "ParameterShardEngine") -> None:
-        if self.state is not ShardState.SHARDED:
+        if self.state is ShardState.GATHERING:
+            return
+        missing = [flat for flat in self.flats if not flat.is_gathered]
+        if not missing:  # all gathered (a unit may have had only its frozen flats freed)
             return
         with torch.no_grad():
-            self._handles = [flat.start_gather(engine.group, engine.comm) for flat in self.flats]
+            self._handles = [flat.start_gather(engine.group, engine.comm) for flat in missing]
         self.state = ShardState.GATHERING
         engine.note_params_gathered()
 
@@ -127,7 +146,7 @@ class Unit:
             self._handles = []
         for flat in flats if flats is not None else self.flats:
             flat.free_full()
-        if flats is None or all(f.data.untyped_storage().nbytes() == 0 for f in self.flats):
+        if not any(f.is_gathered for f in self.flats):
             self.state = ShardState.SHARDED
 
 
@@ -201,6 +220,20 @@ def _output_tensors(output: Any) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward tells the engine the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx, engine, unit, *tensors):  # type: ignore[override]
+        ctx.engine, ctx.unit = engine, unit
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.engine._post_backward(ctx.unit)
+        return (None, None) + grads
+
+
 class ParameterShardEngine(GradientShardEngine):
     """Stage 3: stage 2 plus sharded parameters, gathered per unit around its compute."""
 
@@ -253,13 +286,31 @@ class ParameterShardEngine(GradientShardEngine):
     # ------------------------------------------------------------------ forward
 
     def _make_pre_forward(self, unit: Unit) -> Callable:
-        def pre_forward(module: nn.Module, args: Any) -> None:
+        def pre_forward(module: nn.Module, args: Any) -> Any:
             if not self._order_checked:
+                self._check_same_unit_across_ranks(unit)
                 self._forward_order.append(unit)
             unit.wait_unsharded(self)
             self._prefetch_after(unit, self._forward_order)
+            if torch.is_grad_enabled() and any(not flat.trainable for flat in unit.flats):
+                return self._hook_post_backward(unit, args)
+            return None
 
         return pre_forward
+
+    def _hook_post_backward(self, unit: Unit, args: Any) -> Any:
+        """Frozen flats are freed when the backward reaches the unit's inputs. An identity
+        autograd Function on the inputs (not a tensor hook) runs before the hooks on those
+        tensors, i.e. before the previous unit's pre-backward starts its prefetch."""
+        leaves, spec = tree_flatten(args)
+        positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not positions:
+            return None  # freed in after_backward
+        unit.pending_backward += 1
+        outputs = _PostBackward.apply(self, unit, *[leaves[i] for i in positions])
+        for i, tensor in zip(positions, outputs):
+            leaves[i] = tensor
+        return tree_unflatten(leaves, spec)
 
     def _make_post_forward(self, unit: Unit) -> Callable:
         def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
@@ -286,15 +337,28 @@ class ParameterShardEngine(GradientShardEngine):
             ):
                 unit.reshard()
 
+    def _check_same_unit_across_ranks(self, unit: Unit) -> None:
+        """First forward only: before a unit's gather (a collective), check that every rank is
+        about to gather the same unit, so a rank-dependent forward raises on every rank instead
+        of pairing collectives of different units (wrong values, a gloo abort, or a hang)."""
+        names = C.all_gather_objects(("unit", unit.name), group=self.group)
+        for rank, other in enumerate(names):
+            if other != names[0]:
+                raise RuntimeError(
+                    f"stage 3: units ran in a different order on different ranks: rank {rank} is at "
+                    f"{other!r} where rank 0 is at {names[0]!r}; every rank must call the same "
+                    "submodules in the same order"
+                )
+
     def _check_order_across_ranks(self) -> None:
         """Gathers are collectives: every rank must run units in the same order."""
         order = [u.name for u in self._forward_order]
-        orders = C.all_gather_objects(order, group=self.group)
-        for rank, other in enumerate(orders):
-            if other != orders[0]:
+        orders = C.all_gather_objects(("order", order), group=self.group)  # tagged: see above
+        for rank, (_, other) in enumerate(orders):
+            if other != orders[0][1]:
                 raise RuntimeError(
                     f"stage 3: units ran in a different order on rank {rank} than on rank 0 "
-                    f"({other} vs {orders[0]}); every rank must call the same submodules in the same order"
+                    f"({other} vs {orders[0][1]}); every rank must call the same submodules in the same order"
                 )
         self._order_checked = True
 
@@ -313,6 +377,13 @@ class ParameterShardEngine(GradientShardEngine):
         unit.wait_unsharded(self)
         self._prefetch_after(unit, [u for u in self._forward_order[::-1] if not u.backward_done])
 
+    def _post_backward(self, unit: Unit) -> None:
+        """The backward of one call of ``unit`` reached its inputs; after the last pending
+        call its frozen parameters are not needed any more (trainable ones: on_bucket_complete)."""
+        unit.pending_backward -= 1
+        if unit.pending_backward == 0:
+            unit.reshard([flat for flat in unit.flats if not flat.trainable])
+
     def on_bucket_complete(self, bucket: GradBucket) -> None:
         """All gradients of this flat are final: its full parameters are no longer needed."""
         unit = self.unit_of_flat[bucket.flat]
@@ -323,6 +394,7 @@ class ParameterShardEngine(GradientShardEngine):
         for unit in self.units:
             unit.reshard()
             unit.trainable_flats_pending = sum(f.trainable for f in unit.flats)
+            unit.pending_backward = 0
 
     # ------------------------------------------------------------------ shards
 

@@ -1,0 +1,129 @@
+"""Dynamic loss scaling for fp16 training at any stage.
+
+Used exactly like ``torch.amp.GradScaler``::
+
+    scaler = shardpar.GradScaler(model)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)              # optional: before clipping
+    model.clip_grad_norm_(1.0)
+    scaler.step(opt)                  # skipped on every rank if any rank saw inf/nan
+    scaler.update()
+
+The difference from torch's: gradients may be sharded, so an inf/nan can be visible on one
+rank only. ``unscale_`` checks this rank's gradients and combines the verdict with one
+all-reduce (max) of a flag, so every rank skips or takes the same step and the scale stays
+identical everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import collectives as C
+from .module import ShardedModule
+
+
+class GradScaler:
+    """Loss scaler whose overflow check spans all ranks' gradient shards."""
+
+    def __init__(
+        self,
+        model: ShardedModule,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        if not isinstance(model, ShardedModule):
+            raise TypeError(f"GradScaler needs the model returned by shardpar.wrap, got {type(model).__name__}")
+        if not growth_factor > 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+        if growth_interval < 1:
+            raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
+        self.model = model
+        self.enabled = enabled
+        self._scale = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self._growth_tracker = 0
+        self._unscaled = False
+        self._found_inf = False
+        self.skipped_steps = 0
+
+    def get_scale(self) -> float:
+        return self._scale if self.enabled else 1.0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self._scale if self.enabled else loss
+
+    def unscale_(self, optimizer: Any = None) -> None:
+        """Divide this rank's gradients by the scale and agree across ranks on overflow."""
+        if not self.enabled:
+            return
+        if self._unscaled:
+            raise RuntimeError("unscale_() was already called since the last update()")
+        engine = self.model.engine
+        grads, _ = engine.owned_grads()
+        found = torch.zeros((), dtype=torch.float32, device=engine.device)
+        with torch.no_grad():
+            for grad in grads:
+                grad.mul_(1.0 / self._scale)
+                found = torch.maximum(found, (~torch.isfinite(grad)).any().float())
+        # Always reduced, even when gradients are replicated: it costs 4 bytes and keeps the
+        # decision identical on every rank whatever a rank's local numerics did.
+        C.all_reduce(found, group=engine.group, op="max")
+        self._found_inf = bool(found.item())
+        self._unscaled = True
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step()`` unless some rank found inf/nan gradients."""
+        if not self.enabled:
+            return optimizer.step(*args, **kwargs)
+        if not self._unscaled:
+            self.unscale_(optimizer)
+        if self._found_inf:
+            self.skipped_steps += 1
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self) -> None:
+        """Back off after an overflow, grow after ``growth_interval`` clean steps."""
+        if not self.enabled:
+            return
+        if self._found_inf:
+            self._scale *= self.backoff_factor
+            self._growth_tracker = 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                self._scale *= self.growth_factor
+                self._growth_tracker = 0
+        self._unscaled = False
+        self._found_inf = False
+
+    @property
+    def found_inf(self) -> bool:
+        """Whether the last ``unscale_`` saw inf/nan on any rank."""
+        return self._found_inf
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self._scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "growth_tracker": self._growth_tracker,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._scale = float(state["scale"])
+        self.growth_factor = state["growth_factor"]
+        self.backoff_factor = state["backoff_factor"]
+        self.growth_interval = state["growth_interval"]
+        self._growth_tracker = state["growth_tracker"]
