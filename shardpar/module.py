@@ -32,6 +32,7 @@ class ShardedModule(nn.Module):
         return self.engine.stage
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.engine.check_requires_grad()
         self.engine.pre_forward()
         args, kwargs = self.engine.cast_inputs(args, kwargs)
         return self.module(*args, **kwargs)

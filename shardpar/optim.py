@@ -115,9 +115,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
-        self.engine.before_optimizer_step()
-        loss = self.inner.step(closure) if closure is not None else self.inner.step()
-        self.engine.after_optimizer_step()
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        else:
+            loss = None
+        # No backward reduced gradients since zero_grad(): as torch does when every .grad is
+        # None, the step changes nothing (no weight decay, no moment update).
+        if self.engine.grads_ready:
+            self.engine.before_optimizer_step()
+            self.inner.step()
+            self.engine.after_optimizer_step()
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss

@@ -108,6 +108,9 @@ class Engine:
         self.trainable = [(n, p) for n, p in self.named_params if p.requires_grad]
         self.frozen = [(n, p) for n, p in self.named_params if not p.requires_grad]
         self.aliases = tied_names(module)
+        self._requires_grad = [p.requires_grad for _, p in self.named_params]
+        self.grads_ready = False
+        """Some backward reduced gradients since the last zero_grad (else step() is a no-op)."""
         self.original_dtypes = {name: p.dtype for name, p in self.named_params}
         """Parameter dtypes as created: what checkpoints and full state dicts hold."""
         # The wrapped module's own zero_grad must clear the engine's gradients too.
@@ -179,7 +182,22 @@ class Engine:
         raise NotImplementedError
 
     def zero_grad(self) -> None:
+        """Reset gradients to zero wherever this stage keeps them."""
+        self.clear_grads()
+        self.grads_ready = False
+
+    def clear_grads(self) -> None:
         raise NotImplementedError
+
+    def check_requires_grad(self) -> None:
+        """Which parameters train is fixed at wrap time (it decides buffers and hooks)."""
+        now = [p.requires_grad for _, p in self.named_params]
+        if now != self._requires_grad:
+            name = next(n for (n, p), before in zip(self.named_params, self._requires_grad) if p.requires_grad != before)
+            raise RuntimeError(
+                f"requires_grad of parameter '{name}' changed after shardpar.wrap; freeze or "
+                "unfreeze parameters before wrapping (wrap the model again to change them)"
+            )
 
     def optimizer_tensors(self, names: Sequence[str]) -> list[TensorPiece]:
         """The tensors the wrapped optimizer updates for these parameters, on this rank."""

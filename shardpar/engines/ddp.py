@@ -324,6 +324,7 @@ class AllReduceEngine(Engine):
                     self._finish_oldest()
                 self._next_launch = 0
                 self.last_backward_wait_s = time.perf_counter() - started
+                self.grads_ready = True
             self.after_backward()
 
     def after_backward(self) -> None:
@@ -334,7 +335,7 @@ class AllReduceEngine(Engine):
     def pre_forward(self) -> None:
         self.broadcast_buffers()
 
-    def zero_grad(self) -> None:
+    def clear_grads(self) -> None:
         for flat, grad in self.grad_data.items():
             grad.zero_()
             self.master_grads[flat].zero_()

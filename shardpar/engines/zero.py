@@ -118,7 +118,7 @@ class OptimizerShardEngine(AllReduceEngine):
         self.wait_for_params()
         self.broadcast_buffers()
 
-    def zero_grad(self) -> None:
+    def clear_grads(self) -> None:
         for grad in list(self.grad_data.values()) + list(self.master_grad_shards.values()):
             grad.zero_()
         for name, param in self.trainable:
@@ -278,7 +278,7 @@ class GradientShardEngine(OptimizerShardEngine):
         self.wait_for_params()
         self.broadcast_buffers()
 
-    def zero_grad(self) -> None:
+    def clear_grads(self) -> None:
         for shard in self.grad_shards.values():
             shard.zero_()
         for _, param in self.trainable:
