@@ -3,12 +3,10 @@ checkpoint discovery. Plain torch only; nothing here depends on shardpar interna
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -22,11 +20,9 @@ __all__ = [
     "init_distributed",
     "warmup_cosine",
     "all_reduce_mean",
-    "latest_checkpoint",
 ]
 
 # Name of shardpar's checkpoint manifest (API.md, "Checkpoint on disk").
-MANIFEST = "shardpar.json"
 
 
 @dataclass(frozen=True)
@@ -107,21 +103,3 @@ def all_reduce_mean(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.item() / dist.get_world_size()
-
-
-def latest_checkpoint(ckpt_dir: str | os.PathLike[str]) -> Path | None:
-    """Newest subdirectory of `ckpt_dir` whose manifest parses, or None.
-
-    A directory without a valid manifest is an interrupted save, never a checkpoint, so it is
-    skipped rather than trusted. "Newest" is by name: the recipe names them step-NNNNNNNN.
-    """
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return None
-    for candidate in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):
-        try:
-            json.loads((candidate / MANIFEST).read_text())
-        except (OSError, ValueError):
-            continue
-        return candidate
-    return None

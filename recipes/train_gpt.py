@@ -31,14 +31,22 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import shardpar
 from recipes.common import (
-    DistEnv, all_reduce_mean, dist_env, init_distributed, latest_checkpoint, setup_device,
+    DistEnv, all_reduce_mean, dist_env, init_distributed, setup_device,
     setup_logging, warmup_cosine,
 )
 from recipes.data import CharDataset, load_dataset
 from recipes.gpt import param_groups, small_gpt, tiny_gpt
 
 log = logging.getLogger("train_gpt")
-MODELS = {"tiny": tiny_gpt, "small": small_gpt}
+
+
+def _hf_llama(**kwargs: Any) -> torch.nn.Module:
+    from recipes.hf_llama import hf_llama  # optional extra: imported only when asked for
+
+    return hf_llama(**kwargs)
+
+
+MODELS = {"tiny": tiny_gpt, "small": small_gpt, "hf-llama": _hf_llama}
 PRECISIONS = {"none": None, "bf16": "bf16", "fp16": "fp16"}
 
 
@@ -95,15 +103,15 @@ class Run:
 def build(args: argparse.Namespace, env: DistEnv, device: torch.device) -> Run:
     torch.manual_seed(args.seed)  # identical init everywhere; wrap() also broadcasts rank 0's
     module = MODELS[args.model](block_size=args.block_size).to(device)
-    log.info("%s GPT: %.2fM parameters, world size %d, stage %d",
-             args.model, module.num_params() / 1e6, env.world_size, args.stage)
+    log.info("%s model: %.2fM parameters, world size %d, stage %d",
+             args.model, sum(p.numel() for p in module.parameters()) / 1e6, env.world_size, args.stage)
     model = shardpar.wrap(module, stage=args.stage, bucket_cap_mb=args.bucket_cap_mb,
                           mixed_precision=PRECISIONS[args.mixed_precision])
     opt = shardpar.optimizer(model, torch.optim.AdamW, param_groups(model), lr=args.lr,
                              weight_decay=args.weight_decay, betas=(0.9, 0.95))
 
     start_step = 0
-    resume = latest_checkpoint(args.ckpt_dir) if args.resume == "latest" else args.resume
+    resume = shardpar.latest_checkpoint(args.ckpt_dir) if args.resume == "latest" else args.resume
     if resume is not None:
         extra = shardpar.load_checkpoint(str(resume), model, opt)
         start_step = int(extra["step"])

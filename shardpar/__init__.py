@@ -11,6 +11,7 @@ from .module import ShardedModule
 from .optim import ShardedOptimizer, optimizer
 from .planner import CommEstimate, MemoryEstimate, choose_stage, estimate_communication, estimate_memory
 from .wrap import wrap
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_full
 
 __all__ = [
     "GradScaler",
@@ -26,5 +27,9 @@ __all__ = [
     "ShardedOptimizer",
     "optimizer",
     "wrap",
+    "save_checkpoint",
+    "load_checkpoint",
+    "save_full",
+    "latest_checkpoint",
 ]
 __version__ = "0.1.0"

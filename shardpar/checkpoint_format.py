@@ -1,0 +1,499 @@
+"""What a shardpar checkpoint is: the manifest (``shardpar.json``) that says where every
+piece of every tensor lives, its validation, ``latest``, and reading any range of any tensor
+from whichever files hold it. Specified in ``docs/checkpoint-format.md``; the files
+themselves are written and read by :mod:`shardpar.checkpoint_io`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from .checkpoint_io import (
+    CHUNK_BYTES,
+    FileView,
+    dtype_name,
+    parse_dtype,
+    write_text_atomic,
+)
+from .errors import CheckpointError
+
+FORMAT_NAME = "shardpar-checkpoint"
+FORMAT_VERSION = 1
+"""Newest manifest version this code reads (and the one it writes)."""
+MANIFEST = "shardpar.json"
+LATEST = "latest"
+KINDS = ("param", "frozen", "buffer")
+
+
+# --------------------------------------------------------------------------- names
+
+def check_file_name(name: Any, where: str) -> str:
+    """A file named by a manifest or index must be a plain name inside the directory."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{where}: file name {name!r} is not a string")
+    if os.path.isabs(name) or name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
+        raise CheckpointError(f"{where}: file name {name!r} is absolute; refusing to read outside the checkpoint")
+    if ".." in re.split(r"[/\\]", name):
+        raise CheckpointError(f"{where}: file name {name!r} contains '..'; refusing to read outside the checkpoint")
+    if "/" in name or "\\" in name or "\0" in name or name in (".", MANIFEST):
+        raise CheckpointError(f"{where}: file name {name!r} is not a plain file name")
+    return name
+
+def rank_file_name(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+def piece_key(ref: tuple[str, ...], start: int, end: int) -> str:
+    """Key of one stored piece: ``emb.weight[0:64]`` or ``optimizer/exp_avg/emb.weight[0:64]``."""
+    if ref[0] == "model":
+        return f"{ref[1]}[{start}:{end}]"
+    return f"optimizer/{ref[2]}/{ref[1]}[{start}:{end}]"
+
+def check_replaceable(target: Path) -> None:
+    """Refuse to replace something that is not a checkpoint (it might be anything)."""
+    if target.exists() and not (target.is_dir() and ((target / MANIFEST).is_file() or not any(target.iterdir()))):
+        raise CheckpointError(
+            f"{target} exists and is not a shardpar checkpoint (no {MANIFEST}); refusing to replace it"
+        )
+
+def write_latest(target: Path) -> None:
+    """Point ``<parent>/latest`` at the checkpoint directory ``target`` (its name)."""
+    write_text_atomic(target.parent / LATEST, target.name + "\n")
+
+# --------------------------------------------------------------------------- the manifest
+
+@dataclass(frozen=True)
+class FileRecord:
+    name: str
+    bytes: int
+    sha256: str
+    rank: int | None = None
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, end)`` of a tensor flattened to 1-D, stored under ``key`` in ``file``
+    as a 1-D tensor of ``end - start`` elements."""
+
+    file: str
+    key: str
+    start: int
+    end: int
+
+@dataclass
+class TensorEntry:
+    """One stored tensor (a model tensor, or one optimizer state of one parameter)."""
+
+    name: str
+    """Model tensors: the state-dict name. Optimizer state: ``"<param> <state key>"``."""
+    kind: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind} if self.kind else {}
+        out.update(dtype=dtype_name(self.dtype), shape=list(self.shape),
+                   pieces=[{"file": p.file, "key": p.key, "start": p.start, "end": p.end} for p in self.pieces])
+        return out
+
+    def overlapping(self, start: int, end: int) -> Iterator[tuple[Piece, int, int]]:
+        """Pieces holding part of ``[start, end)``, with the overlap (param space)."""
+        for piece in self.pieces:
+            a, b = max(start, piece.start), min(end, piece.end)
+            if a < b:
+                yield piece, a, b
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise CheckpointError(message)
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+def _parse_entry(name: str, raw: Any, kind: str, files: dict[str, FileRecord], where: str) -> TensorEntry:
+    _expect(isinstance(raw, dict), f"{where}: tensor '{name}' is not an object")
+    dtype = parse_dtype(raw.get("dtype"), f"{where}: tensor '{name}': ")
+    shape = raw.get("shape")
+    _expect(isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape),
+            f"{where}: tensor '{name}' has an invalid shape {shape!r}")
+    entry = TensorEntry(name, kind, dtype, tuple(shape))
+    pieces = raw.get("pieces")
+    _expect(isinstance(pieces, list), f"{where}: tensor '{name}' has no list of pieces")
+    for p in pieces:
+        _expect(isinstance(p, dict) and isinstance(p.get("key"), str)
+                and _is_int(p.get("start")) and _is_int(p.get("end")),
+                f"{where}: tensor '{name}' has a malformed piece {p!r}")
+        _expect(p.get("file") in files, f"{where}: tensor '{name}' has a piece in file {p.get('file')!r}, "
+                                        "which the manifest's file table does not list")
+        entry.pieces.append(Piece(p["file"], p["key"], p["start"], p["end"]))
+    check_coverage(entry, where)
+    return entry
+
+def check_coverage(entry: TensorEntry, where: str) -> None:
+    """Pieces must tile ``[0, numel)`` exactly: no gap, no overlap, nothing outside."""
+    position = 0
+    for piece in sorted(entry.pieces, key=lambda p: (p.start, p.end)):
+        _expect(piece.start < piece.end, f"{where}: tensor '{entry.name}' has an empty or reversed piece "
+                                         f"[{piece.start}, {piece.end}) in {piece.file}")
+        _expect(piece.start <= position, f"{where}: piece coverage of tensor '{entry.name}' does not add up: "
+                                         f"elements [{position}, {piece.start}) are in no piece")
+        _expect(piece.start >= position, f"{where}: piece coverage of tensor '{entry.name}' does not add up: "
+                                         f"elements [{piece.start}, {min(position, piece.end)}) are stored twice")
+        position = piece.end
+    if position != entry.numel:
+        raise CheckpointError(f"{where}: piece coverage of tensor '{entry.name}' does not add up: the pieces "
+                              f"cover elements [0, {position}), the tensor has {entry.numel}")
+
+@dataclass
+class OptimizerRecord:
+    class_name: str
+    param_groups: list[dict[str, Any]]
+    """``{"params": [names], "hyperparameters": {...}}`` per group, in order."""
+    state: dict[str, dict[str, TensorEntry]]
+    """Elementwise state: parameter name -> state key -> entry (the parameter's shape)."""
+    scalar_state: dict[str, dict[str, Any]]
+    """Per-parameter scalar state: parameter name -> state key -> encoded value."""
+
+@dataclass
+class Manifest:
+    directory: Path
+    raw: dict[str, Any]
+    format_version: int
+    stage: int
+    world_size: int
+    files: dict[str, FileRecord]
+    tensors: dict[str, TensorEntry]
+    """Model tensors in state-dict order, aliases excluded."""
+    aliases: dict[str, str]
+    optimizer: OptimizerRecord | None
+    extra: Any
+
+    @property
+    def path(self) -> Path:
+        return self.directory / MANIFEST
+
+    def entries(self) -> Iterator[TensorEntry]:
+        """Every stored tensor: the model's, then the optimizer's."""
+        yield from self.tensors.values()
+        if self.optimizer is not None:
+            for per_key in self.optimizer.state.values():
+                yield from per_key.values()
+
+def parse_manifest(raw: Any, directory: Path) -> Manifest:
+    """Validate a manifest's JSON object; every problem is a CheckpointError naming it."""
+    where = f"manifest {directory / MANIFEST}"
+    _expect(isinstance(raw, dict), f"{where} is not a JSON object")
+    _expect(raw.get("format") == FORMAT_NAME, f"{where} is not a shardpar checkpoint manifest "
+                                              f"(format {raw.get('format')!r}, expected {FORMAT_NAME!r})")
+    version = raw.get("format_version")
+    _expect(_is_int(version) and version >= 1, f"{where} has an invalid format_version {version!r}")
+    _expect(version <= FORMAT_VERSION, f"{where} has format_version {version}, newer than {FORMAT_VERSION}, the "
+                                       "newest this shardpar reads; upgrade shardpar to load it")
+    for key in ("stage", "world_size"):
+        _expect(_is_int(raw.get(key)), f"{where}: '{key}' is missing or not an integer")
+
+    files_raw = raw.get("files")
+    _expect(isinstance(files_raw, dict), f"{where}: 'files' is missing or not an object")
+    files: dict[str, FileRecord] = {}
+    for name, record in files_raw.items():
+        check_file_name(name, where)
+        _expect(isinstance(record, dict) and _is_int(record.get("bytes")) and isinstance(record.get("sha256"), str),
+                f"{where}: file '{name}' needs integer 'bytes' and string 'sha256'")
+        files[name] = FileRecord(name, record["bytes"], record["sha256"], record.get("rank"))
+
+    tensors_raw = raw.get("tensors")
+    _expect(isinstance(tensors_raw, dict), f"{where}: 'tensors' is missing or not an object")
+    tensors = {}
+    for name, entry in tensors_raw.items():
+        kind = entry.get("kind") if isinstance(entry, dict) else None
+        _expect(kind in KINDS, f"{where}: tensor '{name}' has kind {kind!r}, expected one of {KINDS}")
+        tensors[name] = _parse_entry(name, entry, kind, files, where)
+
+    aliases = raw.get("aliases", {})
+    _expect(isinstance(aliases, dict) and all(isinstance(v, str) and v in tensors for v in aliases.values()),
+            f"{where}: 'aliases' must map names to stored tensors")
+
+    optimizer = None
+    opt_raw = raw.get("optimizer")
+    if opt_raw is not None:
+        _expect(isinstance(opt_raw, dict) and isinstance(opt_raw.get("class"), str)
+                and isinstance(opt_raw.get("param_groups"), list),
+                f"{where}: 'optimizer' needs 'class' and 'param_groups'")
+        for index, group in enumerate(opt_raw["param_groups"]):
+            _expect(isinstance(group, dict) and isinstance(group.get("params"), list)
+                    and isinstance(group.get("hyperparameters"), dict),
+                    f"{where}: optimizer param group {index} needs 'params' and 'hyperparameters'")
+        state: dict[str, dict[str, TensorEntry]] = {}
+        for param, per_key in (opt_raw.get("state") or {}).items():
+            _expect(param in tensors and isinstance(per_key, dict),
+                    f"{where}: optimizer state for unknown tensor '{param}'")
+            state[param] = {}
+            for key, entry in per_key.items():
+                parsed = _parse_entry(f"{param} {key}", entry, "", files, where)
+                _expect(parsed.shape == tensors[param].shape,
+                        f"{where}: optimizer state '{key}' of '{param}' has shape {list(parsed.shape)}, "
+                        f"the parameter {list(tensors[param].shape)}")
+                state[param][key] = parsed
+        scalar = opt_raw.get("scalar_state") or {}
+        _expect(isinstance(scalar, dict) and all(isinstance(v, dict) for v in scalar.values()),
+                f"{where}: 'scalar_state' must map parameter names to objects")
+        optimizer = OptimizerRecord(opt_raw["class"], opt_raw["param_groups"], state, scalar)
+
+    return Manifest(directory, raw, version, raw["stage"], raw["world_size"], files, tensors,
+                    dict(aliases), optimizer, raw.get("extra"))
+
+def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """Read and validate ``<directory>/shardpar.json``."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    path = directory / MANIFEST
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} has no manifest {MANIFEST}: not a shardpar checkpoint "
+                              "(or an interrupted save)") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"cannot read manifest {path}: {error}") from None
+    try:
+        raw = json.loads(text)
+    except ValueError as error:
+        raise CheckpointError(f"manifest {path} is not valid JSON: {error}") from None
+    return parse_manifest(raw, directory)
+
+def is_valid_checkpoint(directory: Path) -> bool:
+    """Cheap validity: the manifest parses and every file exists with its recorded size."""
+    try:
+        manifest = read_manifest(directory)
+        return all((directory / f.name).stat().st_size == f.bytes for f in manifest.files.values())
+    except (CheckpointError, OSError):
+        return False
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The newest valid checkpoint under ``root``: the one ``root/latest`` names if valid,
+    else the valid checkpoint directory with the newest manifest (``created_unix``)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    try:
+        name = (root / LATEST).read_text(encoding="utf-8").strip()
+        check_file_name(name, "latest")
+        if is_valid_checkpoint(root / name):
+            return root / name
+    except (OSError, UnicodeDecodeError, CheckpointError):
+        pass
+    best: tuple[float, str] | None = None
+    for candidate in root.iterdir():
+        if candidate.name.startswith(".") or not candidate.is_dir() or not is_valid_checkpoint(candidate):
+            continue
+        created = read_manifest(candidate).raw.get("created_unix")
+        key = (float(created) if isinstance(created, (int, float)) else candidate.stat().st_mtime, candidate.name)
+        best = key if best is None or key > best else best
+    return root / best[1] if best is not None else None
+
+# --------------------------------------------------------------------------- scalar values
+
+def encode_value(value: Any, where: str) -> Any:
+    """A JSON form of a scalar optimizer state value or hyperparameter (tensors included)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"{where} is a tensor of shape {list(value.shape)}; only single values are "
+                            "stored as scalar state")
+        return {"tensor": encode_value(value.item(), where), "dtype": dtype_name(value.dtype),
+                "shape": list(value.shape)}
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"float": repr(value)}  # 'nan', 'inf', '-inf': JSON has no literal for them
+    if isinstance(value, (list, tuple)):
+        return [encode_value(v, where) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"{where} is a {type(value).__name__}, which a checkpoint cannot store as JSON")
+
+def decode_value(value: Any, device: torch.device | str = "cpu") -> Any:
+    if isinstance(value, dict) and "tensor" in value:
+        return torch.tensor(decode_value(value["tensor"]), dtype=parse_dtype(value["dtype"]),
+                            device=device).reshape(value.get("shape", []))
+    if isinstance(value, dict) and "float" in value:
+        return float(value["float"])
+    if isinstance(value, list):
+        return [decode_value(v, device) for v in value]
+    return value
+
+def to_json_text(obj: Any, what: str) -> str:
+    """``json.dumps`` that raises TypeError for anything not plain JSON (NaN included)."""
+    try:
+        return json.dumps(obj, indent=1, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{what} must be JSON-serialisable: {error}") from None
+
+# --------------------------------------------------------------------------- reading
+
+@dataclass
+class _Read:
+    file: str
+    key: str
+    first: int  # element offset inside the stored piece
+    dest: torch.Tensor  # 1-D
+    entry: TensorEntry
+    piece: Piece
+
+class CheckpointReader:
+    """Reads ranges of a checkpoint's tensors from whichever files hold them.
+
+    Each file is verified (size, sha256) the first time it is opened; at most
+    ``max_open`` files stay open at once.
+    """
+
+    def __init__(self, manifest: Manifest, verify: bool = True, max_open: int = 32,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.manifest = manifest
+        self.verify = verify
+        self.max_open = max_open
+        self.progress = progress
+        self._open: OrderedDict[str, FileView] = OrderedDict()
+        self._verified: set[str] = set()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def file(self, name: str) -> FileView:
+        view = self._open.get(name)
+        if view is None:
+            record = self.manifest.files[name]
+            verify = self.verify and name not in self._verified
+            view = FileView(self.manifest.directory / name, record.bytes, record.sha256 if verify else None,
+                            progress=self.progress)
+            self._verified.add(name)
+            self._open[name] = view
+            while len(self._open) > self.max_open:
+                self._open.popitem(last=False)[1].close()
+        self._open.move_to_end(name)
+        return view
+
+    def verify_files(self, names: Iterable[str]) -> None:
+        """Check (and open) these files now, before any data is read from them."""
+        for name in sorted(set(names)):
+            self.file(name)
+
+    def plan(self, entry: TensorEntry, start: int, end: int, dest: torch.Tensor) -> list[_Read]:
+        """Reads that fill ``dest`` (1-D, ``end - start`` elements) with ``entry[start:end]``."""
+        assert dest.numel() == end - start, (entry.name, start, end, dest.numel())
+        return [_Read(p.file, p.key, a - p.start, dest[a - start : b - start], entry, p)
+                for p, a, b in entry.overlapping(start, end)]
+
+    def run(self, reads: list[_Read]) -> None:
+        """Execute reads grouped by file, in file order (sequential access per file)."""
+        for read in sorted(reads, key=lambda r: (r.file, r.key, r.first)):
+            view = self.file(read.file)
+            info = view.tensor_info(read.key, read.entry.dtype, read.piece.end - read.piece.start)
+            view.read_into(info, read.first, read.dest)
+
+    def read(self, entry: TensorEntry, start: int, end: int, dest: torch.Tensor) -> None:
+        self.run(self.plan(entry, start, end, dest))
+
+    def iter_range(self, entry: TensorEntry, start: int, end: int) -> Iterator[torch.Tensor]:
+        """``entry[start:end]`` in order, as 1-D chunks of at most :data:`CHUNK_BYTES` read into
+        one reused buffer (consume each chunk before asking for the next)."""
+        step = max(1, CHUNK_BYTES // entry.dtype.itemsize)
+        buffer = torch.empty(min(step, max(0, end - start)), dtype=entry.dtype)
+        for first in range(start, end, step):
+            last = min(end, first + step)
+            part = buffer[: last - first]
+            self.read(entry, first, last, part)
+            yield part
+
+    def close(self) -> None:
+        while self._open:
+            self._open.popitem()[1].close()
+
+# --------------------------------------------------------------------------- manifest assembly
+
+@dataclass(frozen=True)
+class StoredItem:
+    """One piece a writer put in a file: what it is (``("model", name)`` or
+    ``("state", name, key)``), its key, its range and dtype."""
+
+    ref: tuple[str, ...]
+    key: str
+    start: int
+    end: int
+    dtype: str
+
+def assemble_manifest(
+    *, stage: int, world_size: int, model: list[tuple[str, str, str, list[int]]], aliases: dict[str, str],
+    files: list[FileRecord], items: dict[str, list[StoredItem]], optimizer: dict[str, Any] | None,
+    extra: Any, layout: Any = None, torch_version: str | None = None,
+) -> dict[str, Any]:
+    """The manifest JSON object from what every file holds; validated before it is returned.
+
+    ``model``: ``(name, kind, dtype, shape)`` in state-dict order (dtype is used when a tensor
+    has no pieces); ``optimizer``: ``{"class", "param_groups", "scalar_state"}`` (the
+    elementwise state entries are built here from ``items``).
+    """
+    from . import __version__
+
+    tensors: dict[str, dict[str, Any]] = {
+        name: {"kind": kind, "dtype": dtype, "shape": list(shape), "pieces": []} for name, kind, dtype, shape in model
+    }
+    shapes = {name: list(shape) for name, _, _, shape in model}
+    state: dict[str, dict[str, dict[str, Any]]] = {}
+    for record in files:
+        for item in items.get(record.name, []):
+            if item.ref[0] == "model":
+                entry = tensors[item.ref[1]]
+            else:
+                _, name, key = item.ref
+                entry = state.setdefault(name, {}).setdefault(
+                    key, {"dtype": item.dtype, "shape": shapes[name], "pieces": []})
+            if entry["pieces"] and entry["dtype"] != item.dtype:
+                raise CheckpointError(
+                    f"pieces of {item.ref[1:]} have different dtypes ({entry['dtype']}, {item.dtype})")
+            entry["dtype"] = item.dtype
+            entry["pieces"].append({"file": record.name, "key": item.key, "start": item.start, "end": item.end})
+    for entry in list(tensors.values()) + [e for per in state.values() for e in per.values()]:
+        entry["pieces"].sort(key=lambda p: p["start"])
+    manifest: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "created_unix": time.time(),
+        "torch_version": torch_version or torch.__version__,
+        "shardpar_version": __version__,
+        "stage": stage,
+        "world_size": world_size,
+        "files": {f.name: {"bytes": f.bytes, "sha256": f.sha256, **({"rank": f.rank} if f.rank is not None else {})}
+                  for f in files},
+        "tensors": tensors,
+        "aliases": aliases,
+        "layout": layout,
+        "optimizer": None if optimizer is None else {**optimizer, "state": state},
+        "extra": extra,
+    }
+    parse_manifest(json.loads(to_json_text(manifest, "the manifest")), Path("."))  # self-check
+    return manifest
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    path = directory / MANIFEST
+    with open(path, "x", encoding="utf-8") as f:
+        f.write(to_json_text(manifest, "the manifest"))
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,484 @@
+"""The files of a checkpoint or an export, written and read without any process group:
+streaming safetensors files, ranged reads, checksums, atomic commits, the Hugging Face
+layout. What the files mean (the manifest) is :mod:`shardpar.checkpoint_format`; the
+format is specified in ``docs/checkpoint-format.md``.
+
+[Note: streaming safetensors]
+Files are ordinary ``.safetensors`` files (8-byte little-endian header length, JSON header,
+raw little-endian data), but this module writes and reads them itself instead of through
+``safetensors.torch``, for memory:
+
+- ``safetensors.torch.save_file`` wants every tensor as its own contiguous, non-overlapping
+  tensor and builds the file in memory. :class:`SafetensorsWriter` writes the header first
+  (from dtypes and shapes alone), then each tensor's bytes straight from its live storage --
+  a 1-D piece of a flat buffer is written without a copy -- hashing as it goes.
+- ``safe_open(...).get_slice(key)[a:b]`` (safetensors 0.8) maps the whole file with
+  ``UntypedStorage.from_file``: every page read stays resident in the process (measured here:
+  reading a 200 MB file slice by slice left RSS 194 MB higher, still after closing).
+  :class:`FileView` seeks to the byte range and ``readinto``\\ s the destination tensor
+  itself, so loading allocates nothing when the dtypes match, and one bounded chunk
+  (:data:`CHUNK_BYTES`) when a cast is needed.
+
+The tests read our files back with ``safetensors.safe_open`` and ``load_file``.
+
+[Note: atomic commit]
+A checkpoint is written into a hidden temporary directory next to its target (a rename
+across file systems fails), every file fsynced, the manifest written last, then one rename
+makes it visible. Replacing an existing checkpoint uses ``renameat2(RENAME_EXCHANGE)`` on
+Linux, which swaps the two directories atomically, so the old checkpoint stays intact
+until the new one is complete; elsewhere the old one is renamed aside first (a crash
+between the two renames leaves the target absent, and :func:`latest_checkpoint` falls
+back to the newest other valid checkpoint). ``latest`` is replaced via a temporary file.
+The protocol around it (who verifies what) is in :func:`shardpar.checkpoint.save_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from .errors import CheckpointError
+
+CHUNK_BYTES = 16 * 2**20
+"""The bounded buffer: the most bytes copied through a temporary at once (casts, sends)."""
+_HASH_CHUNK = 8 * 2**20
+_MAX_HEADER_BYTES = 512 * 2**20
+
+# manifest dtype name -> (torch dtype, safetensors dtype)
+_DTYPES: dict[str, tuple[torch.dtype, str]] = {
+    "float64": (torch.float64, "F64"),
+    "float32": (torch.float32, "F32"),
+    "float16": (torch.float16, "F16"),
+    "bfloat16": (torch.bfloat16, "BF16"),
+    "float8_e4m3fn": (torch.float8_e4m3fn, "F8_E4M3"),
+    "float8_e5m2": (torch.float8_e5m2, "F8_E5M2"),
+    "int64": (torch.int64, "I64"),
+    "int32": (torch.int32, "I32"),
+    "int16": (torch.int16, "I16"),
+    "int8": (torch.int8, "I8"),
+    "uint64": (torch.uint64, "U64"),
+    "uint32": (torch.uint32, "U32"),
+    "uint16": (torch.uint16, "U16"),
+    "uint8": (torch.uint8, "U8"),
+    "bool": (torch.bool, "BOOL"),
+}
+_NAME_OF = {dtype: name for name, (dtype, _) in _DTYPES.items()}
+_FROM_ST = {st: dtype for dtype, st in _DTYPES.values()}
+
+
+# --------------------------------------------------------------------------- small helpers
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The manifest's name of ``dtype`` (``torch.float32`` -> ``"float32"``)."""
+    try:
+        return _NAME_OF[dtype]
+    except KeyError:
+        raise TypeError(f"dtype {dtype} cannot be stored in a safetensors file") from None
+
+def parse_dtype(name: Any, where: str = "") -> torch.dtype:
+    """Inverse of :func:`dtype_name`; accepts the shorthands ``bf16``, ``fp16``, ``fp32``."""
+    shorthand = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    key = shorthand.get(str(name).lower().removeprefix("torch."), str(name).lower().removeprefix("torch."))
+    if not isinstance(name, str) or key not in _DTYPES:
+        raise CheckpointError(f"{where}unknown dtype {name!r} (known: {', '.join(_DTYPES)})")
+    return _DTYPES[key][0]
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+def parse_size(size: int | str) -> int:
+    """``5GB`` -> 5·10⁹ bytes (decimal units as Hugging Face; ``GiB`` are binary)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
+        if match is None or match.group(2).lower() not in _SIZE_UNITS:
+            raise ValueError(f"max_shard_size {size!r} is not a size such as 5GB, 500MB or 1000000")
+        value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # e.g. Windows: directories cannot be opened; rename durability is the OS's
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``path`` through a temporary file in the same directory and one ``os.replace``."""
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+def _exchange_paths(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux ``renameat2``); False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+def temp_sibling(target: Path, purpose: str = "tmp") -> Path:
+    """A fresh hidden name next to ``target`` (same file system, so renames are atomic)."""
+    return target.parent / f".{target.name}.{purpose}-{uuid.uuid4().hex[:12]}"
+
+def remove_stale_temps(target: Path) -> None:
+    """Leftovers of interrupted saves to ``target`` (never visible as checkpoints)."""
+    if target.parent.is_dir():
+        for leftover in target.parent.glob(f".{glob_escape(target.name)}.*-*"):
+            if re.fullmatch(rf"\.{re.escape(target.name)}\.(tmp|old)-[0-9a-f]{{12}}", leftover.name):
+                shutil.rmtree(leftover, ignore_errors=True)
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+def commit_directory(tmp: Path, target: Path) -> None:
+    """Make the complete directory ``tmp`` visible as ``target``; see [Note: atomic commit]."""
+    fsync_dir(tmp)
+    if target.exists() and _exchange_paths(tmp, target):
+        fsync_dir(target.parent)
+        shutil.rmtree(tmp)  # now holds the previous checkpoint
+        return
+    if target.exists():
+        old = temp_sibling(target, "old")
+        os.rename(target, old)
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+        shutil.rmtree(old)
+        return
+    os.rename(tmp, target)
+    fsync_dir(target.parent)
+
+def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> tuple[str, int]:
+    """Streaming sha256 (bounded memory) and size of a file."""
+    digest = hashlib.sha256()
+    size = 0
+    buffer = bytearray(_HASH_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buffer)
+            if not n:
+                break
+            digest.update(view[:n])
+            size += n
+            if progress is not None:
+                progress(n)
+    return digest.hexdigest(), size
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, as a writable view of its storage (no copy)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+def chunks_of(tensor: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
+    """1-D slices of a flattened tensor, each at most ``chunk_bytes`` (at least 1 element)."""
+    flat = tensor.detach().reshape(-1) if tensor.is_contiguous() else tensor.detach().flatten()
+    step = max(1, chunk_bytes // max(1, flat.element_size()))
+    for start in range(0, flat.numel(), step):
+        yield flat[start : start + step]
+
+# --------------------------------------------------------------------------- writing
+
+class SafetensorsWriter:
+    """Streams one ``.safetensors`` file: the header (every tensor's dtype, shape and offsets)
+    first, then each tensor's bytes in header order, possibly in several ``write`` calls.
+
+    Computes the sha256 while writing; :meth:`close` fsyncs and returns ``(bytes, sha256)``.
+    See [Note: streaming safetensors].
+    """
+
+    def __init__(
+        self, path: Path, entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        meta = {"format": "pt", **(metadata or {})}
+        assert all(isinstance(v, str) for v in meta.values()), "safetensors metadata values are strings"
+        header: dict[str, Any] = {"__metadata__": meta}
+        self._sizes: list[tuple[str, int, torch.dtype]] = []
+        offset = 0
+        for key, dtype, shape in entries:
+            if key in header:
+                raise ValueError(f"tensor {key!r} appears twice in {path.name}")
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[key] = {"dtype": _DTYPES[dtype_name(dtype)][1], "shape": [int(s) for s in shape],
+                           "data_offsets": [offset, offset + nbytes]}
+            self._sizes.append((key, nbytes, dtype))
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+        self.path = path
+        self._file = open(path, "xb", buffering=0)
+        self._digest = hashlib.sha256()
+        self._written = 0
+        self._entry = 0
+        self._entry_left = self._sizes[0][1] if self._sizes else 0
+        self._raw_write(struct.pack("<Q", len(raw)) + raw)
+        self._skip_empty()
+
+    def _raw_write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        self._digest.update(view)
+        while view.nbytes:
+            n = self._file.write(view)
+            view = view[n:]
+            self._written += n
+
+    def _skip_empty(self) -> None:
+        while self._entry < len(self._sizes) and self._entry_left == 0:
+            self._entry += 1
+            self._entry_left = self._sizes[self._entry][1] if self._entry < len(self._sizes) else 0
+
+    @property
+    def current_key(self) -> str | None:
+        return self._sizes[self._entry][0] if self._entry < len(self._sizes) else None
+
+    def write(self, tensor: torch.Tensor) -> None:
+        """Append (part of) the current tensor's values; cast to its dtype if needed."""
+        if tensor.numel() == 0:
+            return
+        key, _, dtype = self._sizes[self._entry] if self._entry < len(self._sizes) else (None, 0, None)
+        nbytes = tensor.numel() * (dtype.itemsize if dtype is not None else 0)
+        if key is None or nbytes > self._entry_left:
+            raise ValueError(f"{self.path.name}: more data than the header announced for {key!r}")
+        if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            for chunk in chunks_of(tensor):  # bounded temporaries
+                self._raw_write(_bytes_of(chunk.to("cpu", dtype).contiguous()))
+        else:
+            self._raw_write(_bytes_of(tensor))
+        self._entry_left -= nbytes
+        self._skip_empty()
+
+    def close(self) -> tuple[int, str]:
+        if self._entry < len(self._sizes):
+            raise ValueError(f"{self.path.name}: tensor {self._sizes[self._entry][0]!r} was not fully written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return self._written, self._digest.hexdigest()
+
+    def abort(self) -> None:
+        self._file.close()
+
+# --------------------------------------------------------------------------- reading
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise CheckpointError(message)
+
+@dataclass(frozen=True)
+class _HeaderEntry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of element 0 in the file
+
+class FileView:
+    """One ``.safetensors`` file opened for ranged reads. Before any data is read, its size
+    and sha256 are checked against the expected ones (where given) and its header against
+    the file: every tensor's data must lie inside it."""
+
+    def __init__(self, path: Path, expected_bytes: int | None = None, expected_sha256: str | None = None,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.path = path
+        try:
+            self._file = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            raise CheckpointError(f"shard file {path} is missing") from None
+        except OSError as error:
+            raise CheckpointError(f"cannot open shard file {path}: {error}") from None
+        try:
+            self.size = os.fstat(self._file.fileno()).st_size
+            if expected_bytes is not None and self.size != expected_bytes:
+                state = "truncated" if self.size < expected_bytes else "longer than recorded"
+                raise CheckpointError(f"shard file {path} is {state}: {self.size} bytes, the manifest says "
+                                      f"{expected_bytes}")
+            if expected_sha256 is not None:
+                digest, _ = sha256_file(path, progress)
+                if digest != expected_sha256:
+                    raise CheckpointError(f"checksum mismatch in shard file {path}: sha256 {digest}, the "
+                                          f"manifest says {expected_sha256} (the file is corrupted)")
+            self.header = self._read_header()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _read_header(self) -> dict[str, _HeaderEntry]:
+        bad = f"shard file {self.path} is truncated or not a safetensors file"
+        _expect(self.size >= 8, bad)
+        (length,) = struct.unpack("<Q", self._pread(0, 8))
+        _expect(8 + length <= self.size and length <= _MAX_HEADER_BYTES, f"{bad} (header of {length} bytes)")
+        try:
+            header = json.loads(bytes(self._pread(8, length)))
+        except ValueError as error:
+            raise CheckpointError(f"{bad} (header is not JSON: {error})") from None
+        _expect(isinstance(header, dict), bad)
+        entries = {}
+        data_start, data_size = 8 + length, self.size - 8 - length
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                dtype = _FROM_ST[info["dtype"]]
+                shape = tuple(int(s) for s in info["shape"])
+                begin, end = (int(o) for o in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{bad} (bad header entry for {key!r})") from None
+            _expect(0 <= begin <= end <= data_size and end - begin == math.prod(shape) * dtype.itemsize,
+                    f"{bad} (data of {key!r} at [{begin}, {end}) does not fit {data_size} data bytes)")
+            entries[key] = _HeaderEntry(dtype, shape, data_start + begin)
+        return entries
+
+    def _pread(self, offset: int, n: int) -> memoryview:
+        buffer = bytearray(n)
+        self._readinto(offset, memoryview(buffer))
+        return memoryview(buffer)
+
+    def _readinto(self, offset: int, view: memoryview) -> None:
+        self._file.seek(offset)
+        while view.nbytes:
+            n = self._file.readinto(view)
+            if not n:
+                raise CheckpointError(f"shard file {self.path} is truncated (ends inside tensor data)")
+            view = view[n:]
+
+    def tensor_info(self, key: str, dtype: torch.dtype, numel: int) -> _HeaderEntry:
+        info = self.header.get(key)
+        _expect(info is not None, f"shard file {self.path} has no tensor {key!r} (the manifest says it does)")
+        _expect(info.dtype == dtype and math.prod(info.shape) == numel,
+                f"tensor {key!r} in shard file {self.path} is {dtype_name(info.dtype)} {list(info.shape)}, "
+                f"the manifest says {dtype_name(dtype)} [{numel}]")
+        return info
+
+    def read_into(self, info: _HeaderEntry, first: int, dest: torch.Tensor) -> None:
+        """Elements ``[first, first + dest.numel())`` of a stored 1-D tensor into ``dest``."""
+        offset = info.offset + first * info.dtype.itemsize
+        if dest.dtype == info.dtype and dest.device.type == "cpu" and dest.is_contiguous():
+            self._readinto(offset, _bytes_of(dest))
+            return
+        step = max(1, CHUNK_BYTES // info.dtype.itemsize)
+        buffer = torch.empty(min(step, dest.numel()), dtype=info.dtype)
+        flat = dest.view(-1)
+        for start in range(0, dest.numel(), step):
+            part = buffer[: min(step, dest.numel() - start)]
+            self._readinto(offset + start * info.dtype.itemsize, _bytes_of(part))
+            flat[start : start + part.numel()].copy_(part)
+
+    def close(self) -> None:
+        self._file.close()
+
+# --------------------------------------------------------------------------- Hugging Face layout
+
+class HFLayoutWriter:
+    """Writes a state dict, tensor by tensor and chunk by chunk, in the Hugging Face layout:
+    ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` plus
+    ``model.safetensors.index.json`` when it exceeds ``max_shard_bytes``.
+
+    Shards are filled in the given order; a tensor larger than the limit gets a file of its
+    own. Files go through temporary names and ``os.replace``; the index is written last;
+    model files of an earlier export in ``out_dir`` that are not part of this one are removed.
+    """
+
+    def __init__(self, out_dir: Path, entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+                 max_shard_bytes: int) -> None:
+        self.out_dir = out_dir
+        shards: list[list[tuple[str, torch.dtype, Sequence[int]]]] = []
+        current: list[tuple[str, torch.dtype, Sequence[int]]] = []
+        current_bytes = 0
+        for entry in entries:
+            nbytes = math.prod(entry[2]) * entry[1].itemsize
+            if current and current_bytes + nbytes > max_shard_bytes:
+                shards.append(current)
+                current, current_bytes = [], 0
+            current.append(entry)
+            current_bytes += nbytes
+            if current_bytes > max_shard_bytes:  # a tensor larger than the limit: alone
+                shards.append(current)
+                current, current_bytes = [], 0
+        if current or not shards:
+            shards.append(current)
+        count = len(shards)
+        self.names = ["model.safetensors"] if count == 1 else [
+            f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+        self._shards = shards
+        self.total_size = sum(math.prod(s) * d.itemsize for _, d, s in entries)
+        self.weight_map = {name: file for file, shard in zip(self.names, shards) for name, _, _ in shard}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self._index = -1
+        self._writer: SafetensorsWriter | None = None
+        self._tmp: Path | None = None
+        self._next_file()
+
+    def _next_file(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            os.replace(self._tmp, self.out_dir / self.names[self._index])
+        self._index += 1
+        self._writer = None
+        if self._index < len(self._shards):
+            self._tmp = temp_sibling(self.out_dir / self.names[self._index])
+            self._writer = SafetensorsWriter(self._tmp, self._shards[self._index])
+            if self._writer.current_key is None and self._index + 1 < len(self._shards):
+                self._next_file()
+
+    def write(self, chunk: torch.Tensor) -> None:
+        """Next values of the current tensor (cast to its output dtype)."""
+        assert self._writer is not None, "more data than tensors"
+        self._writer.write(chunk)
+        while self._writer is not None and self._writer.current_key is None and self._index + 1 < len(self._shards):
+            self._next_file()
+
+    def close(self) -> list[str]:
+        """Finish the last file, write the index (if sharded), remove stale files."""
+        while self._writer is not None:
+            self._next_file()
+        index = self.out_dir / "model.safetensors.index.json"
+        if len(self.names) > 1:
+            write_text_atomic(index, json.dumps(
+                {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map}, indent=2) + "\n")
+        elif index.exists():
+            index.unlink()
+        for stale in self.out_dir.iterdir():
+            if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", stale.name) and stale.name not in self.names:
+                stale.unlink()
+        fsync_dir(self.out_dir)
+        return list(self.names)
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._tmp.unlink(missing_ok=True)
+            self._writer = None

@@ -1,0 +1,253 @@
+"""Bad checkpoints and mismatched models: each a CheckpointError naming the file or tensor,
+raised before anything is unpickled -- nothing ever is.
+
+Checkpoints are saved once at world size 1 (stage 2, one file) and at world size 2 and
+copied per test; loads run in this process unless a test is about several ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import shardpar
+from shardpar import CheckpointError
+from shardpar.checkpoint_format import FORMAT_VERSION
+from tests.checkpoint_helpers import build, save_run, try_load
+from tests.models import KITCHEN
+from tests.parity import run
+
+FILE = "rank-00000-of-00001.safetensors"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("saved") / "step-2"
+    save_run(2, str(path))
+    return path
+
+
+@pytest.fixture
+def ckpt(saved: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "step-2"
+    shutil.copytree(saved, copy)
+    return copy
+
+
+def load(path: Path, stage: int = 0, optimizer: str | None = None) -> None:
+    _, model, opt = build(stage, optimizer=optimizer)
+    shardpar.load_checkpoint(path, model, opt)
+
+
+def edit_manifest(path: Path, change) -> None:
+    manifest = json.loads((path / "shardpar.json").read_text())
+    change(manifest)
+    (path / "shardpar.json").write_text(json.dumps(manifest))
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"checkpoint directory .*nowhere does not exist"):
+        load(tmp_path / "nowhere")
+
+
+def test_missing_manifest(ckpt: Path) -> None:
+    (ckpt / "shardpar.json").unlink()
+    with pytest.raises(CheckpointError, match=r"step-2 has no manifest shardpar.json"):
+        load(ckpt)
+
+
+def test_manifest_that_is_not_json(ckpt: Path) -> None:
+    (ckpt / "shardpar.json").write_text('{"format": "shardpar-checkpoint", ')
+    with pytest.raises(CheckpointError, match=r"manifest .*shardpar.json is not valid JSON"):
+        load(ckpt)
+
+
+def test_manifest_from_a_newer_format_version(ckpt: Path) -> None:
+    edit_manifest(ckpt, lambda m: m.update(format_version=FORMAT_VERSION + 1))
+    newer = FORMAT_VERSION + 1
+    with pytest.raises(CheckpointError, match=rf"format_version {newer}, newer than {FORMAT_VERSION}.*upgrade"):
+        load(ckpt)
+
+
+def test_missing_shard_file(ckpt: Path) -> None:
+    (ckpt / FILE).unlink()
+    with pytest.raises(CheckpointError, match=rf"shard file .*{FILE} is missing"):
+        load(ckpt)
+
+
+def test_flipped_byte_fails_the_checksum(ckpt: Path) -> None:
+    data = bytearray((ckpt / FILE).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (ckpt / FILE).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"checksum mismatch in shard file .*{FILE}"):
+        load(ckpt)
+
+
+def test_truncated_file(ckpt: Path) -> None:
+    data = (ckpt / FILE).read_bytes()
+    (ckpt / FILE).write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match=rf"shard file .*{FILE} is truncated: {len(data) - 100} bytes"):
+        load(ckpt)
+
+
+def test_truncated_file_caught_by_the_header_check_alone(ckpt: Path) -> None:
+    """Without a manifest record (size, sha256) to compare with, the header's offsets still
+    catch a file that ends early."""
+    from shardpar.checkpoint_io import FileView
+
+    data = (ckpt / FILE).read_bytes()
+    (ckpt / FILE).write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match=rf"{FILE} is truncated or not a safetensors file"):
+        FileView(ckpt / FILE)
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../outside.safetensors", "sub/../../x.safetensors"])
+def test_file_names_outside_the_checkpoint_are_refused(ckpt: Path, name: str) -> None:
+    def point_elsewhere(manifest):
+        manifest["files"][name] = manifest["files"].pop(FILE)
+        for entry in manifest["tensors"].values():
+            for piece in entry["pieces"]:
+                piece["file"] = name
+
+    edit_manifest(ckpt, point_elsewhere)
+    with pytest.raises(CheckpointError, match=r"is absolute|contains '\.\.'") as info:
+        load(ckpt)
+    assert repr(name) in str(info.value)
+
+
+def test_missing_key_in_a_file_names_key_and_file(ckpt: Path) -> None:
+    edit_manifest(ckpt, lambda m: m["tensors"]["body.weight"]["pieces"][0].update(key="body.weight[nope]"))
+    with pytest.raises(CheckpointError, match=rf"{FILE} has no tensor 'body.weight\[nope\]'"):
+        load(ckpt)
+
+
+def test_piece_coverage_that_does_not_add_up(ckpt: Path) -> None:
+    def drop_a_piece(manifest):
+        pieces = manifest["tensors"]["body.weight"]["pieces"]
+        pieces[0]["end"] -= 1
+
+    edit_manifest(ckpt, drop_a_piece)
+    with pytest.raises(CheckpointError, match=r"piece coverage of tensor 'body.weight' does not add up"):
+        load(ckpt)
+
+
+def test_overlapping_pieces(ckpt: Path) -> None:
+    def duplicate(manifest):
+        pieces = manifest["tensors"]["out.bias"]["pieces"]
+        pieces.append(dict(pieces[0]))
+
+    edit_manifest(ckpt, duplicate)
+    with pytest.raises(CheckpointError, match=r"coverage of tensor 'out.bias' does not add up: .* stored twice"):
+        load(ckpt)
+
+
+def test_model_that_does_not_match_lists_every_difference(ckpt: Path) -> None:
+    module = KITCHEN.build()
+    module.unused = nn.Linear(8, 4)  # shapes differ
+    module.out = nn.Linear(8, 8, bias=False)  # out.bias missing from the model
+    module.extra_scale = nn.Parameter(torch.ones(3))  # not in the checkpoint
+    model = shardpar.wrap(module, stage=0)
+    opt = shardpar.optimizer(model, torch.optim.AdamW)
+    with pytest.raises(CheckpointError) as info:
+        shardpar.load_checkpoint(ckpt, model, opt)
+    message = str(info.value)
+    assert "does not match the model" in message
+    assert "missing in checkpoint: extra_scale" in message
+    assert "unexpected in checkpoint: out.bias" in message
+    assert "unused.weight (checkpoint [8, 8], model [4, 8])" in message
+    assert "unused.bias (checkpoint [8], model [4])" in message
+
+
+def test_optimizer_of_another_class(ckpt: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"optimizer torch.optim.adamw.AdamW, not of torch.optim.sgd.SGD"):
+        load(ckpt, optimizer="SGD")
+
+
+def test_checkpoint_without_optimizer_state(tmp_path: Path) -> None:
+    _, model, _ = build(0)
+    shardpar.save_checkpoint(tmp_path / "c", model)
+    with pytest.raises(CheckpointError, match=r"has no optimizer state"):
+        load(tmp_path / "c")
+    _, model, _ = build(1, seed=5)
+    assert shardpar.load_checkpoint(tmp_path / "c", model) is None  # the model alone loads
+
+
+def test_parameter_in_another_param_group(ckpt: Path) -> None:
+    def swap(manifest):
+        groups = manifest["optimizer"]["param_groups"]
+        groups[0]["params"].remove("body.weight")
+        groups[1]["params"].append("body.weight")
+
+    edit_manifest(ckpt, swap)
+    with pytest.raises(CheckpointError, match=r"'body.weight' is in optimizer param group 0, but in group 1"):
+        load(ckpt)
+
+
+@pytest.mark.parametrize("extra", [{"when": object()}, {"loss": float("nan")}])
+def test_extra_must_be_json(tmp_path: Path, extra: dict) -> None:
+    _, model, opt = build(0)
+    with pytest.raises(TypeError, match=r"extra must be JSON-serialisable"):
+        shardpar.save_checkpoint(tmp_path / "c", model, opt, extra=extra)
+    assert not (tmp_path / "c").exists() and not list(tmp_path.iterdir()), "nothing written"
+
+
+def test_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "notes.txt").write_text("mine")
+    _, model, opt = build(0)
+    with pytest.raises(CheckpointError, match=r"c exists and is not a shardpar checkpoint"):
+        shardpar.save_checkpoint(tmp_path / "c", model, opt)
+    assert (tmp_path / "c" / "notes.txt").read_text() == "mine"
+
+
+def test_nothing_is_ever_unpickled(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint load tried to unpickle")
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    load(ckpt, stage=3)
+
+
+def test_a_corrupted_file_fails_every_rank_without_a_hang(tmp_path: Path) -> None:
+    path = tmp_path / "step-2"
+    run(save_run, 2, 3, str(path))
+    bad = path / "rank-00001-of-00002.safetensors"
+    data = bytearray(bad.read_bytes())
+    data[-5] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    outcomes = run(try_load, 2, 1, str(path))  # stage 1: every rank reads both files
+    for outcome in outcomes:
+        assert outcome.startswith("CheckpointError") and "checksum mismatch" in outcome
+        assert "rank-00001-of-00002.safetensors" in outcome
+    outcomes = run(try_load, 2, 3, str(path))  # stage 3, same layout: each rank reads its own file
+    assert "checksum mismatch" in outcomes[1] and "rank-00001-of-00002.safetensors" in outcomes[1]
+    assert "failed on rank 1" in outcomes[0] and "rank-00001-of-00002.safetensors" in outcomes[0]
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_and_no_leftovers(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardpar import checkpoint_io
+
+    path = tmp_path / "ckpt" / "run"
+    module, model, opt = build(0)
+    shardpar.save_checkpoint(path, model, opt, extra={"step": 1})
+
+    def disk_full(self, tensor):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_io.SafetensorsWriter, "write", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        shardpar.save_checkpoint(path, model, opt, extra={"step": 2})
+    assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "run"]
+    monkeypatch.undo()
+    _, fresh, fresh_opt = build(3, seed=2)
+    assert shardpar.load_checkpoint(path, fresh, fresh_opt) == {"step": 1}
