@@ -36,7 +36,8 @@ class MixedPrecision:
     param_dtype: torch.dtype | None = None
     """dtype of the parameters used by forward and backward (None: keep as created)."""
     reduce_dtype: torch.dtype | None = None
-    """dtype gradients are communicated in (None: fp32, the safe default)."""
+    """dtype gradients are communicated in (None: the parameters' own dtype as created,
+    normally fp32, the safe default)."""
     buffer_dtype: torch.dtype | None = None
     """dtype module buffers are cast to (None: leave buffers alone)."""
 

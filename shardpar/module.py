@@ -61,9 +61,17 @@ class ShardedModule(nn.Module):
         tied aliases, frozen parameters and persistent buffers included)."""
         return self.engine.full_state_dict()
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """Same as :meth:`full_state_dict`: the wrapped module's keys and full tensors."""
-        return self.full_state_dict()
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: dict | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Same as :meth:`full_state_dict` (the wrapped module's keys, full tensors, under
+        ``prefix``). A collective at every stage: call it on every rank."""
+        if args:
+            raise TypeError("ShardedModule.state_dict takes keyword arguments only (destination=, prefix=)")
+        out = destination if destination is not None else {}
+        for key, value in self.full_state_dict().items():
+            out[prefix + key] = value
+        return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
         """Load full tensors (keys as in ``module.state_dict()``) into every stage's storage."""
@@ -87,6 +95,8 @@ class ShardedModule(nn.Module):
             self.engine.require_grad_sync = previous
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero this rank's gradients wherever the stage keeps them (``set_to_none`` is
+        accepted for compatibility: the gradient buffers persist, they are zeroed)."""
         self.engine.zero_grad()
 
     def clip_grad_norm_(

@@ -213,8 +213,10 @@ class GradientShardEngine(OptimizerShardEngine):
         self.grad_data = {}
         self.master_grads = {}
         self.master_grad_shards = {}
-        self._staging: dict[int, torch.Tensor] = {}  # bucket position -> full-size gradients
-        self._free_staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._staging: dict[int, torch.Tensor] = {}  # bucket position -> its full-size gradients
+        # Released staging buffers kept for reuse; at most max_buckets_in_flight + 1 of them, so
+        # what stays allocated between steps is bounded whatever the bucket sizes.
+        self._free_staging: list[torch.Tensor] = []
         self.peak_staging_bytes = 0
         for _, param in self.trainable:
             param.grad = None
@@ -223,17 +225,18 @@ class GradientShardEngine(OptimizerShardEngine):
         index = bucket.position
         staging = self._staging.get(index)
         if staging is None:
-            dtype = self.grad_dtype(bucket.flat)
-            free = self._free_staging.get((bucket.spec.range.size, dtype))
-            staging = free.pop().zero_() if free else torch.zeros(
-                bucket.spec.range.size, dtype=dtype, device=bucket.flat.device
-            )
+            dtype, numel = self.grad_dtype(bucket.flat), bucket.spec.range.size
+            reusable = [i for i, t in enumerate(self._free_staging) if t.dtype == dtype and t.numel() == numel]
+            if reusable:
+                staging = self._free_staging.pop(reusable[0]).zero_()
+            else:
+                staging = torch.zeros(numel, dtype=dtype, device=bucket.flat.device)
             self._staging[index] = staging
             self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_bytes())
         return staging
 
     def _staging_bytes(self) -> int:
-        return sum(s.numel() * s.element_size() for s in self._staging.values())
+        return self._bytes(self._staging.values())
 
     def _stage_param_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
         slot = bucket.flat.layout.slots[name]
@@ -272,7 +275,9 @@ class GradientShardEngine(OptimizerShardEngine):
         staging = self._staging.pop(bucket.position)
         owned = bucket.spec.shard(self.rank).shift(-bucket.spec.range.start).of(staging)
         self.reduced_grad(bucket).add_(owned)
-        self._free_staging.setdefault((staging.numel(), staging.dtype), []).append(staging)
+        self._free_staging.append(staging)
+        if len(self._free_staging) > self.max_buckets_in_flight + 1:
+            self._free_staging.pop(0)
 
     def pre_forward(self) -> None:
         self.wait_for_params()
@@ -287,7 +292,9 @@ class GradientShardEngine(OptimizerShardEngine):
     def memory_stats(self) -> dict[str, int]:
         return {
             "params": self._bytes([f.data for f in self.flats] + list(self.master_shards.values())) + self.frozen_bytes(),
-            "grads": self._bytes(self.grad_shards.values()),
-            "workspace": self._staging_bytes() + self._bytes(s for free in self._free_staging.values() for s in free),
+            # + full gradients accumulated in param.grad under no_sync() (the price of accumulation)
+            "grads": self._bytes(self.grad_shards.values())
+            + self._bytes(p.grad for _, p in self.trainable if p.grad is not None),
+            "workspace": self._staging_bytes() + self._bytes(self._free_staging),
             "peak_staging": self.peak_staging_bytes,
         }
