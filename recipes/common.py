@@ -1,50 +1,76 @@
-"""Helpers shared by the recipes: rank/device discovery, rank-aware logging, lr schedule,
-checkpoint discovery. Plain torch only; nothing here depends on shardpar internals."""
+"""Helpers shared by the recipes: one-line errors for bad input, rank/device discovery,
+rank-aware logging, lr schedule, checkpoint discovery. Plain torch plus shardpar's public API;
+nothing here depends on shardpar internals. (The torch-free part is recipes/cli.py.)"""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import logging
 import math
-import os
-from dataclasses import dataclass
-from typing import Callable
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+import shardpar
+from recipes.cli import MANIFEST, ArgumentParser, DistEnv, dist_env, resume_dir_problem
+
 __all__ = [
+    "ArgumentParser",
     "DistEnv",
-    "dist_env",
-    "setup_logging",
-    "setup_device",
-    "init_distributed",
-    "warmup_cosine",
+    "RecipeError",
     "all_reduce_mean",
+    "config_errors",
+    "dist_env",
+    "init_distributed",
+    "report_and_exit",
+    "resolve_resume",
+    "setup_device",
+    "setup_logging",
+    "warmup_cosine",
 ]
 
-# Name of shardpar's checkpoint manifest (API.md, "Checkpoint on disk").
+log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DistEnv:
-    """Where this process sits, as torchrun describes it (defaults: one plain process)."""
+class RecipeError(Exception):
+    """Bad input met after parsing (a memory budget no stage fits, a ``--resume`` without a
+    checkpoint): the entry point reports it as one ``error:`` line and exits 2.
 
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    Only code wrapped in :func:`config_errors` raises it, so an unexpected exception anywhere
+    else (a bug) keeps its traceback.
+    """
 
 
-def dist_env() -> DistEnv:
-    """Read RANK / LOCAL_RANK / WORLD_SIZE set by torchrun; a plain `python` run is rank 0 of 1."""
-    return DistEnv(
-        rank=int(os.environ.get("RANK", 0)),
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-        world_size=int(os.environ.get("WORLD_SIZE", 1)),
-    )
+@contextlib.contextmanager
+def config_errors(*kinds: type[BaseException], context: str = "") -> Iterator[None]:
+    """Turn ``kinds`` raised inside the block into :class:`RecipeError` (same message, after
+    ``context: `` if given, e.g. the flag that caused it).
+
+    Use it around calls whose errors of these kinds mean bad input, such as ``shardpar.wrap``'s
+    ``ValueError`` for a budget, or ``shardpar.CheckpointError`` from loading a checkpoint.
+    """
+    try:
+        yield
+    except kinds as error:
+        raise RecipeError(f"{context}: {error}" if context else str(error)) from error
+
+
+def report_and_exit(error: RecipeError, env: DistEnv) -> NoReturn:
+    """One ``error: ...`` line on stderr, then exit 2.
+
+    Every rank meets the same bad input (shardpar raises its errors on every rank), so rank 0
+    prints it plainly and the others log it tagged with their rank, in case theirs differs.
+    """
+    if env.is_main:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        log.error("%s", error)
+    raise SystemExit(2)
 
 
 def setup_logging(env: DistEnv) -> None:
@@ -58,6 +84,9 @@ def setup_logging(env: DistEnv) -> None:
         datefmt="%H:%M:%S",
         force=True,
     )
+    # Python warnings (ours, torch's) go through the same records: tagged with the rank, and
+    # shown from every rank since WARNING passes on all of them.
+    logging.captureWarnings(True)
 
 
 def setup_device(env: DistEnv) -> torch.device:
@@ -70,18 +99,47 @@ def setup_device(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(env: DistEnv, device: torch.device) -> None:
+def init_distributed(env: DistEnv, device: torch.device, timeout_s: float | None = None) -> None:
     """Create the default process group under torchrun (gloo on CPU, NCCL on CUDA).
 
     shardpar.wrap would do this itself, but the recipe needs the group earlier for its own
     logging reductions, and binding `device_id` lets NCCL set up eagerly on the right GPU.
+    Collectives give up after ``timeout_s`` (default shardpar's ``ShardConfig.timeout_s``, as
+    the group wrap would make; gloo's own default is 30 minutes of a hung rank).
     """
     if env.world_size == 1 or dist.is_initialized():
         return
     dist.init_process_group(
         backend=dist.get_default_backend_for_device(device),
         device_id=device if device.type == "cuda" else None,
+        timeout=datetime.timedelta(seconds=timeout_s or shardpar.ShardConfig.timeout_s),
     )
+
+
+def resolve_resume(resume: str | None, ckpt_dir: Path | None) -> Path | None:
+    """The checkpoint ``--resume`` names, or None to start from scratch.
+
+    ``latest`` is the newest valid checkpoint in ``ckpt_dir``, or None if there is none yet (an
+    empty or missing directory: the first attempt of a restartable run). Any other value is a
+    checkpoint directory, or a directory of them (its newest valid one is taken); one that holds
+    no checkpoint is a :class:`RecipeError`.
+    """
+    if resume is None:
+        return None
+    if resume == "latest":
+        if ckpt_dir is None:
+            raise RecipeError("--resume latest needs --ckpt-dir")
+        return shardpar.latest_checkpoint(ckpt_dir)
+    problem = resume_dir_problem(resume)
+    if problem is not None:
+        raise RecipeError(problem)
+    path = Path(resume)
+    if (path / MANIFEST).is_file():
+        return path  # load_checkpoint checks the rest, and names what is wrong
+    newest = shardpar.latest_checkpoint(path)
+    if newest is None:
+        raise RecipeError(f"--resume {resume}: no valid checkpoint there, only incomplete or damaged ones")
+    return newest
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.1) -> Callable[[int], float]:
