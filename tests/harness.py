@@ -627,12 +627,12 @@ def run_script(
         text=True,
         env=full_env,
         cwd=cwd,
-        start_new_session=True,  # own process group: one killpg reaches every rank
+        start_new_session=True,  # own process group (torchrun's ranks get sessions of their own)
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(process.pid)
+        _kill_tree(process.pid)
         try:
             stdout, stderr = process.communicate(timeout=5.0)
         except subprocess.TimeoutExpired:  # a process outside the group holds the pipes
@@ -645,11 +645,43 @@ def run_script(
             stderr,
         ) from None
     except BaseException:
-        _kill_group(process.pid)
+        _kill_tree(process.pid)
         process.wait()
         raise
     _kill_group(process.pid)  # ranks orphaned by a crashed launcher would survive it
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc), found before anything is killed, since a
+    killed parent's children are re-parented and can no longer be traced to it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill ``pid``'s process group and every descendant: torchrun starts each rank in a new
+    session, so killing the launcher's group alone would leave ranks running."""
+    for child in _descendants(pid):
+        try:
+            os.kill(child, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    _kill_group(pid)
 
 
 def _kill_group(pgid: int) -> None:
