@@ -17,6 +17,7 @@ identical everywhere.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -39,6 +40,8 @@ class GradScaler:
     ) -> None:
         if not isinstance(model, ShardedModule):
             raise TypeError(f"GradScaler needs the model returned by shardpar.wrap, got {type(model).__name__}")
+        if not (math.isfinite(init_scale) and init_scale > 0.0):
+            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale}")
         if not growth_factor > 1.0:
             raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:

@@ -379,8 +379,10 @@ def estimate_memory(
         staging = r * (root.trainable + _largest([u.trainable for u in units], STAGING_BUCKETS))
         workspace = gathered + staging
     else:
-        params = p * psi + (d * psi / shards if master else 0) + shape.frozen_bytes
-        grads = r * psi if stage < 2 else d * psi / n
+        # Frozen parameters: as created, plus the compute copy when mixed precision casts them.
+        params = p * psi + (d * psi / shards if master else 0) + shape.frozen_bytes + (p * shape.frozen if master else 0)
+        # r != d: the reduced gradients are copied to the master dtype for the optimizer.
+        grads = (r * psi + (d * psi / shards if r != d else 0)) if stage < 2 else d * psi / n
         workspace = r * _largest(list(shape.buckets), STAGING_BUCKETS) if stage == 2 else 0
     parts = [round(x) for x in (params, grads, optimizer_state, workspace)]
     return MemoryEstimate(
@@ -523,7 +525,9 @@ def estimate_communication(
         scatter_calls = buckets or sum(u.trainable_flats for u in units)
         calls = gathers * gather_calls + scatter_calls
         reduce_scatter = psi * reduce_bytes * f
-        all_gather = gathers * (psi * g + shape.frozen_bytes) * f
+        # Frozen parameters are gathered in the gather dtype too when one is given.
+        frozen = shape.frozen * gather_bytes if gather_bytes is not None else shape.frozen_bytes
+        all_gather = gathers * (psi * g + frozen) * f
     broadcast_bytes = shape.buffer_bytes
     if buffer_dtype is not None:  # floating buffers are broadcast in the cast dtype
         broadcast_bytes += shape.float_buffer_numel * buffer_dtype.itemsize - shape.float_buffer_bytes

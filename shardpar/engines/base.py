@@ -113,6 +113,8 @@ class Engine:
         """Some backward reduced gradients since the last zero_grad (else step() is a no-op)."""
         self.original_dtypes = {name: p.dtype for name, p in self.named_params}
         """Parameter dtypes as created: what checkpoints and full state dicts hold."""
+        self.original_buffer_dtypes: dict[str, torch.dtype] = {}
+        """Buffers that ``MixedPrecision.buffer_dtype`` cast: their dtypes as created."""
         # The wrapped module's own zero_grad must clear the engine's gradients too.
         module.zero_grad = lambda set_to_none=True: self.zero_grad()
         self._hook_handles: list[Any] = []
@@ -137,8 +139,9 @@ class Engine:
         mp = self.config.mixed_precision
         if mp is None or mp.buffer_dtype is None:
             return
-        for buffer in self.module.buffers():
+        for name, buffer in self.module.named_buffers():
             if buffer.is_floating_point():
+                self.original_buffer_dtypes[name] = buffer.dtype
                 buffer.data = buffer.data.to(mp.buffer_dtype)
 
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -225,7 +228,10 @@ class Engine:
         out = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
             canonical = self.aliases.get(key, key)
-            out[key] = params[canonical] if canonical in params else value.detach().clone()
+            if canonical in params:
+                out[key] = params[canonical]
+            else:  # a buffer: back in the dtype the model was built with
+                out[key] = value.detach().to(self.original_buffer_dtypes.get(canonical, value.dtype), copy=True)
         return out
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:

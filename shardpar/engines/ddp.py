@@ -183,6 +183,10 @@ class AllReduceEngine(Engine):
         yield from self.frozen_masters.values()
         yield from super().iter_frozen_and_buffers()
 
+    def frozen_bytes(self) -> int:
+        """Frozen parameters as used (compute dtype) plus their kept full-precision originals."""
+        return super().frozen_bytes() + sum(t.numel() * t.element_size() for t in self.frozen_masters.values())
+
     def grad_dtype(self, flat: FlatParams) -> torch.dtype:
         """dtype gradients are accumulated and communicated in (``reduce_dtype``)."""
         mp = self.config.mixed_precision
@@ -348,10 +352,13 @@ class AllReduceEngine(Engine):
         for name in names:
             flat = self.flat_of[name]
             param = flat.params[name]
-            if flat.master is None:
+            if flat.master is None and self.master_grads[flat] is self.grad_data[flat]:
                 tensor = param  # no master copy: the optimizer updates the parameter itself
             else:
-                tensor = flat.layout.view(flat.master, name)
+                # A master copy, or reduced gradients kept apart from param.grad (reduce_dtype
+                # differs from the parameters'): hand the optimizer a view of the full-precision
+                # values with the full-precision reduced gradient attached.
+                tensor = flat.layout.view(flat.values, name)
                 tensor.grad = flat.layout.view(self.master_grads[flat], name)
             pieces.append(TensorPiece(name, tensor, (0, param.numel())))
         return pieces
