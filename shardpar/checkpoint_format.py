@@ -6,6 +6,7 @@ themselves are written and read by :mod:`shardpar.checkpoint_io`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -31,6 +32,8 @@ FORMAT_NAME = "shardpar-checkpoint"
 FORMAT_VERSION = 1
 """Newest manifest version this code reads (and the one it writes)."""
 MANIFEST = "shardpar.json"
+MANIFEST_DIGEST = "manifest_sha256"
+"""Manifest field holding the sha256 of the rest of the manifest; see :func:`manifest_digest`."""
 LATEST = "latest"
 KINDS = ("param", "frozen", "buffer")
 
@@ -140,7 +143,8 @@ def _parse_entry(name: str, raw: Any, kind: str, files: dict[str, FileRecord], w
         _expect(isinstance(p, dict) and isinstance(p.get("key"), str)
                 and _is_int(p.get("start")) and _is_int(p.get("end")),
                 f"{where}: tensor '{name}' has a malformed piece {p!r}")
-        _expect(p.get("file") in files, f"{where}: tensor '{name}' has a piece in file {p.get('file')!r}, "
+        _expect(isinstance(p.get("file"), str) and p["file"] in files,
+                f"{where}: tensor '{name}' has a piece in file {p.get('file')!r}, "
                                         "which the manifest's file table does not list")
         entry.pieces.append(Piece(p["file"], p["key"], p["start"], p["end"]))
     check_coverage(entry, where)
@@ -206,6 +210,7 @@ def parse_manifest(raw: Any, directory: Path) -> Manifest:
     _expect(_is_int(version) and version >= 1, f"{where} has an invalid format_version {version!r}")
     _expect(version <= FORMAT_VERSION, f"{where} has format_version {version}, newer than {FORMAT_VERSION}, the "
                                        "newest this shardpar reads; upgrade shardpar to load it")
+    check_manifest_digest(raw, where)
     for key in ("stage", "world_size"):
         _expect(_is_int(raw.get(key)), f"{where}: '{key}' is missing or not an integer")
 
@@ -238,10 +243,15 @@ def parse_manifest(raw: Any, directory: Path) -> Manifest:
                 f"{where}: 'optimizer' needs 'class' and 'param_groups'")
         for index, group in enumerate(opt_raw["param_groups"]):
             _expect(isinstance(group, dict) and isinstance(group.get("params"), list)
+                    and all(isinstance(name, str) for name in group["params"])
                     and isinstance(group.get("hyperparameters"), dict),
-                    f"{where}: optimizer param group {index} needs 'params' and 'hyperparameters'")
+                    f"{where}: optimizer param group {index} needs 'params' (names) and 'hyperparameters'")
+            for key, value in group["hyperparameters"].items():
+                decode_value(value, where=f"{where}: optimizer param group {index} hyperparameter '{key}'")
         state: dict[str, dict[str, TensorEntry]] = {}
-        for param, per_key in (opt_raw.get("state") or {}).items():
+        state_raw = opt_raw.get("state") or {}
+        _expect(isinstance(state_raw, dict), f"{where}: optimizer 'state' must be an object")
+        for param, per_key in state_raw.items():
             _expect(param in tensors and isinstance(per_key, dict),
                     f"{where}: optimizer state for unknown tensor '{param}'")
             state[param] = {}
@@ -254,10 +264,36 @@ def parse_manifest(raw: Any, directory: Path) -> Manifest:
         scalar = opt_raw.get("scalar_state") or {}
         _expect(isinstance(scalar, dict) and all(isinstance(v, dict) for v in scalar.values()),
                 f"{where}: 'scalar_state' must map parameter names to objects")
+        for param, per_key in scalar.items():
+            for key, value in per_key.items():
+                decode_value(value, where=f"{where}: optimizer scalar state '{key}' of '{param}'")
         optimizer = OptimizerRecord(opt_raw["class"], opt_raw["param_groups"], state, scalar)
 
     return Manifest(directory, raw, version, raw["stage"], raw["world_size"], files, tensors,
                     dict(aliases), optimizer, raw.get("extra"))
+
+def manifest_digest(raw: dict[str, Any]) -> str:
+    """sha256 (hex) of the manifest without its ``manifest_sha256`` field, serialised
+    canonically: ``json.dumps(..., sort_keys=True, separators=(",", ":"), ensure_ascii=True)``,
+    UTF-8. Whitespace and key order of the file do not matter; every value does."""
+    body = {key: value for key, value in raw.items() if key != MANIFEST_DIGEST}
+    try:
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except (TypeError, ValueError) as error:  # NaN/Infinity, or a float that overflowed to inf
+        raise CheckpointError(f"the manifest is not standard JSON: {error}") from None
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+def check_manifest_digest(raw: dict[str, Any], where: str) -> None:
+    """A manifest with a ``manifest_sha256`` must match it: the shard files are checked by the
+    sha256s the manifest lists, and this covers the manifest itself, so a flipped digit in a
+    learning rate, a piece offset or ``extra`` is refused instead of loaded. (Optional within
+    format version 1: manifests written before it was introduced carry none.)"""
+    if MANIFEST_DIGEST not in raw:
+        return
+    recorded = raw[MANIFEST_DIGEST]
+    actual = manifest_digest(raw)
+    _expect(recorded == actual, f"{where} does not match its checksum (sha256 {actual}, '{MANIFEST_DIGEST}' says "
+                                f"{recorded!r}): the manifest was modified or is corrupted")
 
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     """Read and validate ``<directory>/shardpar.json``."""
@@ -326,14 +362,22 @@ def encode_value(value: Any, where: str) -> Any:
         return value
     raise TypeError(f"{where} is a {type(value).__name__}, which a checkpoint cannot store as JSON")
 
-def decode_value(value: Any, device: torch.device | str = "cpu") -> Any:
+def decode_value(value: Any, device: torch.device | str = "cpu", where: str = "a manifest value") -> Any:
+    """Inverse of :func:`encode_value`; a malformed encoding is a CheckpointError naming ``where``."""
     if isinstance(value, dict) and "tensor" in value:
-        return torch.tensor(decode_value(value["tensor"]), dtype=parse_dtype(value["dtype"]),
-                            device=device).reshape(value.get("shape", []))
+        try:
+            number = decode_value(value["tensor"], where=where)
+            return torch.tensor(number, dtype=parse_dtype(value.get("dtype"), f"{where}: "),
+                                device=device).reshape(value.get("shape", []))
+        except (TypeError, ValueError, RuntimeError, OverflowError) as error:
+            raise CheckpointError(f"{where}: {value!r} is not a valid encoded tensor ({error})") from None
     if isinstance(value, dict) and "float" in value:
-        return float(value["float"])
+        try:
+            return float(value["float"])
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"{where}: {value!r} is not a valid encoded float ({error})") from None
     if isinstance(value, list):
-        return [decode_value(v, device) for v in value]
+        return [decode_value(v, device, where) for v in value]
     return value
 
 def to_json_text(obj: Any, what: str) -> str:
@@ -493,6 +537,7 @@ def assemble_manifest(
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     path = directory / MANIFEST
+    manifest = {**manifest, MANIFEST_DIGEST: manifest_digest(manifest)}
     with open(path, "x", encoding="utf-8") as f:
         f.write(to_json_text(manifest, "the manifest"))
         f.flush()

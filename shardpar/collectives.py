@@ -161,9 +161,29 @@ def init_default_group(device: torch.device, timeout_s: float) -> None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
-    dist.init_process_group(
-        backend=backend_for(device), timeout=datetime.timedelta(seconds=timeout_s), **kwargs
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = attempt_store(timeout)
+    if store is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=launched_world_size())
+    dist.init_process_group(backend=backend_for(device), timeout=timeout, **kwargs)
+
+
+def attempt_store(timeout: datetime.timedelta) -> Any:
+    """Under torchrun, the agent's store in a namespace of this restart attempt (else None).
+
+    [Note: one store namespace per restart]
+    torchrun's agent hosts the TCPStore every attempt of an elastic job rendezvouses in, and
+    it outlives the attempts; ``init_process_group`` (env://) writes and reads the same keys
+    each time. A rank of a restarted attempt that looks up a peer before that peer re-joined
+    reads the dead process's address and fails ("Gloo connectFullMesh failed ... Connection
+    refused"), so a restart works or not by chance. Prefixing the keys with
+    ``TORCHELASTIC_RESTART_COUNT`` gives every attempt its own.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launched_world_size(),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"shardpar/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 # --------------------------------------------------------------------------- collectives

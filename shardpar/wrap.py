@@ -10,7 +10,7 @@ from torch import nn
 from . import collectives as C
 from .config import ShardConfig
 from .engines import ENGINES
-from .engines.base import first_difference, model_signature, module_device
+from .engines.base import WRAPPED_MARK, first_difference, model_signature, module_device
 from .module import ShardedModule
 from .planner import choose_stage
 
@@ -20,6 +20,13 @@ def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[Sha
         raise ValueError("shardpar.wrap: this model is already wrapped (a ShardedModule); wrap the plain model once")
     if not isinstance(module, nn.Module):
         raise TypeError(f"shardpar.wrap needs a torch.nn.Module, got {type(module).__name__}")
+    for name, sub in module.named_modules():
+        if isinstance(sub, ShardedModule) or getattr(sub, WRAPPED_MARK, False):
+            what = "this module" if not name else f"its submodule '{name}'"
+            raise ValueError(
+                f"shardpar.wrap: {what} is already wrapped by shardpar (its parameters live in an engine's "
+                "buffers); wrap the plain model once, or wrap a fresh copy"
+            )
     budget = options.pop("memory_budget", None)
     if stage == "auto" or budget is not None:
         if stage != "auto":

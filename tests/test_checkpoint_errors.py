@@ -47,6 +47,7 @@ def load(path: Path, stage: int = 0, optimizer: str | None = None) -> None:
 
 def edit_manifest(path: Path, change) -> None:
     manifest = json.loads((path / "shardpar.json").read_text())
+    manifest.pop("manifest_sha256", None)  # hand-edited: unsigned, so the checks below it run
     change(manifest)
     (path / "shardpar.json").write_text(json.dumps(manifest))
 

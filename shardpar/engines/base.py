@@ -89,6 +89,11 @@ def first_difference(reference: Sequence[tuple[str, str]], other: Sequence[tuple
     return None
 
 
+WRAPPED_MARK = "_shardpar_wrapped"
+"""Set on the module an engine manages, so that wrapping it (or a model containing it) again
+is refused: a second engine would re-point its parameters and gradients behind the first."""
+
+
 class Engine:
     """Base of all stages. Subclasses implement storage and gradient synchronisation."""
 
@@ -117,6 +122,7 @@ class Engine:
         """Buffers that ``MixedPrecision.buffer_dtype`` cast: their dtypes as created."""
         # The wrapped module's own zero_grad must clear the engine's gradients too.
         module.zero_grad = lambda set_to_none=True: self.zero_grad()
+        setattr(module, WRAPPED_MARK, True)
         self._hook_handles: list[Any] = []
         self.optimizer: Any = None
         """The ShardedOptimizer built over this engine, once there is one."""
@@ -177,6 +183,7 @@ class Engine:
             handle.remove()
         self._hook_handles.clear()
         self.module.__dict__.pop("zero_grad", None)
+        self.module.__dict__.pop(WRAPPED_MARK, None)
 
     # ------------------------------------------------------------------ interface
 
