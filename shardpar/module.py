@@ -104,7 +104,9 @@ class ShardedModule(nn.Module):
     ) -> torch.Tensor:
         """Scale gradients so their global norm (over all ranks' shards) is at most
         ``max_norm``; return the norm before clipping, as ``torch.nn.utils.clip_grad_norm_``."""
-        grads, sharded = self.engine.owned_grads()
+        # After zero_grad and before a backward there are no gradients (torch: all .grad
+        # None), whatever the stage's buffers still hold: the norm is 0 and nothing changes.
+        grads, sharded = self.engine.owned_grads() if self.engine.grads_ready else ([], False)
         norm_type = float(norm_type)
         device = self.engine.device
         with torch.no_grad():

@@ -340,12 +340,16 @@ class AllReduceEngine(Engine):
         self.broadcast_buffers()
 
     def clear_grads(self) -> None:
+        # As torch's zero_grad(set_to_none=True): no memset of the buffer. The next backward's
+        # first gradient of each parameter is copied over the stale values (accept_grad),
+        # parameters that get none are zeroed (fill_missing), and master_grads are overwritten
+        # bucket by bucket. Only a buffer of another dtype than the parameters accumulates by
+        # add_, so only that one is zeroed.
         for flat, grad in self.grad_data.items():
-            grad.zero_()
-            self.master_grads[flat].zero_()
-        for name, param in self.trainable:
-            view = self.grad_view(name)
-            param.grad = view if view.dtype == param.dtype else None
+            if grad.dtype != flat.dtype:
+                grad.zero_()
+        for _, param in self.trainable:
+            param.grad = None
 
     def optimizer_tensors(self, names: Sequence[str]) -> list[TensorPiece]:
         pieces = []

@@ -13,6 +13,13 @@ gradient of such a bucket moves the bucket's reduced slice to a carry shard and 
 bucket before anything is added, and the next reduction adds the carry back. The carry
 (``4Ψ/N``) exists only in that case and is freed by ``zero_grad``. Nothing happens at
 forward, so a forward between backward and step (evaluation, logging) changes nothing.
+
+[Note: averaging after the reduce-scatter]
+Stage 0 divides the whole bucket by N before its all-reduce. Here only the owned 1/N of the
+bucket is needed afterwards, so the division (and at stage 2 the copy into the gradient
+shard) is done on that slice after the reduce-scatter: (N-1)/N of a pass over every bucket
+saved. The exception is an fp16 reduce dtype, whose sum of N unscaled gradients could
+overflow; it is still divided first.
 """
 
 from __future__ import annotations
@@ -73,9 +80,18 @@ class OptimizerShardEngine(AllReduceEngine):
 
     # ------------------------------------------------------------------ collectives
 
+    def divides_before_reduce(self, bucket: GradBucket) -> bool:
+        """See [Note: averaging after the reduce-scatter]."""
+        return self.grad_dtype(bucket.flat) == torch.float16
+
+    def average_scale(self, bucket: GradBucket) -> float:
+        """What the reduced (summed) slice is multiplied by to become the average."""
+        return 1.0 if self.divides_before_reduce(bucket) else 1.0 / self.world_size
+
     def start_bucket_sync(self, bucket: GradBucket) -> C.Handle:
         data = bucket.spec.range.of(self.grad_data[bucket.flat])
-        data.div_(self.world_size)
+        if self.divides_before_reduce(bucket):
+            data.div_(self.world_size)
         return C.reduce_scatter(
             self.reduced_grad(bucket), data, group=self.group, async_op=True, stats=self.comm,
             padding_numel=bucket.spec.padding,
@@ -83,6 +99,8 @@ class OptimizerShardEngine(AllReduceEngine):
 
     def finish_bucket_sync(self, bucket: GradBucket) -> None:
         flat = bucket.flat
+        if not self.divides_before_reduce(bucket):
+            self.reduced_grad(bucket).div_(self.world_size)
         if self._carry is not None:
             carried = flat.layout.shard_of(bucket.spec, self._carry[flat])
             self.reduced_grad(bucket).add_(carried)
@@ -119,11 +137,13 @@ class OptimizerShardEngine(AllReduceEngine):
         self.broadcast_buffers()
 
     def clear_grads(self) -> None:
-        for grad in list(self.grad_data.values()) + list(self.master_grad_shards.values()):
-            grad.zero_()
-        for name, param in self.trainable:
-            view = self.grad_view(name)
-            param.grad = view if view.dtype == param.dtype else None
+        # No memset, as at stage 0 (AllReduceEngine.clear_grads); master_grad_shards are
+        # overwritten by every reduction.
+        for flat, grad in self.grad_data.items():
+            if grad.dtype != flat.dtype:
+                grad.zero_()
+        for _, param in self.trainable:
+            param.grad = None
         for bucket in self.buckets:
             bucket.reduced = False
         self._carry = None
@@ -228,9 +248,12 @@ class GradientShardEngine(OptimizerShardEngine):
             dtype, numel = self.grad_dtype(bucket.flat), bucket.spec.range.size
             reusable = [i for i, t in enumerate(self._free_staging) if t.dtype == dtype and t.numel() == numel]
             if reusable:
-                staging = self._free_staging.pop(reusable[0]).zero_()
+                staging = self._free_staging.pop(reusable[0])
             else:
-                staging = torch.zeros(numel, dtype=dtype, device=bucket.flat.device)
+                staging = torch.empty(numel, dtype=dtype, device=bucket.flat.device)
+            # Not zeroed as a whole: every slot is overwritten by its gradient or, if none
+            # comes, zeroed by fill_missing; only the padding tail must be zero.
+            staging[numel - bucket.spec.padding :].zero_()
             self._staging[index] = staging
             self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_bytes())
         return staging
@@ -238,10 +261,13 @@ class GradientShardEngine(OptimizerShardEngine):
     def _staging_bytes(self) -> int:
         return self._bytes(self._staging.values())
 
-    def _stage_param_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+    def _staged_slot(self, bucket: GradBucket, name: str) -> torch.Tensor:
         slot = bucket.flat.layout.slots[name]
         local = slot.range.shift(-bucket.spec.range.start)  # bucket-relative
-        local.of(self._staging_for(bucket)).view(slot.shape).copy_(param.grad)
+        return local.of(self._staging_for(bucket)).view(slot.shape)
+
+    def _stage_param_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        self._staged_slot(bucket, name).copy_(param.grad)
         param.grad = None
 
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
@@ -251,11 +277,12 @@ class GradientShardEngine(OptimizerShardEngine):
         """Inside ``no_sync()`` autograd accumulates full gradients in ``param.grad``."""
 
     def fill_missing(self, bucket: GradBucket) -> None:
-        self._staging_for(bucket)  # zeros stand in for gradients that never came
         for name in bucket.missing:
             param = bucket.flat.params[name]
             if param.grad is not None:  # accumulated under no_sync, unused in this backward
                 self._stage_param_grad(bucket, name, param)
+            else:  # zeros stand in for a gradient that never came
+                self._staged_slot(bucket, name).zero_()
 
     def reduced_grad(self, bucket: GradBucket) -> torch.Tensor:
         return bucket.flat.layout.shard_of(bucket.spec, self.grad_shards[bucket.flat])
@@ -265,7 +292,8 @@ class GradientShardEngine(OptimizerShardEngine):
 
     def start_bucket_sync(self, bucket: GradBucket) -> C.Handle:
         staging = self._staging_for(bucket)
-        staging.div_(self.world_size)
+        if self.divides_before_reduce(bucket):
+            staging.div_(self.world_size)
         owned = bucket.spec.shard(self.rank).shift(-bucket.spec.range.start).of(staging)
         return C.reduce_scatter(
             owned, staging, group=self.group, async_op=True, stats=self.comm, padding_numel=bucket.spec.padding
@@ -274,7 +302,14 @@ class GradientShardEngine(OptimizerShardEngine):
     def finish_bucket_sync(self, bucket: GradBucket) -> None:
         staging = self._staging.pop(bucket.position)
         owned = bucket.spec.shard(self.rank).shift(-bucket.spec.range.start).of(staging)
-        self.reduced_grad(bucket).add_(owned)
+        shard, scale = self.reduced_grad(bucket), self.average_scale(bucket)
+        if bucket.reduced:  # accumulating over a reduction since zero_grad
+            shard.add_(owned, alpha=scale)
+        elif shard.dtype == owned.dtype:
+            torch.mul(owned, scale, out=shard)
+        else:
+            shard.copy_(owned).mul_(scale)
+        bucket.reduced = True
         self._free_staging.append(staging)
         if len(self._free_staging) > self.max_buckets_in_flight + 1:
             self._free_staging.pop(0)
@@ -284,10 +319,13 @@ class GradientShardEngine(OptimizerShardEngine):
         self.broadcast_buffers()
 
     def clear_grads(self) -> None:
-        for shard in self.grad_shards.values():
-            shard.zero_()
+        # The shards are not zeroed: the first reduction of each bucket after zero_grad
+        # overwrites its slice (bucket.reduced tells), and every synced backward reduces
+        # every bucket.
         for _, param in self.trainable:
             param.grad = None
+        for bucket in self.buckets:
+            bucket.reduced = False
 
     def memory_stats(self) -> dict[str, int]:
         return {
