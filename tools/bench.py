@@ -1,0 +1,930 @@
+"""shardpar stages 0-3 against torch DDP, DDP + ZeroRedundancyOptimizer and FSDP2, in one run.
+
+    torchrun --standalone --nproc_per_node 2 tools/bench.py            # the default report
+    python tools/bench.py --models mlp:tiny --rounds 2                  # world size 1, quick
+
+For every model (``--models``, e.g. ``mlp:small,gpt:large``) every configuration is built
+on the same initial weights and the same per-rank batches, warmed up, then timed in
+interleaved rounds: round r runs every configuration ``--steps-per-round`` times, in an
+order rotated by r, so machine drift lands on all of them alike. Writes ``--out`` (the
+Markdown report, default docs/benchmarks.md), ``--png`` when matplotlib is importable and
+``--json`` when asked. Only rank 0 writes.
+
+[Note: what is measured]
+- Step time: wall time of forward + backward + optimizer step + zero_grad, after a barrier
+  so every rank starts together; a step's time is the slowest rank's. Median and IQR over
+  the timed steps (warm-up steps excluded).
+- Memory (a phase of its own, before timing): model state as each engine accounts it (``memory_stats()`` for shardpar; the
+  parameter, gradient and optimizer-state tensors for the peers, local shards for FSDP2),
+  against DESIGN.md's ZeRO formula; and the process's peak RSS above what it held before
+  the configuration was built (VmHWM, reset through /proc/self/clear_refs, with glibc's
+  mmap threshold lowered and free heap pages trimmed first, so no tensor lands on pages
+  counted before), each configuration alone in the process for ``MEMORY_STEPS`` steps,
+  then dropped.
+
+[Note: allocator modes]
+glibc serves big allocations by mmap and returns them at free; below its threshold memory
+is reused from the heap. The memory phase sets the threshold to 64 KiB so every tensor's
+pages come and go with it (exact RSS). That would make the timing phase pay page faults
+for every activation every step, which no real run does: glibc's dynamic threshold climbs
+to 32 MiB after the first frees. So the timing phase sets 32 MiB (and trim at 64 MiB)
+explicitly, the steady state every configuration sees from its first step.
+- Bytes: ``comm_stats()`` over the timed steps / steps, against ``estimate_communication``.
+- Hidden communication: ``engine.last_backward_wait_s`` (what the end of backward waited
+  for gradient collectives) against the time the same collectives take alone: one buffer
+  per gradient bucket, of the bucket's size and dtype, all launched then all waited, with
+  nothing else running (the median of ``--comm-reps``). hidden = 1 - wait / alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import copy
+import ctypes
+import datetime
+import gc
+import importlib.util
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import shardpar  # noqa: E402
+from shardpar import collectives  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+KEEP_MARKER = "<!-- everything below this line is written by hand; tools/bench.py keeps it -->"
+MIB = 2**20
+
+# --------------------------------------------------------------------------- models
+
+
+class MLPBlock(nn.Module):
+    """Residual feed-forward block: x + W2 gelu(W1 x)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, 4 * width)
+        self.proj = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(F.gelu(self.fc(x)))
+
+
+class MLPStack(nn.Module):
+    def __init__(self, width: int, layers: int, classes: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(MLPBlock(width) for _ in range(layers))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with causal SDPA attention."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = MLPBlock(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, t, c/heads)
+        x = x + self.out(y.transpose(1, 2).reshape(b, t, c))
+        return self.mlp(self.ln2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, width: int, layers: int, heads: int, vocab: int, seq: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))  # (batch, seq, vocab)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kind: str  # "mlp" or "gpt"
+    size: str
+    width: int
+    layers: int
+    batch: int  # rows (mlp) or sequences (gpt) per rank
+    seq: int = 0
+    vocab: int = 0
+    heads: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:{self.size}"
+
+    def build(self) -> nn.Module:
+        if self.kind == "mlp":
+            return MLPStack(self.width, self.layers, classes=self.width)
+        return Transformer(self.width, self.layers, self.heads, self.vocab, self.seq)
+
+    @property
+    def unit_class(self) -> type[nn.Module]:
+        """Stage-3 units and FSDP2 ``fully_shard`` calls: one per block, then the root."""
+        return MLPBlock if self.kind == "mlp" else Block
+
+    def batch_for(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kind == "mlp":
+            x = torch.randn(self.batch, self.width, generator=generator)
+            return x, torch.randint(0, self.width, (self.batch,), generator=generator)
+        tokens = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=generator)
+        return tokens[:, :-1], tokens[:, 1:].reshape(-1)
+
+    def describe(self) -> str:
+        if self.kind == "mlp":
+            return f"MLP stack, width {self.width}, {self.layers} blocks, batch {self.batch} rows/rank"
+        return (f"transformer, width {self.width}, {self.layers} blocks, {self.heads} heads, vocab {self.vocab}, "
+                f"batch {self.batch}x{self.seq} tokens/rank")
+
+
+SIZES = {
+    "mlp": {
+        "tiny": {"width": 32, "layers": 2, "batch": 8},
+        "small": {"width": 256, "layers": 4, "batch": 128},
+        "large": {"width": 512, "layers": 4, "batch": 128},
+    },
+    "gpt": {
+        "tiny": {"width": 32, "layers": 2, "heads": 2, "vocab": 64, "seq": 16, "batch": 2},
+        "small": {"width": 192, "layers": 4, "heads": 4, "vocab": 2048, "seq": 64, "batch": 4},
+        "large": {"width": 256, "layers": 6, "heads": 4, "vocab": 4096, "seq": 64, "batch": 4},
+    },
+}
+
+
+def parse_models(text: str) -> list[ModelSpec]:
+    specs = []
+    for item in text.split(","):
+        kind, _, size = item.strip().partition(":")
+        if kind not in SIZES or size not in SIZES[kind]:
+            choices = ", ".join(f"{k}:{s}" for k in SIZES for s in SIZES[k])
+            raise SystemExit(f"error: --models: unknown model {item!r}; choose from {choices}")
+        specs.append(ModelSpec(kind, size, **SIZES[kind][size]))
+    return specs
+
+
+# --------------------------------------------------------------------------- configurations
+
+ALL_CONFIGS = ["stage0", "stage1", "stage2", "stage3", "ddp", "ddp+zero", "fsdp2"]
+PEER_STAGE = {"ddp": 0, "ddp+zero": 1, "fsdp2": 3}
+"""The shardpar stage each peer matches (same storage and collectives)."""
+CANDIDATE = "-cand"
+"""Suffix of the stages run from ``--candidate`` (another checkout's shardpar, to A/B a patch)."""
+
+
+def stage_of(config: str) -> int | None:
+    """3 for "stage3" and "stage3-cand"; None for the peers."""
+    return int(config.removesuffix(CANDIDATE)[-1]) if config.startswith("stage") else None
+
+
+def peer_of(config: str) -> str:
+    return {0: "ddp", 1: "ddp+zero", 2: "ddp+zero", 3: "fsdp2"}[stage_of(config)]
+
+
+def zero_formula(config: str, psi: int, world: int) -> float:
+    """DESIGN.md's model-state bytes per rank with fp32 AdamW (peers: the stage they match)."""
+    stage = PEER_STAGE[config] if stage_of(config) is None else stage_of(config)
+    return [16 * psi, 8 * psi + 8 * psi / world, 4 * psi + 12 * psi / world, 16 * psi / world][stage]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors if t is not None)
+
+
+class Runner:
+    """One configuration: a model copy, its wrapper and optimizer, and one training step
+    split into phases so the report can say where the time goes."""
+
+    name: str
+    engine: Any = None  # shardpar configurations only
+
+    def __init__(self, model: nn.Module, spec: ModelSpec, wrap_options: dict[str, Any]) -> None:
+        self.spec, self.wrap_options = spec, wrap_options  # options for shardpar.wrap
+        self.model, self.opt = self.wrap(model)
+
+    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
+        raise NotImplementedError
+
+    def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        logits = self.model(batch[0])
+        loss = F.cross_entropy(logits.flatten(0, -2), batch[1])
+        loss.backward()
+        return loss.detach()
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def model_state(self) -> dict[str, int]:
+        """Bytes of params, grads and optimizer state on this rank (after a step, before zero_grad)."""
+        params = list(self.model.parameters())
+        return {
+            "params": _tensor_bytes(params),
+            "grads": _tensor_bytes(p.grad for p in params),
+            "optimizer_state": _tensor_bytes(self._optimizer_state()),
+        }
+
+    def _optimizer_state(self):
+        for state in self.opt.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+    def close(self) -> None:
+        pass
+
+
+class ShardparRunner(Runner):
+    def __init__(self, stage: int, library: Any, *args: Any) -> None:
+        self.stage, self.library = stage, library  # shardpar, or a --candidate copy of it
+        super().__init__(*args)
+
+    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
+        options = dict(self.wrap_options)
+        if self.stage == 3:
+            options["wrap_policy"] = [self.spec.unit_class]
+        wrapped = self.library.wrap(model, stage=self.stage, **options)
+        self.engine = wrapped.engine
+        return wrapped, self.library.optimizer(wrapped, torch.optim.AdamW, lr=1e-3)
+
+    def model_state(self) -> dict[str, int]:
+        stats = self.model.memory_stats()
+        return {k: stats.get(k, 0) for k in ("params", "grads", "optimizer_state", "workspace")}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class DDPRunner(Runner):
+    name = "ddp"
+
+    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
+        ddp = nn.parallel.DistributedDataParallel(model)
+        return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+
+
+class ZeroRunner(Runner):
+    name = "ddp+zero"
+
+    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = nn.parallel.DistributedDataParallel(model)
+        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+
+    def _optimizer_state(self):
+        for state in self.opt.optim.state.values():  # the local, sharded optimizer
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class FSDPRunner(Runner):
+    name = "fsdp2"
+
+    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for module in model.modules():
+            if isinstance(module, self.spec.unit_class):
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+LIBRARIES: dict[str, Any] = {CANDIDATE: shardpar}
+"""The shardpar package the CANDIDATE stages run: this checkout's unless --candidate names one."""
+
+
+def build_runner(config: str, model: nn.Module, spec: ModelSpec, args: argparse.Namespace) -> Runner:
+    stage = stage_of(config)
+    if stage is None:
+        return {"ddp": DDPRunner, "ddp+zero": ZeroRunner, "fsdp2": FSDPRunner}[config](model, spec, {})
+    if config.endswith(CANDIDATE):
+        return ShardparRunner(stage, LIBRARIES[CANDIDATE], model, spec, {**args.wrap_options, **args.candidate_options})
+    return ShardparRunner(stage, shardpar, model, spec, args.wrap_options)
+
+
+def load_candidate(checkout: Path) -> None:
+    """Import ``checkout``/shardpar under another name (its imports are relative), so stages
+    of a patched copy run interleaved with this checkout's in one launch."""
+    package = checkout / "shardpar"
+    spec = importlib.util.spec_from_file_location(
+        "shardpar_candidate", package / "__init__.py", submodule_search_locations=[str(package)]
+    )
+    if spec is None or not (package / "__init__.py").exists():
+        raise SystemExit(f"error: --candidate {checkout}: no shardpar package there")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    LIBRARIES[CANDIDATE] = module
+
+
+# --------------------------------------------------------------------------- process memory
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MEASURE_MMAP_BYTES = 64 * 1024
+TIMING_MMAP_BYTES = 32 * MIB
+
+
+def set_allocator(mmap_threshold: int) -> None:
+    """glibc's malloc thresholds; see [Note: allocator modes]."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)
+        libc.mallopt(M_TRIM_THRESHOLD, 2 * mmap_threshold)
+
+
+def release_free_memory() -> None:
+    """Give the pages of free heap chunks back to the OS (glibc ``malloc_trim``): malloc
+    reuses free chunks before it mmaps, so without this a configuration could grow into
+    memory an earlier one freed and its peak RSS would not show it."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _status_kib(field_name: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise KeyError(field_name)
+
+
+def reset_peak_rss() -> bool:
+    """Set VmHWM to the current RSS (Linux >= 4.0); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def current_rss() -> int:
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss() -> int:
+    return _status_kib("VmHWM") * 1024
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Measured:
+    """What one rank measured for one configuration."""
+
+    steps: list[float] = field(default_factory=list)  # seconds per timed step
+    phases: list[tuple[float, float, float]] = field(default_factory=list)  # fwd+bwd, opt step, zero_grad
+    cpu: list[float] = field(default_factory=list)  # CPU seconds per timed step, all threads of the process
+    cpu_other: list[float] = field(default_factory=list)  # of which not the main thread (gloo's threads)
+    phase_cpu_main: list[tuple[float, float, float]] = field(default_factory=list)  # main-thread CPU per phase
+    backward_wait: list[float] = field(default_factory=list)
+    state: dict[str, int] = field(default_factory=dict)
+    rss_increase: int = 0
+    rss_peak: int = 0
+    rss_exact: bool = True
+    sent_bytes: float | None = None
+    padding_bytes: float | None = None
+    sent_by_op: dict[str, float] = field(default_factory=dict)
+    comm_alone_s: float | None = None
+    final_loss: float = math.nan
+
+
+def _clock() -> tuple[float, float, float]:
+    """(wall, CPU of the whole process, CPU of this thread) in seconds."""
+    return time.perf_counter(), time.process_time(), time.thread_time()
+
+
+def run_step(runner: Runner, batch, measured: Measured | None = None, before_zero: Callable | None = None) -> float:
+    """One training step after a barrier; ``before_zero`` runs between the optimizer step
+    and zero_grad, outside the timed phases."""
+    dist.barrier()
+    start = _clock()
+    loss = runner.forward_backward(batch)
+    after_backward = _clock()
+    runner.step()
+    after_step = _clock()
+    if before_zero is not None:
+        before_zero()
+    before_zero_grad = _clock()
+    runner.zero_grad()
+    end = _clock()
+    if measured is not None:
+        spans = [(start, after_backward), (after_backward, after_step), (before_zero_grad, end)]
+        measured.phases.append(tuple(b[0] - a[0] for a, b in spans))
+        measured.phase_cpu_main.append(tuple(b[2] - a[2] for a, b in spans))
+        measured.steps.append(sum(measured.phases[-1]))
+        cpu = sum(b[1] - a[1] for a, b in spans)
+        measured.cpu.append(cpu)
+        measured.cpu_other.append(cpu - sum(measured.phase_cpu_main[-1]))
+        if runner.engine is not None:
+            measured.backward_wait.append(runner.engine.last_backward_wait_s)
+    return float(loss)
+
+
+def collective_alone_s(runner: Runner, reps: int) -> float | None:
+    """Seconds the engine's gradient collectives take with nothing else running (see
+    [Note: what is measured]): shardpar's own collective functions (stage 0 all-reduce,
+    stages 1-3 reduce-scatter), one per bucket, on fresh buffers of the buckets' sizes."""
+    engine = runner.engine
+    world = dist.get_world_size()
+    if engine is None or world == 1:
+        return None
+    inputs = [torch.zeros(b.spec.range.size, dtype=engine.grad_dtype(b.flat)) for b in engine.buckets]
+    outputs = [buf[: buf.numel() // world].clone() for buf in inputs]
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        if engine.stage == 0:
+            handles = [collectives.all_reduce(buf, async_op=True) for buf in inputs]
+        else:
+            handles = [collectives.reduce_scatter(out, buf, async_op=True) for out, buf in zip(outputs, inputs)]
+        for handle in handles:
+            handle.wait()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+MEMORY_STEPS = 2
+"""Steps of the memory phase: the first allocates optimizer state, the second is steady."""
+
+
+def measure_memory(config: str, spec: ModelSpec, base: nn.Module, batches, args: argparse.Namespace) -> Measured:
+    """Build one configuration alone, train ``MEMORY_STEPS`` steps and take its memory; drop it."""
+    set_allocator(MEASURE_MMAP_BYTES)
+    release_free_memory()
+    exact = reset_peak_rss()
+    before = current_rss()
+    runner = build_runner(config, copy.deepcopy(base), spec, args)
+    measured = Measured(rss_exact=exact)
+    for i in range(MEMORY_STEPS - 1):
+        run_step(runner, batches[i % len(batches)])
+    run_step(runner, batches[(MEMORY_STEPS - 1) % len(batches)],
+             before_zero=lambda: measured.state.update(runner.model_state()))
+    measured.rss_peak = peak_rss()
+    measured.rss_increase = measured.rss_peak - before
+    runner.close()
+    return measured
+
+
+def warm_process(configs: list[str], args) -> None:
+    """Pay one-time costs (lazy imports, gloo and autograd threads, allocator pools) on a
+    tiny model first, so the first configuration's RSS increase is its own."""
+    spec = ModelSpec("gpt", "warm-up", **SIZES["gpt"]["tiny"])
+    base = spec.build()
+    batch = spec.batch_for(torch.Generator().manual_seed(0))
+    for config in configs:
+        runner = build_runner(config, copy.deepcopy(base), spec, args)
+        for _ in range(2):
+            run_step(runner, batch)
+        runner.close()
+    gc.collect()
+
+
+def bench_model(spec: ModelSpec, configs: list[str], args) -> dict[str, Any]:
+    """Every configuration on one model: memory alone one by one, then built together, warmed
+    up and timed in interleaved rounds."""
+    torch.manual_seed(args.seed)
+    base = spec.build()
+    psi = sum(p.numel() for p in base.parameters())
+    generator = torch.Generator().manual_seed(args.seed * 1000 + dist.get_rank())
+    batches = [spec.batch_for(generator) for _ in range(4)]
+    measured = {config: measure_memory(config, spec, base, batches, args) for config in configs}
+    set_allocator(TIMING_MMAP_BYTES)
+    runners: dict[str, Runner] = {}
+    for config in configs:
+        runners[config] = build_runner(config, copy.deepcopy(base), spec, args)
+        for i in range(args.warmup):
+            run_step(runners[config], batches[i % len(batches)])
+    step_index = args.warmup
+    for r in range(args.rounds):
+        order = configs[r % len(configs):] + configs[: r % len(configs)]
+        for config in order:
+            runner, m = runners[config], measured[config]
+            if runner.engine is not None:
+                runner.model.reset_comm_stats()
+            for s in range(args.steps_per_round):
+                m.final_loss = run_step(runner, batches[(step_index + s) % len(batches)], m)
+            if runner.engine is not None:
+                accumulate_comm(m, runner.model.comm_stats(), args.steps_per_round)
+        step_index += args.steps_per_round
+    for config in configs:
+        measured[config].comm_alone_s = collective_alone_s(runners[config], args.comm_reps)
+        runners[config].close()
+    runners.clear()
+    gc.collect()
+    gathered: list[dict[str, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(gathered, {c: asdict(m) for c, m in measured.items()})
+    return summarize(spec, psi, configs, gathered, args)
+
+
+def accumulate_comm(m: Measured, stats: dict[str, dict[str, float]], steps: int) -> None:
+    """Per-step bytes from one round's counters (every round moves the same bytes)."""
+    m.sent_bytes = stats["total"]["sent_bytes"] / steps
+    m.padding_bytes = stats["total"]["padding_sent_bytes"] / steps
+    m.sent_by_op = {op: v["sent_bytes"] / steps for op, v in stats.items() if op != "total"}
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def quantiles(values: list[float]) -> dict[str, float]:
+    values = sorted(values)
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return {"median": q[1], "p25": q[0], "p75": q[2], "min": values[0], "max": values[-1]}
+
+
+def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], args) -> dict[str, Any]:
+    world = len(ranks)
+    per_config: dict[str, Any] = {}
+    for config in configs:
+        per_rank = [r[config] for r in ranks]
+        # A step takes as long as its slowest rank.
+        steps = [max(times) for times in zip(*(m["steps"] for m in per_rank))]
+        phases = [[max(p[i] for p in ps) for i in range(3)] for ps in zip(*(m["phases"] for m in per_rank))]
+        row: dict[str, Any] = {
+            "step_s": quantiles(steps),
+            "phase_s": {k: statistics.median(p[i] for p in phases) for i, k in enumerate(("fwd_bwd", "opt", "zero"))},
+            "cpu_s": max(statistics.median(m["cpu"]) for m in per_rank),
+            "cpu_other_s": max(statistics.median(m["cpu_other"]) for m in per_rank),
+            "phase_cpu_main_s": {
+                k: max(statistics.median(p[i] for p in m["phase_cpu_main"]) for m in per_rank)
+                for i, k in enumerate(("fwd_bwd", "opt", "zero"))
+            },
+            "state": [m["state"] for m in per_rank],
+            "model_state": [sum(m["state"].get(k, 0) for k in ("params", "grads", "optimizer_state")) for m in per_rank],
+            "formula": zero_formula(config, psi, world),
+            "rss_increase": [m["rss_increase"] for m in per_rank],
+            "rss_peak": [m["rss_peak"] for m in per_rank],
+            "rss_exact": all(m["rss_exact"] for m in per_rank),
+            "final_loss": per_rank[0]["final_loss"],
+        }
+        if per_rank[0]["sent_bytes"] is not None:
+            stage = stage_of(config)
+            closed = shardpar.estimate_communication(
+                spec.build(), world, stage,
+                bucket_cap_mb=args.wrap_options.get("bucket_cap_mb", shardpar.ShardConfig.bucket_cap_mb),
+                wrap_policy=[spec.unit_class] if stage == 3 else None,
+            )
+            row["sent_bytes"] = [m["sent_bytes"] for m in per_rank]
+            row["padding_bytes"] = [m["padding_bytes"] for m in per_rank]
+            row["closed_form_bytes"] = closed.sent_bytes
+            waits = [statistics.median(m["backward_wait"]) for m in per_rank]
+            row["backward_wait_s"] = max(waits)
+            alone = [m["comm_alone_s"] for m in per_rank if m["comm_alone_s"] is not None]
+            if alone:
+                row["comm_alone_s"] = max(alone)
+                row["hidden"] = min(1.0, max(0.0, 1 - row["backward_wait_s"] / row["comm_alone_s"]))
+        per_config[config] = row
+    for config, row in per_config.items():
+        if stage_of(config) is None:
+            continue
+        peer = peer_of(config)
+        if peer in per_config:
+            row["peer"] = peer
+            row["vs_peer"] = row["step_s"]["median"] / per_config[peer]["step_s"]["median"]
+        base = config.removesuffix(CANDIDATE)
+        if base != config and base in per_config:
+            row["vs_base"] = row["step_s"]["median"] / per_config[base]["step_s"]["median"]
+    return {"model": spec.name, "description": spec.describe(), "params": psi, "world": world, "configs": per_config}
+
+
+# --------------------------------------------------------------------------- report
+
+TARGETS = {"stage0": 1.00, "stage1": 0.90, "stage2": 0.90, "stage3": 0.80}
+
+
+def machine() -> dict[str, Any]:
+    model = platform.processor() or "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": model,
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads_per_rank": torch.get_num_threads(),
+        "backend": dist.get_backend(),
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+    }
+
+
+def command_line(world: int) -> str:
+    args = shlex.join(["tools/bench.py", *sys.argv[1:]])
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ:
+        return f"torchrun --standalone --nproc_per_node {world} {args}"
+    return f"python {args}"
+
+
+def _mib(n: float) -> str:
+    return f"{n / MIB:.1f}"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f}"
+
+
+def _per_rank(values: list[float], fmt: Callable[[float], str]) -> str:
+    return " / ".join(fmt(v) for v in values)
+
+
+def timing_table(result: dict[str, Any]) -> list[str]:
+    lines = [
+        ("| config | median step ms | IQR ms | min–max ms | vs peer | fwd+bwd ms | opt step ms | zero_grad ms "
+         "| CPU ms/step (comm threads) | backward wait ms | grad comm alone ms | hidden |"),
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for config, row in result["configs"].items():
+        q, ph = row["step_s"], row["phase_s"]
+        vs = f"{row['vs_peer']:.2f}× {row['peer']}" if "vs_peer" in row else "—"
+        if config in TARGETS and "vs_peer" in row:
+            vs += " ✓" if row["vs_peer"] <= TARGETS[config] else f" ✗ (target ≤ {TARGETS[config]:.2f})"
+        if "vs_base" in row:
+            vs += f"; {row['vs_base']:.2f}× {config.removesuffix(CANDIDATE)}"
+        wait = _ms(row["backward_wait_s"]) if "backward_wait_s" in row else "—"
+        alone = _ms(row["comm_alone_s"]) if "comm_alone_s" in row else "—"
+        hidden = f"{row['hidden']:.0%}" if "hidden" in row else "—"
+        lines.append(
+            f"| {config} | {_ms(q['median'])} | {_ms(q['p25'])}–{_ms(q['p75'])} | {_ms(q['min'])}–{_ms(q['max'])} "
+            f"| {vs} | {_ms(ph['fwd_bwd'])} | {_ms(ph['opt'])} | {_ms(ph['zero'])} "
+            f"| {_ms(row['cpu_s'])} ({_ms(row['cpu_other_s'])}) | {wait} | {alone} | {hidden} |"
+        )
+    return lines
+
+
+def memory_table(result: dict[str, Any]) -> list[str]:
+    lines = [
+        ("| config | model state MiB (rank 0 / 1 …) | ZeRO formula MiB | measured / formula | workspace MiB "
+         "| peak RSS increase MiB | peak RSS MiB | sent MB/step | closed form MB | difference | padding MB |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for config, row in result["configs"].items():
+        ratio = max(row["model_state"]) / row["formula"]
+        mark = " ✓" if abs(ratio - 1) <= 0.10 else " ✗"
+        workspace = _per_rank([s.get("workspace", 0) for s in row["state"]], _mib) if config.startswith("stage") else "—"
+        if "sent_bytes" in row:
+            sent = max(row["sent_bytes"])
+            closed = row["closed_form_bytes"]
+            diff = (sent - closed) / closed if closed else 0.0
+            comm = (f"{sent / 1e6:.2f} | {closed / 1e6:.2f} | {diff:+.2%}{' ✓' if abs(diff) <= 0.01 else ' ✗'} "
+                    f"| {max(row['padding_bytes']) / 1e6:.4f}")
+        else:
+            comm = "— | — | — | —"
+        rss_note = "" if row["rss_exact"] else " (not reset)"
+        lines.append(
+            f"| {config} | {_per_rank(row['model_state'], _mib)} | {_mib(row['formula'])} | {ratio:.3f}{mark} "
+            f"| {workspace} | {_per_rank(row['rss_increase'], _mib)}{rss_note} | {_per_rank(row['rss_peak'], _mib)} "
+            f"| {comm} |"
+        )
+    return lines
+
+
+def targets_section(results: list[dict[str, Any]]) -> list[str]:
+    lines = ["| model | target | measured | met |", "|---|---|---:|---|"]
+    for result in results:
+        if result["world"] == 1:
+            continue
+        for config, limit in TARGETS.items():
+            row = result["configs"].get(config)
+            if row is None or "vs_peer" not in row:
+                continue
+            met = "yes" if row["vs_peer"] <= limit else "**no**"
+            lines.append(f"| {result['model']} | {config} ≤ {limit:.2f}× {row['peer']} | {row['vs_peer']:.2f}× | {met} |")
+        for config, row in result["configs"].items():
+            if "sent_bytes" in row:
+                diff = (max(row["sent_bytes"]) - row["closed_form_bytes"]) / row["closed_form_bytes"]
+                met = "yes" if abs(diff) <= 0.01 else "**no**"
+                lines.append(f"| {result['model']} | {config} bytes/step = closed form ±1% | {diff:+.2%} | {met} |")
+            if config.startswith("stage"):
+                ratio = max(row["model_state"]) / row["formula"]
+                met = "yes" if abs(ratio - 1) <= 0.10 else "**no**"
+                lines.append(f"| {result['model']} | {config} model state = ZeRO formula ±10% | {ratio:.3f}× | {met} |")
+    return lines
+
+
+COLUMNS = (
+    "Columns. *median step*, *IQR*, *min–max*: wall time of forward + backward + optimizer step + zero_grad, "
+    "the slowest rank's, over the timed steps. *vs peer*: median over the matching peer's median (stage 0 vs "
+    "DDP, stages 1–2 vs DDP + ZeroRedundancyOptimizer, stage 3 vs FSDP2). *fwd+bwd*, *opt step*, *zero_grad*: "
+    "median wall time of each phase. *CPU ms/step*: CPU time of the whole rank process per step (in brackets: "
+    "of its threads other than the main one, i.e. gloo's communication threads); on a loaded machine this is "
+    "steadier than wall time. *backward wait*: `engine.last_backward_wait_s`, what the end of backward waited "
+    "for gradient collectives; *grad comm alone*: the same collectives (shardpar's functions, one per bucket, "
+    "same sizes) timed with nothing else running; *hidden* = 1 − wait / alone. *Model state*: params + grads "
+    "+ optimizer state as the engine accounts it (`memory_stats()`; for the peers the tensors they hold, local "
+    "shards for FSDP2) against DESIGN.md's ZeRO formula (peers: the stage they match). *Peak RSS increase*: "
+    "VmHWM minus RSS before building, with the configuration alone in the process for 2 steps (see the note "
+    "in tools/bench.py). *Sent*: `comm_stats()` per step, padding shown apart, against "
+    "`shardpar.estimate_communication`."
+)
+
+
+def write_report(path: Path, results: list[dict[str, Any]], info: dict[str, Any], args, png: Path | None) -> None:
+    kept = ""
+    if path.exists():
+        text = path.read_text()
+        if KEEP_MARKER in text:
+            kept = text.split(KEEP_MARKER, 1)[1]
+    world = results[0]["world"]
+    lines = [
+        "# Benchmarks: shardpar stages 0–3 against torch DDP, ZeroRedundancyOptimizer and FSDP2",
+        "",
+        "Generated by `tools/bench.py` from one run of:",
+        "",
+        "```",
+        info["command"],
+        "```",
+        "",
+        (f"- Machine: {info['cpu']}, `nproc` = {info['nproc']}; {world} rank(s), {info['threads_per_rank']} "
+         f"intra-op thread(s) per rank, backend {info['backend']}"),
+        f"- torch {info['torch']}, Python {info['python']}; run started {info['date']}, took {info['elapsed_s']:.0f} s",
+        (f"- Load average (1/5/15 min): {info['load_start']} at start, {info['load_end']} at end "
+         "(other processes on the machine slow every configuration; interleaving spreads that evenly)"),
+        (f"- Per configuration: {args.warmup} warm-up steps (excluded), then {args.rounds} interleaved rounds × "
+         f"{args.steps_per_round} timed steps; AdamW lr 1e-3, fp32; shardpar.wrap options: "
+         f"{args.wrap_options or 'defaults'} (+ the blocks as stage-3 units)"),
+        ("- Peers: `DistributedDataParallel` (defaults), DDP + `ZeroRedundancyOptimizer(AdamW)` (defaults), "
+         "`fully_shard` (FSDP2) on every block then the root; shardpar stage 3 uses the same blocks as units"),
+        "",
+        COLUMNS,
+        "",
+    ]
+    if png is not None:
+        lines += [f"![step time per configuration]({png.name})", ""]
+    for result in results:
+        lines += [f"## {result['model']}: {result['description']}, Ψ = {result['params']:,} parameters", ""]
+        lines += timing_table(result) + [""] + memory_table(result) + [""]
+        losses = {c: r["final_loss"] for c, r in result["configs"].items()}
+        spread = max(losses.values()) - min(losses.values())
+        lines += [f"Final loss after the same steps, all configurations: {min(losses.values()):.5f}–"
+                  f"{max(losses.values()):.5f} (spread {spread:.1e}; same data and updates everywhere).", ""]
+    if world > 1:
+        lines += [f"## Targets (world size {world}, {info['backend']})", ""] + targets_section(results) + [""]
+    lines += [KEEP_MARKER]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + (kept if kept else "\n"))
+
+
+def write_chart(path: Path, results: list[dict[str, Any]]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.8), squeeze=False)
+    for ax, result in zip(axes[0], results):
+        names = list(result["configs"])
+        med = [result["configs"][c]["step_s"]["median"] * 1e3 for c in names]
+        low = [m - result["configs"][c]["step_s"]["p25"] * 1e3 for m, c in zip(med, names)]
+        high = [result["configs"][c]["step_s"]["p75"] * 1e3 - m for m, c in zip(med, names)]
+        colors = ["tab:blue" if c.startswith("stage") else "tab:gray" for c in names]
+        ax.bar(names, med, yerr=[low, high], color=colors, capsize=3, label="median step (IQR)")
+        cpu = [result["configs"][c]["cpu_s"] * 1e3 for c in names]
+        ax.plot(names, cpu, "k_", markersize=16, mew=2, label="CPU ms/step")
+        ax.set_title(f"{result['model']} (Ψ={result['params'] / 1e6:.1f}M, N={result['world']})", fontsize=9)
+        ax.set_ylabel("ms per step")
+        ax.legend(fontsize=7)
+        ax.tick_params(axis="x", rotation=60, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="mlp:small,mlp:large,gpt:small,gpt:large",
+                        help="comma-separated KIND:SIZE, kinds mlp and gpt, sizes tiny, small, large")
+    parser.add_argument("--configs", default=",".join(ALL_CONFIGS), help=f"subset of {','.join(ALL_CONFIGS)}")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--comm-reps", type=int, default=5, help="repetitions of the isolated collectives")
+    parser.add_argument("--wrap-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a shardpar.wrap option for every stage, e.g. bucket_cap_mb=4 (value: a Python literal)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--png", type=Path, default=None,
+                        help="chart (written only when matplotlib is importable; default: --out with .png)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the raw summary here")
+    parser.add_argument("--candidate", type=Path, default=None,
+                        help="another checkout whose shardpar also runs, as stageN-cand (A/B a patch)")
+    parser.add_argument("--candidate-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a wrap option for the stageN-cand runs only (with or without --candidate)")
+    args = parser.parse_args(argv)
+    if args.png is None:
+        args.png = args.out.with_suffix(".png")
+    args.model_specs = parse_models(args.models)
+    args.wrap_options = dict(parse_option(text) for text in args.wrap_option)
+    args.candidate_options = dict(parse_option(text) for text in args.candidate_option)
+    args.config_list = [c.strip() for c in args.configs.split(",")]
+    unknown = [c for c in args.config_list if c not in ALL_CONFIGS]
+    if unknown or args.warmup < 1 or args.rounds < 1 or args.steps_per_round < 1:
+        raise SystemExit(f"error: bad --configs {unknown} or a count below 1")
+    if args.candidate is not None:
+        load_candidate(args.candidate)
+    if args.candidate is not None or args.candidate_options:
+        args.config_list += [c + CANDIDATE for c in args.config_list if stage_of(c) is not None]
+    return args
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or key not in shardpar.ShardConfig.option_names():
+        raise SystemExit(f"error: --wrap-option {text!r}: expected KEY=VALUE with KEY a shardpar.wrap option")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def init_group() -> None:
+    """torchrun's group, or a one-rank gloo group so the peers also run under plain python."""
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    init_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    info = {**machine(), "command": command_line(world), "load_start": "{:.2f} / {:.2f} / {:.2f}".format(*os.getloadavg())}
+    started = time.perf_counter()
+    warm_process(args.config_list, args)
+    results = []
+    for spec in args.model_specs:
+        if rank == 0:
+            print(f"[bench] {spec.name}: {spec.describe()}", flush=True)
+        results.append(bench_model(spec, args.config_list, args))
+        if rank == 0:
+            for line in timing_table(results[-1]):
+                print(line, flush=True)
+    info["elapsed_s"] = time.perf_counter() - started
+    info["load_end"] = "{:.2f} / {:.2f} / {:.2f}".format(*os.getloadavg())
+    if rank == 0:
+        png = args.png if args.png and write_chart(args.png, results) else None
+        write_report(args.out, results, info, args, png)
+        if args.json:
+            args.json.write_text(json.dumps({"machine": info, "results": results}, indent=1))
+        print(f"[bench] wrote {args.out}" + (f" and {png}" if png else " (no chart: matplotlib not importable)"))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
