@@ -231,6 +231,38 @@ def all_reduce(
     return Handle(work)
 
 
+def _split_collective(
+    op: str,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None,
+    stats: CommStats | None,
+    padding_numel: int,
+) -> int:
+    """What reduce-scatter and all-gather share before moving data: check that the full
+    tensor (reduce-scatter's input, all-gather's output) is N times the other, record the
+    traffic, and at world size 1 complete the op (a copy, unless ``output`` already is
+    ``input``). Returns the world size."""
+    world_size = get_world_size(group)
+    names = ("input", "output") if op == "reduce_scatter" else ("output", "input")
+    full, part = (input, output) if op == "reduce_scatter" else (output, input)
+    if full.numel() != part.numel() * world_size:
+        raise ValueError(
+            f"{op}: {names[0]} has {full.numel()} elements, expected "
+            f"{world_size} x {part.numel()} ({names[1]} size x world size)"
+        )
+    _record(stats, op, full, padding_numel, world_size)
+    if world_size == 1 and output.data_ptr() != input.data_ptr():
+        output.copy_(input)
+    return world_size
+
+
+def _finish(handle: Handle, async_op: bool) -> Handle:
+    if not async_op:
+        handle.wait()
+    return handle
+
+
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -244,36 +276,24 @@ def reduce_scatter(
 
     ``output`` may be rank r's own slice of ``input`` (an in-place reduce-scatter).
     """
-    world_size = get_world_size(group)
-    if input.numel() != output.numel() * world_size:
-        raise ValueError(
-            f"reduce_scatter: input has {input.numel()} elements, expected "
-            f"{world_size} x {output.numel()} (output size x world size)"
-        )
-    _record(stats, "reduce_scatter", input, padding_numel, world_size)
+    world_size = _split_collective("reduce_scatter", output, input, group, stats, padding_numel)
     if world_size == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
         return Handle()
-    if _is_gloo(group):
-        # See [Note: gloo reduce-scatter and all-gather]. The sum reads only `received`,
-        # so `output` may alias `input`.
-        received = torch.empty_like(input)
-        work = dist.all_to_all_single(received, input, group=group, async_op=async_op)
+    if not _is_gloo(group):
+        return Handle(dist.reduce_scatter_single(output, input, group=group, async_op=async_op))
+    # See [Note: gloo reduce-scatter and all-gather]. The sum reads only `received`, so
+    # `output` may alias `input`.
+    received = torch.empty_like(input)
+    chunks = received.view(world_size, -1)
 
-        def sum_received() -> None:
-            # Chained adds: about twice as fast on CPU as torch.sum over the chunk dimension.
-            chunks = received.view(world_size, -1)
-            torch.add(chunks[0], chunks[1], out=output)
-            for chunk in chunks[2:]:
-                output.add_(chunk)
+    def sum_received() -> None:
+        # Chained adds: about twice as fast on CPU as torch.sum over the chunk dimension.
+        torch.add(chunks[0], chunks[1], out=output)
+        for chunk in chunks[2:]:
+            output.add_(chunk)
 
-        if not async_op:
-            sum_received()
-            return Handle()
-        return Handle(work, then=sum_received)
-    work = dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
-    return Handle(work)
+    work = dist.all_to_all_single(received, input, group=group, async_op=async_op)
+    return _finish(Handle(work, then=sum_received), async_op)
 
 
 def all_gather(
@@ -289,30 +309,18 @@ def all_gather(
 
     ``input`` may be rank r's own slice of ``output`` (an in-place all-gather).
     """
-    world_size = get_world_size(group)
-    if output.numel() != input.numel() * world_size:
-        raise ValueError(
-            f"all_gather: output has {output.numel()} elements, expected "
-            f"{world_size} x {input.numel()} (input size x world size)"
-        )
-    _record(stats, "all_gather", output, padding_numel, world_size)
+    world_size = _split_collective("all_gather", output, input, group, stats, padding_numel)
     if world_size == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
         return Handle()
-    if _is_gloo(group):
-        # See [Note: gloo reduce-scatter and all-gather]: every rank broadcasts its chunk.
-        chunks = output.view(world_size, -1)
-        own = chunks[get_rank(group)]
-        if own.data_ptr() != input.data_ptr():
-            own.copy_(input)
-        works = [dist.broadcast(chunk, group_src=src, group=group, async_op=True) for src, chunk in enumerate(chunks)]
-        handle = Handle(works)
-        if not async_op:
-            handle.wait()
-        return handle
-    work = dist.all_gather_single(output, input, group=group, async_op=async_op)
-    return Handle(work)
+    if not _is_gloo(group):
+        return Handle(dist.all_gather_single(output, input, group=group, async_op=async_op))
+    # See [Note: gloo reduce-scatter and all-gather]: every rank broadcasts its own chunk.
+    chunks = output.view(world_size, -1)
+    own = chunks[get_rank(group)]
+    if own.data_ptr() != input.data_ptr():
+        own.copy_(input)
+    works = [dist.broadcast(chunk, group_src=src, group=group, async_op=True) for src, chunk in enumerate(chunks)]
+    return _finish(Handle(works), async_op)
 
 
 def broadcast(

@@ -137,13 +137,10 @@ class OptimizerShardEngine(AllReduceEngine):
         self.broadcast_buffers()
 
     def clear_grads(self) -> None:
-        # No memset, as at stage 0 (AllReduceEngine.clear_grads); master_grad_shards are
-        # overwritten by every reduction.
-        for flat, grad in self.grad_data.items():
-            if grad.dtype != flat.dtype:
-                grad.zero_()
-        for _, param in self.trainable:
-            param.grad = None
+        # The buffers as at stage 0. Nothing reduced is zeroed: every reduction overwrites
+        # master_grad_shards, and at stages 2-3 the first reduction of a bucket after this
+        # (`bucket.reduced` False) overwrites its gradient-shard slice.
+        super().clear_grads()
         for bucket in self.buckets:
             bucket.reduced = False
         self._carry = None
@@ -317,15 +314,6 @@ class GradientShardEngine(OptimizerShardEngine):
     def pre_forward(self) -> None:
         self.wait_for_params()
         self.broadcast_buffers()
-
-    def clear_grads(self) -> None:
-        # The shards are not zeroed: the first reduction of each bucket after zero_grad
-        # overwrites its slice (bucket.reduced tells), and every synced backward reduces
-        # every bucket.
-        for _, param in self.trainable:
-            param.grad = None
-        for bucket in self.buckets:
-            bucket.reduced = False
 
     def memory_stats(self) -> dict[str, int]:
         return {
