@@ -4,7 +4,7 @@
 job: stage 0 is DDP, stages 1-3 are ZeRO (optimizer state, gradients, parameters sharded).
 """
 
-from .amp import GradScaler
+from .optim import GradScaler
 from .config import MixedPrecision, ShardConfig
 from .errors import CheckpointError
 from .module import ShardedModule

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-from . import collectives as C
+from .comm import collectives as C
 from .engines.base import Engine
 
 
@@ -133,7 +133,7 @@ class ShardedModule(nn.Module):
 
     def comm_stats(self) -> dict[str, dict[str, float]]:
         """Bytes this rank sent since wrap (or the last reset), per collective kind; see
-        [Note: byte accounting] in ``shardpar.collectives``."""
+        [Note: byte accounting] in ``shardpar.comm.collectives``."""
         return self.engine.comm.snapshot()
 
     def reset_comm_stats(self) -> None:

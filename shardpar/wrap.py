@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import collectives as C
+from .comm import collectives as C
 from .config import ShardConfig
 from .engines import ENGINES
 from .engines.base import WRAPPED_MARK, first_difference, model_signature, module_device

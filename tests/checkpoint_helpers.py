@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import shardpar
-from shardpar import collectives as C
+from shardpar.comm import collectives as C
 from tests.models import KITCHEN
 from tests.parity import Recipe, build_optimizer, cap_mb, global_batch, rank_slice
 

@@ -120,8 +120,8 @@ def _fail_inside_step(optimizer: torch.optim.Optimizer, injector: _Injector) -> 
 def train(args: argparse.Namespace) -> None:
     import shardpar
     from safetensors.torch import save_file
-    from shardpar import collectives as C
-    from shardpar.checkpoint import TEST_CRASH_ENV
+    from shardpar.comm import collectives as C
+    from shardpar.checkpoint.sharded import TEST_CRASH_ENV
     from tests.models import MLPStack
 
     out: Path = args.out

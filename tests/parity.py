@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 import shardpar
-from shardpar import collectives as C
+from shardpar.comm import collectives as C
 from tests.harness import run_ranks
 from tests.models import ModelSpec, param_groups
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardpar
-from shardpar.buffer import BufferLayout, Range, padded_size
+from shardpar.core.layout import BufferLayout, Range, padded_size
 
 WORLD_SIZES = [1, 2, 3, 4]
 

@@ -202,7 +202,7 @@ def test_mixed_precision_saves_and_restores_the_fp32_masters(tmp_path: Path) -> 
 @settings(max_examples=60, deadline=None)
 @given(numels=st.lists(st.integers(0, 50), max_size=8), world_size=st.integers(1, 9))
 def test_even_split_tiles_every_tensor_and_balances_ranks(numels: list[int], world_size: int) -> None:
-    from shardpar.checkpoint_offline import even_split
+    from shardpar.checkpoint.offline import even_split
 
     split = even_split(numels, world_size)
     covered = [[] for _ in numels]
@@ -222,7 +222,7 @@ def test_even_split_tiles_every_tensor_and_balances_ranks(numels: list[int], wor
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=8), limit=st.integers(4, 100))
 def test_hf_shards_keep_order_and_respect_the_limit(tmp_path_factory, sizes: list[int], limit: int) -> None:
-    from shardpar.checkpoint_io import HFLayoutWriter
+    from shardpar.checkpoint.io import HFLayoutWriter
 
     out = tmp_path_factory.mktemp("hf")
     entries = [(f"t{i}", torch.uint8, (n,)) for i, n in enumerate(sizes)]

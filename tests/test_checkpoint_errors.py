@@ -18,7 +18,7 @@ from torch import nn
 
 import shardpar
 from shardpar import CheckpointError
-from shardpar.checkpoint_format import FORMAT_VERSION
+from shardpar.checkpoint.format import FORMAT_VERSION
 from tests.checkpoint_helpers import build, save_run, try_load
 from tests.models import KITCHEN
 from tests.parity import run
@@ -100,7 +100,7 @@ def test_truncated_file(ckpt: Path) -> None:
 def test_truncated_file_caught_by_the_header_check_alone(ckpt: Path) -> None:
     """Without a manifest record (size, sha256) to compare with, the header's offsets still
     catch a file that ends early."""
-    from shardpar.checkpoint_io import FileView
+    from shardpar.checkpoint.io import FileView
 
     data = (ckpt / FILE).read_bytes()
     (ckpt / FILE).write_bytes(data[: len(data) - 100])
@@ -236,7 +236,7 @@ def test_a_corrupted_file_fails_every_rank_without_a_hang(tmp_path: Path) -> Non
 
 def test_a_failed_save_leaves_the_previous_checkpoint_and_no_leftovers(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardpar import checkpoint_io
+    from shardpar.checkpoint import io as checkpoint_io
 
     path = tmp_path / "ckpt" / "run"
     module, model, opt = build(0)

@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardpar
-from shardpar.checkpoint_format import MANIFEST, latest_checkpoint, read_manifest
-from shardpar.checkpoint_offline import reshard
+from shardpar.checkpoint.format import MANIFEST, latest_checkpoint, read_manifest
+from shardpar.checkpoint.offline import reshard
 from tests.checkpoint_helpers import build, full_optimizer_state, train
 
 FILES = (MANIFEST, "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors")

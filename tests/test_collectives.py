@@ -1,4 +1,4 @@
-"""``shardpar.collectives`` against closed-form answers.
+"""``shardpar.comm.collectives`` against closed-form answers.
 
 World size 1 calls the functions directly in this process, with no process group (that is
 the contract: they work unchanged without one); world sizes 2-4 run on harness ranks.
@@ -12,7 +12,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from shardpar import collectives as C
+from shardpar.comm import collectives as C
 from tests.harness import run_ranks
 
 WORLD_SIZES = [2, 3, 4]

@@ -40,9 +40,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 import shardpar
-from shardpar import collectives as C
-from shardpar.checkpoint import TEST_CRASH_ENV
-from shardpar.checkpoint_format import CheckpointReader, read_manifest
+from shardpar.comm import collectives as C
+from shardpar.checkpoint.sharded import TEST_CRASH_ENV
+from shardpar.checkpoint.format import CheckpointReader, read_manifest
 from tests.harness import free_port, run_ranks
 from tests.models import MLPStack
 from tests.parity import cap_mb, rank_slice

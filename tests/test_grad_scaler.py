@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import shardpar
-from shardpar import collectives as C
+from shardpar.comm import collectives as C
 from tests.models import KITCHEN, ModelSpec
 from tests.parity import Recipe, build_optimizer, cap_mb, global_batch, rank_slice, run
 

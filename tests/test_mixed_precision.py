@@ -67,7 +67,7 @@ import pytest
 import torch
 
 import shardpar
-from shardpar import collectives as C
+from shardpar.comm import collectives as C
 from tests.models import KITCHEN, TRANSFORMER, Block, ModelSpec
 from tests.parity import (
     Recipe,

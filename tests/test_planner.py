@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import shardpar
-from shardpar import collectives as C
+from shardpar.comm import collectives as C
 from shardpar.planner import (
     OPTIMIZER_STATE_BYTES,
     choose_stage,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import shardpar
-from shardpar import collectives as C
+from shardpar.comm import collectives as C
 from tests.models import KitchenSink, KITCHEN, KITCHEN_BATCHNORM, KITCHEN_BRANCHES, MLP, TRANSFORMER, spec, trainable_numel
 from tests.parity import (
     Recipe,

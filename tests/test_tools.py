@@ -20,8 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import shardpar
-from shardpar.checkpoint_format import read_manifest
-from shardpar.checkpoint_offline import consolidate
+from shardpar.checkpoint.format import read_manifest
+from shardpar.checkpoint.offline import consolidate
 from tests.checkpoint_helpers import K, assert_equal_states, build, full_optimizer_state, save_run
 from tests.models import KITCHEN
 from tests.parity import run

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardpar import collectives as C
+from shardpar.comm import collectives as C
 from tests.models import KITCHEN, TRANSFORMER, spec, trainable_numel
 from tests.parity import (
     Recipe,

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 import shardpar
-from shardpar import collectives as C
+from shardpar.comm import collectives as C
 from tests.harness import run_ranks
 from tests.zero3_models import Block, LMSpec, Z3LM, decay_groups, lm
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import shardpar
-from shardpar import collectives as C
+from shardpar.comm import collectives as C
 from tests.parity import run
 
 STEPS = 4

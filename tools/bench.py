@@ -67,7 +67,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import shardpar  # noqa: E402
-from shardpar import collectives  # noqa: E402
+from shardpar.comm import collectives  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KEEP_MARKER = "<!-- everything below this line is written by hand; tools/bench.py keeps it -->"

@@ -19,7 +19,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, choices=DTYPES, help="cast floating-point tensors")
     args = parser.parse_args()
 
-    from shardpar.checkpoint_offline import consolidate
+    from shardpar.checkpoint.offline import consolidate
 
     files = consolidate(args.ckpt_dir, args.out_dir, args.max_shard_size, args.dtype)
     print(f"wrote {len(files)} file(s) to {args.out_dir}: {', '.join(files)}")

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 
 import torch  # noqa: E402
 
-from shardpar.planner import (  # noqa: E402
+from shardpar.planner.model import (  # noqa: E402
     OPTIMIZER_STATE_BYTES,
     STAGES,
     estimate_communication,

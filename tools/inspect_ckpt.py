@@ -14,8 +14,8 @@ def main() -> None:
     parser.add_argument("--verify", action="store_true", help="read every file: sha256, tensor shapes, coverage")
     args = parser.parse_args()
 
-    from shardpar.checkpoint_format import read_manifest
-    from shardpar.checkpoint_offline import format_table, summary, verify
+    from shardpar.checkpoint.format import read_manifest
+    from shardpar.checkpoint.offline import format_table, summary, verify
 
     manifest = read_manifest(args.ckpt_dir)  # validates structure and piece coverage
     print(format_table(summary(manifest)))

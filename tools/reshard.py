@@ -20,7 +20,7 @@ def main() -> None:
                         help="stage recorded in the manifest (default: unchanged)")
     args = parser.parse_args()
 
-    from shardpar.checkpoint_offline import reshard
+    from shardpar.checkpoint.offline import reshard
 
     out = reshard(args.ckpt_dir, args.out_dir, args.world_size, args.stage)
     print(f"wrote {out} for world size {args.world_size}")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .. import collectives as C
+from ..comm import collectives as C
 from ..config import ShardConfig
 
 

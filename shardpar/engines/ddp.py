@@ -28,8 +28,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .. import collectives as C
-from ..buffer import Bucket, BufferLayout, ShardPiece
+from ..comm import collectives as C
+from ..core.layout import Bucket, BufferLayout, ShardPiece
 from ..config import ShardConfig
 from .base import Engine, TensorPiece
 
@@ -56,7 +56,7 @@ class FlatParams:
         self.dtype = param_dtype if param_dtype is not None and first.dtype.is_floating_point else first.dtype
         self.device = first.device
         self.params = dict(named)
-        # Reverse registration order: see [Note: layout order] in buffer.py.
+        # Reverse registration order: see [Note: layout order] in core/layout.py.
         self.layout = BufferLayout([(n, p.shape) for n, p in reversed(named)], world_size, bucket_cap_numel)
         self.data = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)  # 1-D, padded
         self.master: torch.Tensor | None = None

@@ -29,8 +29,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .. import collectives as C
-from ..buffer import ShardPiece
+from ..comm import collectives as C
+from ..core.layout import ShardPiece
 from .base import TensorPiece
 from .ddp import AllReduceEngine, FlatParams, GradBucket
 

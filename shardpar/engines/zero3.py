@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .. import collectives as C
-from ..buffer import ShardPiece
+from ..comm import collectives as C
+from ..core.layout import ShardPiece
 from .base import TensorPiece
 from .ddp import FlatParams, GradBucket, group_by_dtype
 from .zero import GradientShardEngine

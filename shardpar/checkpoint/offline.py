@@ -1,6 +1,6 @@
 """Checkpoint work without a process group: consolidate to the Hugging Face layout, reshard
 to another world size, verify and summarise. Used by ``tools/``; every tensor is streamed
-through one bounded buffer (:data:`~shardpar.checkpoint_io.CHUNK_BYTES`), so no step ever
+through one bounded buffer (:data:`~shardpar.checkpoint.io.CHUNK_BYTES`), so no step ever
 holds a whole model, or even a whole tensor.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .checkpoint_format import (
+from .format import (
     CheckpointReader,
     FileRecord,
     Manifest,
@@ -24,7 +24,7 @@ from .checkpoint_format import (
     read_manifest,
     write_manifest,
 )
-from .checkpoint_io import (
+from .io import (
     HFLayoutWriter,
     SafetensorsWriter,
     commit_directory,

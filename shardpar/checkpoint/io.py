@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 CHUNK_BYTES = 16 * 2**20
 """The bounded buffer: the most bytes copied through a temporary at once (casts, sends)."""

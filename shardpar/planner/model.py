@@ -63,8 +63,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from .buffer import BufferLayout
-from .config import MixedPrecision, MixedPrecisionOption, WrapPolicy
+from ..core.layout import BufferLayout
+from ..config import MixedPrecision, MixedPrecisionOption, WrapPolicy
 
 __all__ = [
     "CommEstimate",
@@ -180,8 +180,8 @@ def _shape_of_module(
     min_unit_params: int,
 ) -> _ModelShape:
     # Imported here: the engines sit below the planner and need not load for a count.
-    from .engines.ddp import group_by_dtype
-    from .engines.zero3 import _assign_params_to_units, _select_unit_modules
+    from ..engines.ddp import group_by_dtype
+    from ..engines.zero3 import _assign_params_to_units, _select_unit_modules
 
     named = list(module.named_parameters())  # each tied parameter once, as the engines see it
     trainable = [(n, p) for n, p in named if p.requires_grad]

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from . import collectives as C
-from .module import ShardedModule
+from ..comm import collectives as C
+from ..module import ShardedModule
 
 
 class GradScaler:

@@ -37,8 +37,8 @@ from typing import Any, Iterator
 
 import torch
 
-from . import collectives as C
-from .checkpoint_format import (
+from ..comm import collectives as C
+from .format import (
     CheckpointReader,
     FileRecord,
     Manifest,
@@ -55,7 +55,7 @@ from .checkpoint_format import (
     write_latest,
     write_manifest,
 )
-from .checkpoint_io import (
+from .io import (
     CHUNK_BYTES,
     HFLayoutWriter,
     SafetensorsWriter,
@@ -67,10 +67,10 @@ from .checkpoint_io import (
     sha256_file,
     temp_sibling,
 )
-from .engines.base import Engine, TensorPiece
-from .errors import CheckpointError
-from .module import ShardedModule
-from .optim import ShardedOptimizer
+from ..engines.base import Engine, TensorPiece
+from ..errors import CheckpointError
+from ..module import ShardedModule
+from ..optim import ShardedOptimizer
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_full", "latest_checkpoint"]
 
@@ -520,7 +520,7 @@ def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size
     Every rank calls it; rank 0 writes ``model.safetensors`` (or numbered shards plus
     ``model.safetensors.index.json``). Parameters come from the ranks' checkpoint pieces
     (master copies), sent to rank 0 piece by piece in chunks of at most
-    :data:`~shardpar.checkpoint_io.CHUNK_BYTES`, so no rank ever holds more than its shard
+    :data:`~shardpar.checkpoint.io.CHUNK_BYTES`, so no rank ever holds more than its shard
     plus one chunk; tied weights are written once, under their first name. ``dtype`` casts
     floating-point tensors. Returns the files written (on every rank).
     """

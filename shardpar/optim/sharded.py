@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .engines.base import Engine, TensorPiece
-from .module import ShardedModule
+from ..engines.base import Engine, TensorPiece
+from ..module import ShardedModule
 
 
 def _resolve_param_groups(engine: Engine, params: Any) -> list[dict[str, Any]]:

@@ -19,14 +19,14 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .checkpoint_io import (
+from .io import (
     CHUNK_BYTES,
     FileView,
     dtype_name,
     parse_dtype,
     write_text_atomic,
 )
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 FORMAT_NAME = "shardpar-checkpoint"
 FORMAT_VERSION = 1
@@ -494,7 +494,7 @@ def assemble_manifest(
     has no pieces); ``optimizer``: ``{"class", "param_groups", "scalar_state"}`` (the
     elementwise state entries are built here from ``items``).
     """
-    from . import __version__
+    from .. import __version__
 
     tensors: dict[str, dict[str, Any]] = {
         name: {"kind": kind, "dtype": dtype, "shape": list(shape), "pieces": []} for name, kind, dtype, shape in model

@@ -1,0 +1,1 @@
+"""Layer 1: the collectives, the only code of shardpar that calls ``torch.distributed``."""
