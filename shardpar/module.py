@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .comm import collectives as C
-from .engines.base import Engine
+from .engines import Engine
 
 
 class ShardedModule(nn.Module):
@@ -32,8 +32,8 @@ class ShardedModule(nn.Module):
         return self.engine.stage
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.engine.check_requires_grad()
-        self.engine.pre_forward()
+        # The engine's hooks on the wrapped module do the per-forward work (buffers, gathers,
+        # backward hooks), so calling ``.module`` directly behaves the same.
         args, kwargs = self.engine.cast_inputs(args, kwargs)
         return self.module(*args, **kwargs)
 

@@ -9,8 +9,8 @@ from torch import nn
 
 from .comm import collectives as C
 from .config import ShardConfig
-from .engines import ENGINES
-from .engines.base import WRAPPED_MARK, first_difference, model_signature, module_device
+from .core.inventory import first_difference, model_signature, module_device
+from .engines import WRAPPED_MARK, build_engine
 from .module import ShardedModule
 from .planner import choose_stage
 
@@ -54,7 +54,7 @@ def _agree_across_ranks(
 ) -> None:
     """One all-gather of every rank's local verdict and model signature; every rank raises
     the same error if any rank failed or differs, so no rank is left waiting in a collective."""
-    signature = model_signature(module, config) if problem is None else None
+    signature = model_signature(module, config.fingerprint()) if problem is None else None
     verdict = None if problem is None else f"{type(problem).__name__}: {problem}"
     gathered = C.all_gather_objects((verdict, signature), group=group)
     rank = C.get_rank(group)
@@ -91,5 +91,5 @@ def wrap(module: nn.Module, stage: int = 0, *, process_group: Any = None, **opti
         problem = error
     C.init_default_group(device, config.timeout_s if config is not None else ShardConfig.timeout_s)
     _agree_across_ranks(problem, module, config, process_group)
-    engine = ENGINES[config.stage](module, config, process_group)
+    engine = build_engine(module, config, process_group)
     return ShardedModule(module, engine)

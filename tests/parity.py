@@ -17,16 +17,12 @@ as one process training on the concatenated batch (fp32: within 1e-5 relative)".
   sums in a different order differ by a few ulps; 1e-5 leaves room for a few optimizer steps
   without hiding a wrong scale, a missing rank or a stale gradient, which all show at >=1e-3).
 
-[Note: unused parameters get a zero gradient]
-shardpar gives a trainable parameter that received no gradient on any rank a *zero*
-gradient (it must reduce something for it, and every rank must take part); plain torch
-leaves ``.grad`` None and its optimizers then skip the parameter entirely. The two differ
-whenever the optimizer changes a parameter with a zero gradient: weight decay (AdamW's
-decoupled decay, SGD's L2 term) and momentum/Adam state already built from earlier steps.
-The reference here therefore gives every trainable parameter whose ``.grad`` is None a zero
-gradient before clipping and stepping (:func:`fill_missing_grads`), which is exactly
-shardpar's semantics; tests that compare with torch DDP instead (which leaves None) put the
-unused parameters in a group without weight decay, where the two semantics coincide.
+[Note: unused parameters]
+A trainable parameter that took part in no backward on any rank since ``zero_grad`` keeps
+``.grad = None`` under plain torch, and its optimizer skips it (no weight decay, no moment
+update). shardpar does the same ([Note: used parameters] in ``shardpar/core/reducer.py``), so
+the reference is plain torch as it is; a parameter used on some ranks only gets the average
+with the other ranks counting zero, which the chunked reference computes the same way.
 """
 
 from __future__ import annotations
@@ -135,13 +131,6 @@ def build_optimizer(
     return opt, scheduler
 
 
-def fill_missing_grads(model: nn.Module) -> None:
-    """See [Note: unused parameters get a zero gradient]."""
-    for param in model.parameters():
-        if param.requires_grad and param.grad is None:
-            param.grad = torch.zeros_like(param)
-
-
 # --------------------------------------------------------------------------- reference
 
 
@@ -170,7 +159,6 @@ def train_reference(recipe: Recipe, world_size: int = 1) -> Result:
                 else:
                     loss = model.loss(model(x), y)
                 loss.backward()
-        fill_missing_grads(model)
         if recipe.clip is not None:
             result.norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)))
         result.lrs.append([g["lr"] for g in opt.param_groups])
@@ -246,7 +234,7 @@ def train_sharded(
 def describe(model: Any) -> dict[str, Any]:
     """Closed-form inputs of the byte/memory formulas, read from the engine's layouts."""
     engine = model.engine
-    layouts = [flat.layout for flat in engine.flats]
+    layouts = [space.layout for space in engine.storage.spaces]  # the trainable parameters' layouts
     pieces = [piece for layout in layouts for piece in layout.pieces(engine.rank)]
     return {
         "psi": sum(p.numel() for _, p in engine.trainable),
@@ -260,6 +248,7 @@ def describe(model: Any) -> dict[str, Any]:
         ],
         "local_numel": sum(piece.buffer_range.size for piece in pieces),
         "local_pieces": len(pieces),
+        "local_numel_by_param": {piece.name: piece.buffer_range.size for piece in pieces},
         "rank": engine.rank,
         "world_size": engine.world_size,
     }

@@ -102,7 +102,7 @@ def _stage0_layout_names() -> tuple[list[str], list[int]]:
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
     model = shardpar.wrap(module, stage=0)
-    (layout,) = [flat.layout for flat in model.engine.flats]
+    (layout,) = [space.layout for space in model.engine.storage.spaces]
     model.engine.close()
     return layout.names, [layout.slots[n].range.start for n in layout.names]
 

@@ -58,7 +58,7 @@ class ScalerTrace:
 def _poison_one_element(model: shardpar.ShardedModule, owner: int) -> Any:
     """A hook that writes inf into one gradient element that rank ``owner`` owns after the
     reduce-scatter (stages 1-3; at stage 0 every rank ends up with it)."""
-    flat = model.engine.flats[0]
+    flat = model.engine.storage.spaces[0]  # the first trainable parameter space
     piece = next(iter(flat.layout.pieces(owner)))
     param = flat.params[piece.name]
     index = piece.param_range.start

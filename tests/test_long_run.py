@@ -8,7 +8,7 @@ of every cycle, after a collection) each rank records
 
 - its resident set size (``VmRSS`` of /proc/self/status) and open file descriptors,
 - the engine's ``memory_stats()`` (params, grads, optimizer state, staging/workspace),
-- the hooks shardpar registered (``engine._hook_handles``, forward hooks on modules,
+- the hooks shardpar registered (``engine.hook_handles``, forward hooks on modules,
   post-accumulate-grad hooks on parameters),
 - how many ``torch.Tensor`` objects and objects in all the garbage collector tracks.
 
@@ -68,7 +68,7 @@ def _sample(step: int, module: nn.Module, model: shardpar.ShardedModule) -> dict
         "rss": _status("VmRSS"),
         "fds": len(os.listdir("/proc/self/fd")),
         "memory_stats": stats,
-        "hook_handles": len(model.engine._hook_handles),
+        "hook_handles": len(model.engine.hook_handles),
         "module_hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
                             for m in module.modules()),
         "param_hooks": sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) + len(p._backward_hooks or {})

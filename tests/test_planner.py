@@ -279,23 +279,29 @@ def test_choose_stage_reads_decimal_and_binary_budgets() -> None:
 
 def test_communication_closed_form_7b_on_64_ranks() -> None:
     n, f = 64, 63 / 64
+    tensors = PSI // 1_000_000  # a count assumes one tensor per million parameters
+    flags = 2 * 4 * (tensors + 2) * f  # the used-parameter all-reduce: 4 bytes per tensor + 2 counters
     for stage in (0, 1, 2):
         c = estimate_communication(PSI, n, stage, bandwidth_gbps=25, latency_us=10)
-        assert c.sent_bytes == pytest.approx(2 * PSI * 4 * f)  # 55.125 GB
+        assert c.used_flags_bytes == pytest.approx(flags, rel=1e-12)
+        assert c.sent_bytes - c.used_flags_bytes == pytest.approx(2 * PSI * 4 * f, rel=1e-12)  # 55.125 GB
         assert c.seconds == pytest.approx(c.sent_bytes / 25e9 + c.calls * 10e-6)
-    assert estimate_communication(PSI, n, 0).as_dict() == {"all_reduce": pytest.approx(2 * PSI * 4 * f)}
+    assert estimate_communication(PSI, n, 0).as_dict() == {
+        "all_reduce": pytest.approx(2 * PSI * 4 * f, rel=1e-12), "used_flags": pytest.approx(flags, rel=1e-12)}
     assert estimate_communication(PSI, n, 1).as_dict() == {
-        "reduce_scatter": pytest.approx(PSI * 4 * f), "all_gather": pytest.approx(PSI * 4 * f)}
+        "reduce_scatter": pytest.approx(PSI * 4 * f, rel=1e-12), "all_gather": pytest.approx(PSI * 4 * f, rel=1e-12),
+        "used_flags": pytest.approx(flags, rel=1e-12)}
     c3 = estimate_communication(PSI, n, 3, bandwidth_gbps=25)
-    assert c3.sent_bytes == pytest.approx(3 * PSI * 4 * f)  # 82.69 GB
-    assert c3.seconds == pytest.approx(3 * PSI * 4 * f / 25e9)  # 3.31 s
-    assert c3.calls == 30  # 10 assumed units: gather twice, reduce-scatter once
-    assert estimate_communication(PSI, n, 3, reshard_after_forward=False).sent_bytes == pytest.approx(2 * PSI * 4 * f)
+    assert c3.sent_bytes - flags == pytest.approx(3 * PSI * 4 * f, rel=1e-12)  # 82.69 GB
+    assert c3.seconds == pytest.approx(c3.sent_bytes / 25e9)  # 3.31 s
+    assert c3.calls == 31  # 10 assumed units: gather twice, reduce-scatter once; + the flags
+    no_reshard = estimate_communication(PSI, n, 3, reshard_after_forward=False)
+    assert no_reshard.sent_bytes - flags == pytest.approx(2 * PSI * 4 * f, rel=1e-12)
     bf16 = estimate_communication(PSI, n, 3, reduce_bytes=4, gather_bytes=2)
-    assert bf16.sent_bytes == pytest.approx((2 * 2 + 4) * PSI * f)
+    assert bf16.sent_bytes - flags == pytest.approx((2 * 2 + 4) * PSI * f, rel=1e-12)
     assert estimate_communication(PSI, 1, 0, bandwidth_gbps=25, latency_us=10).seconds == 0.0
     assert estimate_communication(PSI, n, 0).seconds is None  # no bandwidth, no time
-    assert estimate_communication(PSI, n, 0, buckets=7).calls == 7
+    assert estimate_communication(PSI, n, 0, buckets=7).calls == 8  # 7 buckets + the flags
 
 
 # --------------------------------------------------------------------------- measured

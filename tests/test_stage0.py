@@ -155,9 +155,9 @@ def _timeline() -> tuple[list, int]:
     recipe = Recipe(MLP)
     x, y = global_batch(module, recipe, 0)
     x, y = rank_slice(x, C.get_rank(), C.get_world_size()), rank_slice(y, C.get_rank(), C.get_world_size())
-    model.engine.timeline = []
+    model.engine.reducer.timeline = []
     module.loss(model(x), y).backward()
-    return list(model.engine.timeline), len(model.engine.buckets)
+    return list(model.engine.reducer.timeline), len(model.engine.reducer.buckets)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -20,11 +20,9 @@ batch drawn from a generator seeded with ``s`` only; rank ``r`` of ``N`` takes r
 1e-5 (fp32 sums in another order differ by a few ulps; a wrong scale, a missing rank or a
 stale shard shows at >= 1e-3).
 
-[Note: unused parameters get a zero gradient]
-shardpar gives a trainable parameter that got no gradient a *zero* gradient (so AdamW
-still decays it); plain torch leaves ``.grad`` None and skips it. The plain reference
-therefore fills missing gradients with zeros before clipping and stepping. FSDP2 leaves
-None too, so it is only the oracle for models in which every parameter gets a gradient.
+[Note: unused parameters]
+A parameter no rank used keeps ``.grad = None`` and the optimizer skips it, under plain torch,
+FSDP2 and shardpar alike, so all three are oracles for every model here.
 """
 
 from __future__ import annotations
@@ -52,7 +50,7 @@ GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
 NEW_TOKENS = 4
 SHORT = 60.0  # harness timeout where a hang is the failure being tested for
 
-MAIN = lm()  # tied embedding/head, frozen parameter per block, buffers; 3 blocks + root = 4 units
+MAIN = lm()  # tied embedding/head, frozen parameter per block, buffers; 6 units (see _check_units_of_main)
 
 
 def _lr_lambda(step: int) -> float:
@@ -125,13 +123,6 @@ def _generate(model: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[list[
     return tokens.tolist(), logits_seen
 
 
-def _fill_missing_grads(model: nn.Module) -> None:
-    """See [Note: unused parameters get a zero gradient]."""
-    for param in model.parameters():
-        if param.requires_grad and param.grad is None:
-            param.grad = torch.zeros_like(param)
-
-
 # --------------------------------------------------------------------------- reference
 
 
@@ -146,7 +137,6 @@ def _reference(spec: LMSpec) -> dict[str, Any]:
     def step(s: int) -> None:
         x, y = _global_batch(s)
         model.loss(model(x), y).backward()
-        _fill_missing_grads(model)
         out["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         out["lrs"].append([g["lr"] for g in opt.param_groups])
         opt.step()
@@ -169,18 +159,22 @@ def _reference(spec: LMSpec) -> dict[str, Any]:
 
 
 def _unit_layouts(model: shardpar.ShardedModule) -> list[dict[str, Any]]:
-    """Per unit, from the engine's layouts: full size and shard size (bytes, padding included)
-    and padding (elements; all flats, and trainable flats only)."""
+    """Per unit, from its flat groups' layouts: full size and shard size (bytes, padding
+    included), padding (elements; all groups, and trainable groups only), payload elements,
+    the number of groups (one tagged gather each) and of hook modules (uses per forward)."""
     units = []
-    for unit in model.engine.units:
+    for unit in model.engine.storage.units:
         flats = unit.flats
         units.append(
             {
                 "name": unit.name,
-                "full_bytes": sum(f.layout.numel * f.data.element_size() for f in flats),
+                "hooks": list(unit.hook_modules),
+                "groups": len(flats),
+                "payload": sum(f.payload_numel for f in flats),
+                "full_bytes": sum(f.layout.numel * f.full.element_size() for f in flats),
                 "padding": sum(f.layout.padding for f in flats),
                 "trainable_padding": sum(f.layout.padding for f in flats if f.trainable),
-                "shard_bytes": sum(f.layout.shard_numel * f.data.element_size() for f in flats),
+                "shard_bytes": sum(f.layout.shard_numel * f.full.element_size() for f in flats),
             }
         )
     return units
@@ -461,41 +455,68 @@ def test_named_parameters_are_the_original_objects(world_size: int) -> None:
 # --------------------------------------------------------------------------- bytes per step
 
 
-def _check_bytes(results: list[dict], world_size: int, gathers: int) -> None:
+def _check_units_of_main(units: list[dict]) -> None:
+    """MAIN's units: the three blocks (policy units), the tied embedding/head (gathered around
+    each of its two hook modules), the final norm, and the position table the root's own
+    forward reads (held for the root's forward)."""
+    hooks = {u["name"]: u["hooks"] for u in units}
+    assert hooks == {
+        "<root>": [""], "tok+head": ["tok", "head"], "blocks.0": ["blocks.0"], "blocks.1": ["blocks.1"],
+        "blocks.2": ["blocks.2"], "ln_f": ["ln_f"],
+    }, hooks
+
+
+def _check_bytes(results: list[dict], world_size: int, gathers_per_use: int) -> None:
+    """Every unit is gathered ``gathers_per_use`` times per use of it in forward (a use = one
+    of its hook modules running: 2 for the tied embedding/head), each gather carrying one
+    16-byte tag per rank and group (counted as padding); the trainable parameters are
+    reduce-scattered once; one small all-reduce of a 4-byte flag per trainable tensor plus two
+    counters tells every rank which parameters got gradients."""
     psi_all, psi = _psi(MAIN)
-    fraction = 4 * (world_size - 1) / world_size
+    fraction = (world_size - 1) / world_size
+    tensors = sum(1 for p in MAIN.build().parameters() if p.requires_grad)
     for result in results:
-        pad_all = sum(u["padding"] for u in result["units"])
-        pad = sum(u["trainable_padding"] for u in result["units"])
+        units = result["units"]
+        _check_units_of_main(units)
+        gathers = {u["name"]: gathers_per_use * len(u["hooks"]) for u in units}
+        gather_payload = sum(gathers[u["name"]] * u["payload"] * 4 for u in units)
+        gather_padding = sum(gathers[u["name"]] * (u["padding"] * 4 + u["groups"] * world_size * 16) for u in units)
+        pad = sum(u["trainable_padding"] for u in units)
+        assert sum(u["payload"] for u in units) == psi_all  # a tied weight is one payload
         buffer_bytes = sum(b.numel() * 4 for b in MAIN.build().buffers())
         for step, comm in enumerate(result["comm"]):
             what = f"N={world_size}, step {step}"
             gather = comm.get("all_gather", {"sent_bytes": 0.0, "padding_sent_bytes": 0.0, "payload_bytes": 0})
             scatter = comm.get("reduce_scatter", {"sent_bytes": 0.0, "padding_sent_bytes": 0.0, "payload_bytes": 0})
-            assert gather["payload_bytes"] == gathers * psi_all * 4, what
+            assert gather["payload_bytes"] == gather_payload, what
+            assert gather["calls"] == sum(gathers[u["name"]] * u["groups"] for u in units), what
             assert scatter["payload_bytes"] == psi * 4, what
-            assert math.isclose(gather["sent_bytes"], gathers * psi_all * fraction, rel_tol=1e-12, abs_tol=1e-9), what
-            assert math.isclose(scatter["sent_bytes"], psi * fraction, rel_tol=1e-12, abs_tol=1e-9), what
-            assert math.isclose(gather["padding_sent_bytes"], gathers * pad_all * fraction, abs_tol=1e-9), what
-            assert math.isclose(scatter["padding_sent_bytes"], pad * fraction, abs_tol=1e-9), what
+            assert math.isclose(gather["sent_bytes"], gather_payload * fraction, rel_tol=1e-12, abs_tol=1e-9), what
+            assert math.isclose(scatter["sent_bytes"], psi * 4 * fraction, rel_tol=1e-12, abs_tol=1e-9), what
+            assert math.isclose(gather["padding_sent_bytes"], gather_padding * fraction, abs_tol=1e-9), what
+            assert math.isclose(scatter["padding_sent_bytes"], pad * 4 * fraction, abs_tol=1e-9), what
+            flags = comm["used_flags"]
+            assert flags["calls"] == 1 and flags["payload_bytes"] == 4 * (tensors + 2), what
             # nothing else moves but the buffers (broadcast from rank 0 before each forward)
             broadcast = comm.get("broadcast", {"sent_bytes": 0.0})["sent_bytes"]
-            assert set(comm) <= {"all_gather", "reduce_scatter", "broadcast", "total"}, what
-            assert math.isclose(broadcast, buffer_bytes * (world_size - 1) / world_size, abs_tol=1e-9), what
-            total = comm["total"]["sent_bytes"] - broadcast
-            assert math.isclose(total, (gathers * psi_all + psi) * fraction, rel_tol=1e-12, abs_tol=1e-9), what
+            assert set(comm) <= {"all_gather", "reduce_scatter", "broadcast", "used_flags", "total"}, what
+            assert math.isclose(broadcast, buffer_bytes * fraction, abs_tol=1e-9), what
+            total = comm["total"]["sent_bytes"] - broadcast - flags["sent_bytes"]
+            assert math.isclose(total, (gather_payload + psi * 4) * fraction, rel_tol=1e-12, abs_tol=1e-9), what
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_bytes_per_step_with_reshard_after_forward(world_size: int) -> None:
-    """2 all-gathers of every parameter (frozen included) + 1 reduce-scatter of the trainable ones."""
-    _check_bytes(_results(Run(fsdp2=True), world_size), world_size, gathers=2)
+    """2 all-gathers per use of every unit (frozen included) + 1 reduce-scatter of the trainable ones."""
+    _check_bytes(_results(Run(fsdp2=True), world_size), world_size, gathers_per_use=2)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_bytes_per_step_without_reshard_after_forward(world_size: int) -> None:
-    """Parameters stay gathered from forward to backward: 1 all-gather + 1 reduce-scatter."""
-    _check_bytes(_results(Run(reshard=False, fsdp2=True), world_size), world_size, gathers=1)
+    """Parameters stay gathered from forward to backward: 1 all-gather per use + 1 reduce-scatter
+    (the tied embedding/head is freed after the head's backward and gathered again for the
+    embedding's)."""
+    _check_bytes(_results(Run(reshard=False, fsdp2=True), world_size), world_size, gathers_per_use=1)
 
 
 # --------------------------------------------------------------------------- memory
@@ -513,24 +534,24 @@ def test_sharded_parameter_bytes_between_steps(world_size: int) -> None:
         assert result["params_bytes_after_load"] == shards
 
 
+def _peak_bound(units: list[dict]) -> tuple[int, str]:
+    """4Ψ/N (+ padding) + the units the wrapped module's own forward reads (held for its
+    forward) + (1 + prefetch_units) x the largest other unit."""
+    shards = sum(u["shard_bytes"] for u in units)
+    held = sum(u["full_bytes"] for u in units if "" in u["hooks"])
+    largest = max(u["full_bytes"] for u in units if "" not in u["hooks"])
+    detail = {u["name"]: u["full_bytes"] for u in units}
+    return shards + held + 2 * largest, f"shards {shards} B + held {held} B + 2 x {largest} B; unit sizes {detail}"
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_peak_parameter_bytes_bound(world_size: int) -> None:
-    """Peak parameter bytes per rank <= 4Ψ/N (+ padding) + the root unit + (1 + prefetch_units)
-    x the largest other unit, on a model with 4 units (root + 3 blocks). The root (tied
-    embedding/head) is gathered for the whole forward and backward because its forward
-    encloses every block's, as in FSDP2; the issue's "two largest units" bound is the case of
-    a root without parameters (next test)."""
+    """Peak parameter bytes per rank <= shards + the root's own parameters (here the position
+    table) + 2 x the largest unit: the tied embedding/head is gathered around each of its uses
+    like any unit, not held for the whole step."""
     for result in _results(Run(fsdp2=True), world_size):
-        units = result["units"]
-        assert len(units) >= 4
-        shards = sum(u["shard_bytes"] for u in units)  # 4Ψ/N + padding
-        root = units[0]["full_bytes"]
-        largest = max(u["full_bytes"] for u in units[1:])
-        detail = {u["name"] or "<root>": u["full_bytes"] for u in units}
-        assert result["peak_params"] <= shards + root + 2 * largest, (
-            f"peak {result['peak_params']} B > shards {shards} B + root {root} B + 2 x {largest} B; "
-            f"unit sizes: {detail}"
-        )
+        bound, detail = _peak_bound(result["units"])
+        assert result["peak_params"] <= bound, f"peak {result['peak_params']} B > {detail}"
 
 
 def _peak_without_root_params() -> tuple[int, int, list[int]]:
@@ -544,37 +565,31 @@ def _peak_without_root_params() -> tuple[int, int, list[int]]:
         wrapped(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    engine = wrapped.engine
-    full = [sum(f.full_bytes for f in unit.flats) for unit in engine.units]
-    shards = sum(f.shard.numel() * f.shard.element_size() for f in engine.flats + engine.frozen_flats)
+    units = wrapped.engine.storage.units
+    full = [sum(f.full_bytes for f in unit.flats) for unit in units]
+    shards = sum(f.shard.numel() * f.shard.element_size() for unit in units for f in unit.flats)
     return wrapped.memory_stats()["peak_params"], shards, full
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_peak_parameter_bytes_bound_with_an_empty_root(world_size: int) -> None:
-    """Issue 4's bound exactly: with every parameter in a unit (the root holds none), the
+    """The issue's bound exactly: with every parameter in a unit (the root holds none), the
     measured peak is <= 4Ψ/N (+ padding) + the two largest units."""
     for peak, shards, full in run_ranks(_peak_without_root_params, world_size):
-        assert full[0] == 0 and len(full) == 5
+        assert len(full) == 4, full
         two_largest = sum(sorted(full)[-2:])
         assert shards < peak <= shards + two_largest, (peak, shards, full)
 
 
 def test_peak_parameter_bytes_do_not_grow_with_frozen_units() -> None:
     """With frozen weights dominating (adapter-style fine-tuning, 6 blocks), gathered units in
-    flight stay bounded: at most the root plus the running unit plus ``prefetch_units`` (1)
-    more, however many units the model has -- frozen parameters included. (Looser than the
-    issue's bound above: it allows the root.)"""
+    flight stay bounded: the root's own parameters plus the running unit plus
+    ``prefetch_units`` (1) more, however many units the model has -- frozen parameters
+    included."""
     results = _results(Run(model=lm(frozen_mlp=True, layers=6)), 4)
     for result in results:
-        units = result["units"]
-        shards = sum(u["shard_bytes"] for u in units)
-        root = units[0]["full_bytes"]
-        largest = max(u["full_bytes"] for u in units[1:])
-        assert result["peak_params"] <= shards + root + 2 * largest, (
-            f"peak {result['peak_params']} B > shards {shards} + root {root} + 2 x largest unit {largest} B "
-            f"(excess {result['peak_params'] - shards - root - 2 * largest} B)"
-        )
+        bound, detail = _peak_bound(result["units"])
+        assert result["peak_params"] <= bound, f"peak {result['peak_params']} B > {detail}"
 
 
 # --------------------------------------------------------------------------- state dict

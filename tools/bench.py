@@ -466,6 +466,14 @@ def run_step(runner: Runner, batch, measured: Measured | None = None, before_zer
     return float(loss)
 
 
+def gradient_buckets(engine: Any) -> list[tuple[Any, torch.dtype]]:
+    """Every gradient bucket and its reduce dtype; also for a ``--candidate`` checkout from
+    before the engine was composed of parts (its engine held the buckets itself)."""
+    if hasattr(engine, "reducer"):
+        return [(b, engine.reduce_dtype(b.space)) for b in engine.reducer.buckets]
+    return [(b, engine.grad_dtype(b.flat)) for b in engine.buckets]
+
+
 def collective_alone_s(runner: Runner, reps: int) -> float | None:
     """Seconds the engine's gradient collectives take with nothing else running (see
     [Note: what is measured]): shardpar's own collective functions (stage 0 all-reduce,
@@ -474,7 +482,7 @@ def collective_alone_s(runner: Runner, reps: int) -> float | None:
     world = dist.get_world_size()
     if engine is None or world == 1:
         return None
-    inputs = [torch.zeros(b.spec.range.size, dtype=engine.grad_dtype(b.flat)) for b in engine.buckets]
+    inputs = [torch.zeros(b.spec.range.size, dtype=dtype) for b, dtype in gradient_buckets(engine)]
     outputs = [buf[: buf.numel() // world].clone() for buf in inputs]
     times = []
     for _ in range(reps):

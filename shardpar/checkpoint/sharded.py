@@ -67,7 +67,8 @@ from .io import (
     sha256_file,
     temp_sibling,
 )
-from ..engines.base import Engine, TensorPiece
+from ..core.pieces import TensorPiece
+from ..engines import Engine
 from ..errors import CheckpointError
 from ..module import ShardedModule
 from ..optim import ShardedOptimizer
@@ -236,15 +237,7 @@ def _optimizer_section(optimizer: ShardedOptimizer, hyperparameters: list[dict[s
 def _layout(engine: Engine) -> Any:
     """The engine's bucket (stages 0-2) or unit (stage 3) layout, for information only:
     loading never needs it, the pieces say where everything is."""
-    try:
-        if hasattr(engine, "units"):
-            return {"units": [{"name": u.name, "params": [n for f in u.flats for n in f.layout.names]}
-                              for u in engine.units]}
-        return {"buckets": [{"dtype": dtype_name(f.data.dtype), "start": b.range.start,
-                             "end": b.range.end, "padding": b.padding, "params": list(b.names)}
-                            for f in engine.flats for b in f.layout.buckets]}
-    except (AttributeError, IndexError, TypeError):
-        return None
+    return engine.layout_summary()
 
 
 @dataclass

@@ -26,6 +26,20 @@ all-to-all (rank r receives every rank's chunk r) followed by a local sum, and a
 one broadcast per rank of its own chunk. Each rank still sends S·(N-1)/N bytes, so the
 accounting above holds; the only cost is a scratch buffer of S bytes for the all-to-all.
 NCCL and other backends keep the native collectives.
+
+[Note: tagged all-gather]
+Stage 3 gathers units in the order each rank's forward and backward run them, so a
+rank-dependent order pairs one rank's gather of unit A with another's of unit B: wrong
+values if the sizes agree, and if they differ gloo aborts the process (a receiver getting
+more bytes than it posted). :func:`all_gather_tagged` makes that impossible to miss and
+impossible to crash on, without an extra collective: every rank prefixes its shard with a
+16-byte tag (what it is gathering) and receives every peer's message into a buffer as large
+as the largest shard of any unit, so a message of another unit always fits (gloo accepts a
+shorter message than posted). After the wait every rank holds every rank's tag and can
+compare; only if they agree is the payload copied out into the unit's full buffer. On gloo
+the exchange is one send and one receive per peer (the bytes each rank sends are the ring
+model's, S·(N-1)/N of the gathered tensor); other backends use their all-gather on the
+tagged buffers, which cannot survive a size mismatch (NCCL would hang until the timeout).
 """
 
 from __future__ import annotations
@@ -41,7 +55,9 @@ import torch.distributed as dist
 ProcessGroup = Any  # torch's ProcessGroup; kept loose so world size 1 needs no torch.distributed
 
 # Ring-algorithm multiplier of S·(N-1)/N per collective kind (see the note above).
-_SEND_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+# "used_flags" is the all-reduce that tells every rank which parameters got a gradient on
+# some rank (see the reducer), counted apart from gradient traffic.
+_SEND_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "used_flags": 2}
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
 
@@ -84,11 +100,14 @@ class CommStats:
         self.ops: dict[str, OpTraffic] = {}
 
     def record(self, op: str, numel: int, padding_numel: int, element_size: int, world_size: int) -> None:
+        self.record_bytes(op, (numel - padding_numel) * element_size, padding_numel * element_size, world_size)
+
+    def record_bytes(self, op: str, payload_bytes: int, padding_bytes: int, world_size: int) -> None:
         traffic = self.ops.setdefault(op, OpTraffic(factor=_SEND_FACTOR[op], world_size=world_size))
         assert traffic.world_size == world_size, "one CommStats counts one process group"
         traffic.calls += 1
-        traffic.payload_bytes += (numel - padding_numel) * element_size
-        traffic.padding_bytes += padding_numel * element_size
+        traffic.payload_bytes += payload_bytes
+        traffic.padding_bytes += padding_bytes
 
     def reset(self) -> None:
         self.ops.clear()
@@ -105,20 +124,23 @@ class CommStats:
 
 
 class Handle:
-    """An in-flight collective. ``wait()`` blocks until it is done; calling it twice is fine."""
+    """An in-flight collective. ``wait()`` blocks until it is done and returns what the
+    finishing step returned (None for most ops); calling it twice is fine."""
 
-    def __init__(self, work: Any = None, then: Callable[[], None] | None = None) -> None:
+    def __init__(self, work: Any = None, then: Callable[[], Any] | None = None) -> None:
         """``work``: one torch work object, a list of them, or None (already done); ``then``
         runs once after every work finished (e.g. a local sum that completes the op)."""
         self._works = [] if work is None else list(work) if isinstance(work, (list, tuple)) else [work]
         self._then = then
+        self._result: Any = None
 
-    def wait(self) -> None:
+    def wait(self) -> Any:
         while self._works:
             self._works.pop(0).wait()
         if self._then is not None:
             then, self._then = self._then, None
-            then()
+            self._result = then()
+        return self._result
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
@@ -218,12 +240,14 @@ def all_reduce(
     stats: CommStats | None = None,
     padding_numel: int = 0,
     op: str = "sum",
+    kind: str = "all_reduce",
 ) -> Handle:
-    """Sum (or max, min) ``tensor`` across ranks, in place."""
+    """Sum (or max, min) ``tensor`` across ranks, in place. ``kind`` is the key its bytes are
+    counted under in ``stats``."""
     if op not in _REDUCE_OPS:
         raise ValueError(f"all_reduce: op must be one of {', '.join(_REDUCE_OPS)}, got {op!r}")
     world_size = get_world_size(group)
-    _record(stats, "all_reduce", tensor, padding_numel, world_size)
+    _record(stats, kind, tensor, padding_numel, world_size)
     if world_size == 1:
         return Handle()
     reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[op])
@@ -321,6 +345,96 @@ def all_gather(
         own.copy_(input)
     works = [dist.broadcast(chunk, group_src=src, group=group, async_op=True) for src, chunk in enumerate(chunks)]
     return _finish(Handle(works), async_op)
+
+
+TAG_BYTES = 16
+"""Bytes of the tag each rank prefixes to its shard in :func:`all_gather_tagged`."""
+
+
+def all_gather_tagged(
+    full: torch.Tensor,
+    shard: torch.Tensor,
+    tag: torch.Tensor,
+    *,
+    max_shard_bytes: int,
+    group: ProcessGroup | None = None,
+    stats: CommStats | None = None,
+    padding_numel: int = 0,
+) -> Handle:
+    """All-gather ``shard`` (1-D) into ``full`` (1-D, N x its size) with a tag per rank; see
+    [Note: tagged all-gather]. ``tag`` is 16 bytes (two int64). Asynchronous: ``wait()``
+    returns an (N, 2) int64 tensor of every rank's tag and copies the payload into ``full``
+    only when every rank sent the tag this rank sent (otherwise ``full`` is left as it was;
+    the caller decides what a mismatch means)."""
+    world_size = get_world_size(group)
+    rank = get_rank(group)
+    if full.numel() != shard.numel() * world_size or full.dtype != shard.dtype:
+        raise ValueError(f"all_gather_tagged: output {full.numel()} x {full.dtype} is not {world_size} x the "
+                         f"input {shard.numel()} x {shard.dtype}")
+    tag_bytes = tag.contiguous().view(torch.uint8)
+    assert tag_bytes.numel() == TAG_BYTES, "a tag is 16 bytes"
+    payload_bytes = shard.numel() * shard.element_size()
+    assert payload_bytes <= max_shard_bytes, "max_shard_bytes must cover this shard"
+    if stats is not None:
+        element = full.element_size()
+        stats.record_bytes("all_gather", (full.numel() - padding_numel) * element,
+                           padding_numel * element + world_size * TAG_BYTES, world_size)
+    chunks = full.view(world_size, -1)
+    if world_size == 1:
+        if chunks[0].data_ptr() != shard.data_ptr():
+            chunks[0].copy_(shard)
+        return Handle(then=lambda: tag.detach().clone().view(1, -1))
+    send = torch.empty(TAG_BYTES + payload_bytes, dtype=torch.uint8, device=shard.device)
+    send[:TAG_BYTES].copy_(tag_bytes)
+    send[TAG_BYTES:].copy_(shard.contiguous().view(torch.uint8))
+    if _is_gloo(group):
+        received = torch.empty(world_size, TAG_BYTES + max_shard_bytes, dtype=torch.uint8, device=shard.device)
+        works = []
+        for peer in range(world_size):
+            if peer != rank:
+                works.append(dist.isend(send, group_dst=peer, group=group))
+                works.append(dist.irecv(received[peer], group_src=peer, group=group))
+    else:
+        received = torch.empty(world_size, TAG_BYTES + payload_bytes, dtype=torch.uint8, device=shard.device)
+        works = [dist.all_gather_into_tensor(received.view(-1), send, group=group, async_op=True)]
+
+    def copy_out() -> torch.Tensor:
+        received[rank, :TAG_BYTES].copy_(tag_bytes)
+        tags = received[:, :TAG_BYTES].contiguous().view(torch.int64).view(world_size, -1)
+        if bool((tags == tags[rank]).all()):
+            payload = received[:, TAG_BYTES : TAG_BYTES + payload_bytes].contiguous()
+            chunks.copy_(payload.view(shard.dtype).view(world_size, -1))
+            chunks[rank].copy_(shard)
+        return tags
+
+    return Handle(works, then=copy_out)
+
+
+_SIBLING_GROUPS: dict[Any, Any] = {}
+
+
+def sibling_group(group: ProcessGroup | None, timeout_s: float) -> ProcessGroup | None:
+    """A second process group over the same ranks as ``group`` (created once per process),
+    so that two independent streams of collectives (stage 3's gathers and its gradient
+    reductions) can never be paired with each other when ranks issue them in a different
+    interleaving. None at world size 1."""
+    if get_world_size(group) == 1:
+        return None
+    key = group if group is not None else "default"
+    if key not in _SIBLING_GROUPS:
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        _SIBLING_GROUPS[key] = dist.new_group(
+            ranks=ranks, timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True
+        )
+    return _SIBLING_GROUPS[key]
+
+
+def retire_sibling_group(group: ProcessGroup | None) -> None:
+    """Forget the sibling of ``group`` after its collectives fell out of step (some ranks may
+    have gathers outstanding that will never be matched): the next :func:`sibling_group`
+    call creates a fresh one. Every rank retires it at the same point, since every rank sees
+    the same mismatch."""
+    _SIBLING_GROUPS.pop(group if group is not None else "default", None)
 
 
 def broadcast(

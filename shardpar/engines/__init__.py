@@ -1,15 +1,11 @@
-"""One engine per stage; each stage extends the one below (see DESIGN.md, layer 3)."""
+"""Engines: one class composed from the parts each stage's row of the table picks."""
 
-from .base import Engine
-from .ddp import AllReduceEngine
-from .zero import GradientShardEngine, OptimizerShardEngine
-from .zero3 import ParameterShardEngine
+from .engine import WRAPPED_MARK, Engine
+from .stages import STAGES, StageRow
 
-ENGINES: dict[int, type[Engine]] = {
-    0: AllReduceEngine,
-    1: OptimizerShardEngine,
-    2: GradientShardEngine,
-    3: ParameterShardEngine,
-}
 
-__all__ = ["ENGINES", "Engine", "AllReduceEngine", "OptimizerShardEngine", "GradientShardEngine", "ParameterShardEngine"]
+def build_engine(module, config, group) -> Engine:
+    return Engine(module, config, group, STAGES[config.stage])
+
+
+__all__ = ["Engine", "STAGES", "StageRow", "WRAPPED_MARK", "build_engine"]

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from ..engines.base import Engine, TensorPiece
+from ..core.pieces import TensorPiece
+from ..engines import Engine
 from ..module import ShardedModule
 
 
@@ -124,11 +125,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # None, the step changes nothing (no weight decay, no moment update).
         if self.engine.grads_ready:
             self.engine.before_optimizer_step()
+            self._attach_grads()
             self.inner.step()
             self.engine.after_optimizer_step()
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
+
+    def _attach_grads(self) -> None:
+        """Point each tensor at its reduced gradient, or at None where no rank's backward used
+        the parameter since ``zero_grad`` (torch then skips it: no decay, no moment update).
+        Pieces that are the parameters themselves (stage 0) carry their own ``.grad``."""
+        for tensors in self.group_tensors:
+            for piece in tensors:
+                if piece.grad is not None:
+                    piece.tensor.grad = piece.grad if self.engine.has_gradient(piece.name) else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()

@@ -23,15 +23,15 @@ With fp32 Adam this is DESIGN.md's 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N and 16Ψ/N. Froze
 add their own bytes to ``params`` (full at stages 0-2, 1/N at stage 3) and nothing else.
 Padding (every bucket and unit is padded to a multiple of N: fewer than N elements each) is
 ignored. Not modelled: activations, the stage-1 carry shard that exists only while
-accumulating across reduced backwards (see zero.py), allocator caching and fragmentation.
+accumulating across reduced backwards (see core/reduce_strategies.py), allocator caching and fragmentation.
 
-Stage 3 workspace: the root unit (the wrapped module's own parameters, e.g. a tied
-embedding) is gathered for the whole forward and backward, because its forward encloses
-every other unit's; besides it, the unit computing and the one being prefetched. So the
-gathered peak is root + the two largest units. Gradient staging holds the root's (its
-bucket is reduced last) + up to three units (2 reductions in flight + 1 collecting), as
-stage 2 does with buckets. Given only a parameter count the units are unknown: we assume
-units of ``largest_unit_params`` (default Ψ/10) and an empty root.
+Stage 3 workspace: units are gathered around each use ([Note: units] in core/units.py), so
+besides the parameters the wrapped module registers itself (gathered for its whole forward
+and backward: the *held* unit) at most the unit computing and the one being prefetched are
+gathered: held + the two largest units. Gradient staging holds the held unit's + up to three
+units (2 reductions in flight + 1 collecting), as stage 2 does with buckets. Given only a
+parameter count the units are unknown: we assume units of ``largest_unit_params`` (default
+Ψ/10) and nothing held.
 
 [Note: communication model]
 Bytes one rank sends per step by the ring algorithms (see [Note: byte accounting] in
@@ -41,11 +41,15 @@ reduce-scatter S·f, all-gather S·f. Per step:
     stage 0     all-reduce of every gradient bucket           2Ψ·r·f
     stage 1, 2  reduce-scatter of every bucket + all-gather    Ψ·r·f + Ψ·g·f
                 of the updated parameters after the step
-    stage 3     all-gather of every unit before forward and    2Ψ·g·f + Ψ·r·f
-                again before backward, reduce-scatter of its   (1Ψ·g·f + Ψ·r·f without
-                gradients                                      resharding after forward)
+    stage 3     all-gather of every unit before each use in    2Ψ·g·f + Ψ·r·f
+                forward and again before its backward,         (1Ψ·g·f + Ψ·r·f without
+                reduce-scatter of its gradients                resharding after forward)
 
-with g = bytes of the gathered parameters (= r unless mixed precision gathers in p). Time
+with g = bytes of the gathered parameters (= r unless mixed precision gathers in p). A unit
+used k times per forward (a tied embedding/head: k = 2) is gathered k times as often; each
+gather also carries a 16-byte tag per rank (counted as padding). Every stage adds one
+all-reduce per step of a 4-byte flag per trainable tensor plus two counters (the reducer's
+"used_flags", [Note: used parameters] in core/reducer.py), and broadcasts buffers. Time
 follows the α-β model: ``calls·latency + bytes/bandwidth``, one call per bucket or unit and
 collective. It is the communication time if nothing overlapped; the engines overlap
 gradient collectives with backward and stage 3 prefetches gathers, so the time a step
@@ -63,7 +67,9 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from ..core.inventory import group_by_dtype
 from ..core.layout import BufferLayout
+from ..core.units import ROOT, plan_units
 from ..config import MixedPrecision, MixedPrecisionOption, WrapPolicy
 
 __all__ = [
@@ -109,7 +115,11 @@ STAGING_BUCKETS = 3
 (``GradientShardEngine.max_buckets_in_flight`` + 1)."""
 
 GATHERED_UNITS = 2
-"""Stage 3 units gathered at once besides the root: the one computing + one prefetched."""
+"""Stage 3 units gathered at once besides the held one: the one computing + one prefetched."""
+
+ASSUMED_TENSOR_NUMEL = 1_000_000
+"""Given only a parameter count, the used-flag all-reduce assumes one tensor per this many
+parameters (it is a few bytes either way)."""
 
 ModelOrCount = Union[nn.Module, int]
 
@@ -124,9 +134,13 @@ class _UnitShape:
     frozen_bytes: int
     """Bytes of its frozen parameters (gathered with it at stage 3)."""
     flats: int
-    """Flat buffers it gathers (one per dtype and trainable/frozen): all-gather calls."""
+    """Flat groups it gathers (one per dtype and trainable/frozen): all-gather calls per use."""
     trainable_flats: int
     """Of which trainable: reduce-scatter calls."""
+    uses: int = 1
+    """Times its hook modules run per forward (each one gathers it)."""
+    held: bool = False
+    """Registered on the wrapped module itself: gathered for its whole forward and backward."""
 
 
 @dataclass(frozen=True)
@@ -140,9 +154,10 @@ class _ModelShape:
     """Bytes per trainable element as stored (the master dtype; 4 for fp32)."""
     buckets: tuple[int, ...]
     """Elements per stage 0-2 gradient bucket."""
-    root: _UnitShape
     units: tuple[_UnitShape, ...]
-    """Stage 3 units other than the root."""
+    """Stage 3 units."""
+    trainable_tensors: int = 0
+    """Trainable parameter tensors (one used-flag each)."""
     buffer_bytes: int = 0
     float_buffer_numel: int = 0
     """Elements of floating-point buffers (cast to ``MixedPrecision.buffer_dtype``)."""
@@ -153,7 +168,7 @@ class _ModelShape:
 
 
 def _bucket_cap_numel(bucket_cap_mb: float, element_size: float) -> int:
-    # Same rule as AllReduceEngine.build_flats: the cap is MiB of the buffer's dtype.
+    # Same rule as ReplicatedStorage: the cap is MiB of the buffer's dtype.
     return max(1, int(int(bucket_cap_mb * 1024 * 1024) // element_size))
 
 
@@ -169,7 +184,8 @@ def _shape_of_count(
     unit = min(unit, trainable)
     whole, rest = divmod(trainable, unit)
     units = tuple(_UnitShape(n, 0, 1, 1) for n in (unit,) * whole + ((rest,) if rest else ()))
-    return _ModelShape(trainable, 0, 0, 4.0, buckets, _UnitShape(0, 0, 0, 0), units)
+    tensors = max(1, -(-trainable // ASSUMED_TENSOR_NUMEL))
+    return _ModelShape(trainable, 0, 0, 4.0, buckets, units, trainable_tensors=tensors)
 
 
 def _shape_of_module(
@@ -179,10 +195,6 @@ def _shape_of_module(
     wrap_policy: WrapPolicy,
     min_unit_params: int,
 ) -> _ModelShape:
-    # Imported here: the engines sit below the planner and need not load for a count.
-    from ..engines.ddp import group_by_dtype
-    from ..engines.zero3 import _assign_params_to_units, _select_unit_modules
-
     named = list(module.named_parameters())  # each tied parameter once, as the engines see it
     trainable = [(n, p) for n, p in named if p.requires_grad]
     if not trainable:
@@ -199,33 +211,32 @@ def _shape_of_module(
     buffers = list(module.buffers())
     if largest_unit_params is not None:
         units = _shape_of_count(psi, bucket_cap_mb, largest_unit_params).units
-        root = _UnitShape(0, 0, 0, 0)
     else:
         params = dict(named)
-        assignment = _assign_params_to_units(module, _select_unit_modules(module, wrap_policy, min_unit_params))
-        shapes = {}
-        for unit_name, names in assignment.items():
-            mine = [(n, params[n]) for n in names]
+        shapes = []
+        for plan in plan_units(module, wrap_policy, min_unit_params):
+            mine = [(n, params[n]) for n in plan.params]
             train = [x for x in mine if x[1].requires_grad]
             frozen = [x for x in mine if not x[1].requires_grad]
             t_flats = len(group_by_dtype(train)) if train else 0
             f_flats = len(group_by_dtype(frozen)) if frozen else 0
-            shapes[unit_name] = _UnitShape(
+            shapes.append(_UnitShape(
                 sum(p.numel() for _, p in train),
                 sum(p.numel() * p.element_size() for _, p in frozen),
                 t_flats + f_flats,
                 t_flats,
-            )
-        root = shapes.pop("")
-        units = tuple(u for u in shapes.values() if u.flats)
+                uses=len(plan.hook_modules),
+                held=ROOT in plan.hook_modules,
+            ))
+        units = tuple(shapes)
     return _ModelShape(
         trainable=psi,
         frozen=sum(p.numel() for _, p in named if not p.requires_grad),
         frozen_bytes=sum(p.numel() * p.element_size() for _, p in named if not p.requires_grad),
         stored_bytes=stored,
         buckets=tuple(buckets),
-        root=root,
         units=units,
+        trainable_tensors=len(trainable),
         buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
         float_buffer_numel=sum(b.numel() for b in buffers if b.is_floating_point()),
         float_buffer_bytes=sum(b.numel() * b.element_size() for b in buffers if b.is_floating_point()),
@@ -370,13 +381,13 @@ def estimate_memory(
     shards = 1 if stage == 0 else n  # how many ranks share the optimizer's tensors
     optimizer_state = k * (d / 4) * psi / shards  # the state has the master's dtype
     if stage == 3:
-        root, units = shape.root, shape.units
+        held = [u for u in shape.units if u.held]
+        others = [u for u in shape.units if not u.held]
         params = d * psi / n + shape.frozen_bytes / n
         grads = d * psi / n
-        gathered = p * (root.trainable + _largest([u.trainable for u in units], GATHERED_UNITS)) + (
-            root.frozen_bytes + _largest([u.frozen_bytes for u in units], GATHERED_UNITS)
-        )
-        staging = r * (root.trainable + _largest([u.trainable for u in units], STAGING_BUCKETS))
+        gathered = sum(p * u.trainable + u.frozen_bytes for u in held) + _largest(
+            [p * u.trainable + u.frozen_bytes for u in others], GATHERED_UNITS)
+        staging = r * (sum(u.trainable for u in held) + _largest([u.trainable for u in others], STAGING_BUCKETS))
         workspace = gathered + staging
     else:
         # Frozen parameters: as created, plus the compute copy when mixed precision casts them.
@@ -442,6 +453,9 @@ class CommEstimate:
     all_gather_bytes: float
     broadcast_bytes: float
     """Module buffers broadcast from rank 0 before each forward (0 for a count)."""
+    used_flags_bytes: float
+    """The per-step all-reduce of which parameters got gradients (a count assumes one tensor
+    per ``ASSUMED_TENSOR_NUMEL`` parameters)."""
     sent_bytes: float
     """Sum of the above: comparable with ``comm_stats()["total"]["sent_bytes"]``."""
     calls: int
@@ -464,6 +478,7 @@ class CommEstimate:
             "reduce_scatter": self.reduce_scatter_bytes,
             "all_gather": self.all_gather_bytes,
             "broadcast": self.broadcast_bytes,
+            "used_flags": self.used_flags_bytes,
         }
         return {op: sent for op, sent in ops.items() if sent}
 
@@ -520,20 +535,21 @@ def estimate_communication(
         all_gather = psi * g * f
     else:
         gathers = 2 if reshard_after_forward else 1
-        units = [shape.root, *shape.units]
-        gather_calls = buckets or sum(u.flats for u in units)
+        units = shape.units
+        gather_calls = buckets or sum(u.uses * u.flats for u in units)
         scatter_calls = buckets or sum(u.trainable_flats for u in units)
         calls = gathers * gather_calls + scatter_calls
         reduce_scatter = psi * reduce_bytes * f
         # Frozen parameters are gathered in the gather dtype too when one is given.
-        frozen = shape.frozen * gather_bytes if gather_bytes is not None else shape.frozen_bytes
-        all_gather = gathers * (psi * g + frozen) * f
+        frozen_ratio = gather_bytes * shape.frozen / shape.frozen_bytes if gather_bytes is not None and shape.frozen else 1
+        all_gather = gathers * sum(u.uses * (u.trainable * g + u.frozen_bytes * frozen_ratio) for u in units) * f
     broadcast_bytes = shape.buffer_bytes
     if buffer_dtype is not None:  # floating buffers are broadcast in the cast dtype
         broadcast_bytes += shape.float_buffer_numel * buffer_dtype.itemsize - shape.float_buffer_bytes
     broadcast = broadcast_bytes * f
-    calls += shape.buffer_count
-    sent = all_reduce + reduce_scatter + all_gather + broadcast
+    used_flags = 2 * 4 * (shape.trainable_tensors + 2) * f
+    calls += shape.buffer_count + 1
+    sent = all_reduce + reduce_scatter + all_gather + broadcast + used_flags
     seconds = None
     if bandwidth_gbps is not None:
         latency = (latency_us or 0.0) * 1e-6 * calls if n > 1 else 0.0
@@ -543,6 +559,7 @@ def estimate_communication(
         reduce_scatter_bytes=reduce_scatter,
         all_gather_bytes=all_gather,
         broadcast_bytes=broadcast,
+        used_flags_bytes=used_flags,
         sent_bytes=sent,
         calls=calls,
         seconds=seconds,

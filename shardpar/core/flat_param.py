@@ -1,0 +1,202 @@
+"""Flat parameter groups: parameters of one dtype stored back to back, with an explicit state.
+
+[Note: flat parameter groups]
+A :class:`FlatParamGroup` owns one dtype's parameters laid out by a one-bucket
+:class:`~shardpar.core.layout.BufferLayout`: a 1-D *full* buffer (compute dtype; padded to a
+multiple of N) and this rank's *shard* of it (slice r, in the dtype the optimizer updates).
+Its state says which of the two the parameters are views of right now:
+
+    SHARDED ──start_unshard()──▶ GATHERING ──wait_unsharded()──▶ UNSHARDED ──reshard()──▶ SHARDED
+
+- stage 3: one group per (unit, dtype, trainable). The shard is the only persistent copy; the
+  full buffer's storage exists only while GATHERING/UNSHARDED (it is resized to 0 by
+  ``reshard``, never replaced, so tensors autograd saved in forward see the values again once
+  the next gather refills the same storage).
+- stages 1-2: one group per gradient bucket, a view of the replicated buffer whose owned slice
+  the optimizer updated; after ``step()`` it is GATHERING until the first module using it runs
+  (it never reshards).
+
+While not UNSHARDED the parameters are guarded ([Note: guarded parameters] in
+``param_guard.py``): a pending parameter waits for its gather when read, a sharded one raises
+naming itself and its unit. A group is *born sharded*: it needs only names, shapes and
+dtypes; the values arrive in the shard from wherever they come from (a rank's live module,
+an initialisation run one unit at a time, checkpoint or Hugging Face byte ranges). No rank
+ever needs the full group except while it is gathered.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..comm import collectives as C
+from .layout import BufferLayout
+from .param_guard import guard, storageless, unguard
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"
+    """Only this rank's shard exists."""
+    GATHERING = "gathering"
+    """The full buffer is allocated and an all-gather into it is in flight."""
+    UNSHARDED = "unsharded"
+    """The full parameters are valid; the parameters are views of them."""
+
+
+class _PendingGather:
+    """Guard of a parameter whose group is gathering: reading it waits (see param_guard)."""
+
+    def __init__(self, group: "FlatParamGroup") -> None:
+        self.group = group
+
+    def on_access(self, param: nn.Parameter, operation: str) -> None:
+        self.group.wait_unsharded()
+
+    def __str__(self) -> str:
+        return f"all-gather of '{self.group.label}' in flight"
+
+
+class _Sharded:
+    """Guard of a sharded stage-3 parameter: reading it is an error naming it and its unit."""
+
+    def __init__(self, group: "FlatParamGroup", name: str) -> None:
+        self.group = group
+        self.name = name
+
+    def on_access(self, param: nn.Parameter, operation: str) -> None:
+        raise RuntimeError(
+            f"parameter '{self.name}' of stage-3 unit '{self.group.unit}' was read ({operation}) while the unit "
+            "is sharded: its values exist only while a forward or backward of a module of that unit runs. "
+            "Read parameters of another unit only inside that unit's forward (register the module under the "
+            "unit that uses it, or tie the weight by registration), and read full values outside forward with "
+            "model.full_state_dict()"
+        )
+
+    def __str__(self) -> str:
+        return f"sharded, unit '{self.group.unit}'"
+
+
+class FlatParamGroup:
+    """See [Note: flat parameter groups]."""
+
+    def __init__(
+        self,
+        label: str,
+        unit: str,
+        named: Sequence[tuple[str, nn.Parameter]],
+        layout: BufferLayout,
+        full: torch.Tensor,
+        shard: torch.Tensor,
+        rank: int,
+        frees_storage: bool,
+        trainable: bool,
+    ) -> None:
+        assert len(layout.buckets) == 1, "a flat parameter group is one bucket"
+        self.label = label
+        self.unit = unit
+        self.params = dict(named)
+        self.layout = layout
+        self.full = full  # 1-D, compute dtype, numel = layout.numel (padded)
+        self.shard = shard  # 1-D, master dtype, numel = layout.shard_numel
+        self.rank = rank
+        self.frees_storage = frees_storage
+        self.trainable = trainable
+        self.state = ShardState.UNSHARDED
+        self.handle: C.Handle | None = None
+        self.on_unsharded: Callable[["FlatParamGroup", object], None] | None = None
+        """Called with the group and what the gather's handle returned (stage 3 checks tags)."""
+        self._views = {name: layout.view(full, name) for name in self.params}
+        self._placeholders = {
+            name: storageless(p.shape, full.dtype, full.device) for name, p in self.params.items()
+        } if frees_storage else {}
+
+    # ------------------------------------------------------------------ sizes and spaces
+
+    @property
+    def bucket(self):
+        return self.layout.buckets[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (what forward uses and what is gathered)."""
+        return self.full.dtype
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return self.shard.dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.full.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.shard.device
+
+    @property
+    def full_bytes(self) -> int:
+        return self.layout.numel * self.full.element_size()
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.shard.numel() * self.shard.element_size()
+
+    @property
+    def payload_numel(self) -> int:
+        return self.layout.numel - self.layout.padding
+
+    def allocated_full_bytes(self) -> int:
+        return self.full.untyped_storage().nbytes() if self.frees_storage else 0
+
+    def own_slice(self) -> torch.Tensor:
+        """This rank's slice of the full buffer (1-D, compute dtype)."""
+        return self.bucket.shard(self.rank).of(self.full)
+
+    def view(self, name: str) -> torch.Tensor:
+        return self._views[name]
+
+    # ------------------------------------------------------------------ transitions
+
+    def start_unshard(self, issue: Callable[["FlatParamGroup"], C.Handle]) -> None:
+        """Begin the all-gather ``issue`` launches into the full buffer (allocated first)."""
+        assert self.state is not ShardState.GATHERING, f"'{self.label}' is already gathering"
+        if self.frees_storage and self.full.untyped_storage().nbytes() == 0:
+            self.full.untyped_storage().resize_(self.full_bytes)
+        self.handle = issue(self)
+        self.state = ShardState.GATHERING
+        for param in self.params.values():
+            guard(param, _PendingGather(self))
+
+    def wait_unsharded(self) -> None:
+        """Block until the gather is done; the parameters are views of the full buffer after."""
+        if self.state is ShardState.UNSHARDED:
+            return
+        assert self.state is ShardState.GATHERING, f"'{self.label}' is {self.state.value}, not gathering"
+        handle, self.handle = self.handle, None
+        result = handle.wait()
+        self.state = ShardState.UNSHARDED
+        self.point_params_at_full()
+        if self.on_unsharded is not None:
+            self.on_unsharded(self, result)
+
+    def reshard(self) -> None:
+        """Free the full buffer (stage 3); a gather still in flight is waited for first, so no
+        collective ever writes into freed memory."""
+        assert self.frees_storage, f"'{self.label}' keeps its full buffer"
+        if self.state is ShardState.SHARDED:
+            return
+        if self.state is ShardState.GATHERING:
+            self.wait_unsharded()
+        self.full.untyped_storage().resize_(0)
+        self.state = ShardState.SHARDED
+        for name, param in self.params.items():
+            param.data = self._placeholders[name]
+            guard(param, _Sharded(self, name))
+
+    def point_params_at_full(self) -> None:
+        for name, param in self.params.items():
+            unguard(param)
+            param.data = self._views[name]

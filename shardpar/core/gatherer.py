@@ -1,0 +1,372 @@
+"""The parameter gatherers: all-gathers after ``step()`` at stages 1-2, and per-unit gather
+and free with prefetch at stage 3.
+
+[Note: one step at stage 3]
+forward:  a unit's hook module is about to run -> gather the unit (or wait for its
+          prefetched gather) -> prefetch the next units of the last forward's order -> run ->
+          free it (``reshard_after_forward``, or no autograd) and hook its outputs.
+backward: a hook on a use's outputs fires before that use's backward -> gather again,
+          prefetch the next units of the last backward's order (the first backward: the
+          reverse of the forward's) -> once backward reaches the use's inputs (an identity
+          autograd function on them) the unit is freed. A trainable group is also freed the
+          moment all its gradients are final, then reduce-scattered by the reducer.
+recompute (activation checkpointing: a unit's forward runs again *inside* backward): the
+          unit is gathered if it is not already, nothing is prefetched in forward order and
+          nothing is freed after it -- the recomputed graph is about to use the storage. So
+          checkpointing changes neither results nor the number of gathers.
+end of backward: every unit still gathered is freed.
+
+[Note: unit order across ranks]
+Gathers pair across ranks by the order they are issued in, and each rank issues them in the
+order its own forward and backward reach units. Every gather therefore carries a tag (a
+gather sequence number and the flat group being gathered; see [Note: tagged all-gather]).
+When a rank's tag differs from another's -- a branch taken on one rank only, a unit skipped
+or repeated -- every rank sees every tag and raises the same error, naming each rank's unit,
+at any step, instead of computing with another unit's weights or aborting inside gloo. The
+gathers go over a process group of their own, so the gradient reductions, whose timing can
+legitimately differ between ranks (a parameter one rank does not use), can never be paired
+with a gather.
+
+One divergence is recovered instead of reported: ranks running *different leftover units*
+([Note: units]; e.g. rank-dependent branches among modules no policy unit encloses). The
+tags show every rank the same mismatch, so all ranks then take the same decision: from here
+on the leftover units are *held* -- gathered together, in one fixed order, when the root's
+forward starts and again when its backward starts, freed after the root's forward and at the
+end of backward -- which makes the sequence of gathers independent of which branch a rank
+takes. The gather that mismatched and any still in flight are completed (they are paired:
+every rank issued the same number) and the leftover units gathered again in that order. A
+divergence involving a policy unit is an error: put the modules a branch chooses between in
+one unit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..comm import collectives as C
+from .flat_param import FlatParamGroup, ShardState
+from .training_state import TrainingState
+
+
+class PostStepGatherer:
+    """Stages 1-2: all-gather every bucket's updated slices after ``step()``; completed lazily
+    (see [Note: lazy parameter gather] in replicated.py)."""
+
+    def __init__(self, groups: list[FlatParamGroup], group: Any, comm: C.CommStats) -> None:
+        self.groups = groups
+        self.group = group
+        self.comm = comm
+
+    def _issue(self, flat: FlatParamGroup) -> C.Handle:
+        return C.all_gather(flat.full, flat.own_slice(), group=self.group, async_op=True, stats=self.comm,
+                            padding_numel=flat.layout.padding)
+
+    def start_all(self) -> None:
+        with torch.no_grad():
+            for flat in self.groups:
+                own = flat.own_slice()
+                if own.data_ptr() != flat.shard.data_ptr():  # gathered in the (narrower) compute dtype
+                    own.copy_(flat.shard)
+                flat.start_unshard(self._issue)
+
+    def wait(self, groups: Sequence[FlatParamGroup]) -> None:
+        for flat in groups:
+            flat.wait_unsharded()
+
+    def wait_all(self) -> None:
+        self.wait(self.groups)
+
+
+class UnitOrderMismatch(RuntimeError):
+    """Ranks gathered different stage-3 units at the same point."""
+
+
+class Unit:
+    """One stage-3 unit: its flat groups and what this backward still needs of them."""
+
+    def __init__(self, index: int, name: str, hook_modules: tuple[str, ...], flats: list[FlatParamGroup],
+                 from_policy: bool = True) -> None:
+        self.index = index
+        self.name = name
+        self.hook_modules = hook_modules
+        self.flats = flats
+        self.from_policy = from_policy
+        self.active_backward = 0
+        """Uses whose backward started (pre-backward) and has not reached the inputs yet."""
+        self.final: set[FlatParamGroup] = set()
+        """Trainable groups whose gradients are final in this backward (not gathered again)."""
+
+    @property
+    def trainable(self) -> list[FlatParamGroup]:
+        return [f for f in self.flats if f.trainable]
+
+    @property
+    def backward_done(self) -> bool:
+        trainable = self.trainable
+        return bool(trainable) and len(self.final) == len(trainable)
+
+    def needed(self) -> list[FlatParamGroup]:
+        return [f for f in self.flats if f not in self.final]
+
+    def full_bytes(self) -> int:
+        return sum(f.full_bytes for f in self.flats)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward tells the gatherer the use's backward is done.
+    As a node of its own it runs before hooks on those input tensors, i.e. before the previous
+    unit's pre-backward starts its prefetch."""
+
+    @staticmethod
+    def forward(ctx, gatherer, unit, *tensors):  # type: ignore[override]
+        ctx.gatherer, ctx.unit = gatherer, unit
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.gatherer.post_backward(ctx.unit)
+        return (None, None) + grads
+
+
+def _grad_tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, dict) and not isinstance(output, torch.Tensor):
+        output = list(output.values())
+    leaves, _ = tree_flatten(output)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class UnitGatherer:
+    """Stage 3; see [Note: one step at stage 3] and [Note: unit order across ranks]."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        state: TrainingState,
+        reshard_after_forward: bool,
+        prefetch: int,
+        comm: C.CommStats,
+        group: Any,
+        rank: int,
+        on_forward_use: Callable[[Unit], None],
+        on_backward_start: Callable[[], None],
+    ) -> None:
+        self.units = units
+        self.state = state
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self.comm = comm
+        self.group = group
+        self.rank = rank
+        self.on_forward_use = on_forward_use
+        self.on_backward_start = on_backward_start
+        self.retire_group: Callable[[], None] | None = None
+        """Called when ranks' gathers fell out of step (see _check_tags)."""
+        self.flats = [f for unit in units for f in unit.flats]
+        self.flat_index = {flat: i for i, flat in enumerate(self.flats)}
+        self.unit_of = {flat: unit for unit in units for flat in unit.flats}
+        self.max_shard_bytes = max(f.layout.shard_numel * f.full.element_size() for f in self.flats)
+        for flat in self.flats:
+            flat.on_unsharded = self._check_tags
+        self._sequence = 0
+        self._forward_uses: list[Unit] = []
+        self._last_forward: list[Unit] = []
+        self._backward_uses: list[Unit] = []
+        self._last_backward: list[Unit] = []
+        self.leftovers = [unit for unit in units if not unit.from_policy]
+        self.leftovers_held = False
+        """Set once ranks ran different leftover units (see [Note: unit order across ranks])."""
+        self.peak_params_bytes = self.params_bytes()
+
+    # ------------------------------------------------------------------ gathers
+
+    def _issue(self, flat: FlatParamGroup) -> C.Handle:
+        send = flat.shard if flat.shard.dtype == flat.dtype else flat.shard.to(flat.dtype)  # gather the compute dtype
+        tag = torch.tensor([self._sequence, self.flat_index[flat]], dtype=torch.int64, device=flat.device)
+        self._sequence += 1
+        return C.all_gather_tagged(flat.full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group,
+                                   stats=self.comm, padding_numel=flat.layout.padding)
+
+    def _check_tags(self, flat: FlatParamGroup, tags: torch.Tensor) -> None:
+        rows = [tuple(row) for row in tags.tolist()]
+        if all(row == rows[self.rank] for row in rows):
+            return
+        if self._recoverable(rows):
+            self._hold_leftovers()
+            return
+        # No draining: other ranks may not have issued the gathers this rank still has in
+        # flight. The gather group is retired instead, and the error stops this engine.
+        if self.retire_group is not None:
+            self.retire_group()
+
+        def describe(row: tuple[int, ...]) -> str:
+            index = row[1]
+            if 0 <= index < len(self.flats):
+                return f"unit '{self.unit_of[self.flats[index]].name}' ({self.flats[index].label}), gather #{row[0]}"
+            return f"something else (tag {row})"
+
+        detail = "; ".join(f"rank {r}: {describe(row)}" for r, row in enumerate(rows))
+        raise UnitOrderMismatch(
+            "stage 3: units ran in a different order on different ranks, so their all-gathers paired up "
+            f"wrongly: {detail}. Every rank must run the same units in the same order in every forward and "
+            "backward (put the modules a data-dependent branch chooses between in one unit)"
+        )
+
+    def _recoverable(self, rows: list[tuple[int, ...]]) -> bool:
+        """Every rank at the same gather number, each gathering a leftover unit."""
+        if self.leftovers_held or len({row[0] for row in rows}) != 1:
+            return False
+        indices = [row[1] for row in rows]
+        return all(0 <= i < len(self.flats) and not self.unit_of[self.flats[i]].from_policy for i in indices)
+
+    def _hold_leftovers(self) -> None:
+        """See [Note: unit order across ranks]: complete what is in flight, then gather every
+        leftover unit again in unit order, identically on every rank."""
+        self.leftovers_held = True
+        for flat in self.flats:
+            if flat.state is ShardState.GATHERING and flat.handle is not None:
+                handle, flat.handle = flat.handle, None
+                handle.wait()  # paired: every rank issued as many gathers; its values are not used
+                flat.state = ShardState.UNSHARDED
+                flat.reshard()
+        for unit in self.leftovers:
+            for flat in unit.flats:
+                if flat.state is not ShardState.SHARDED:
+                    flat.reshard()  # its values may be another unit's: gathered again below
+        self._gather_leftovers()
+
+    def _gather_leftovers(self) -> None:
+        for unit in self.leftovers:
+            self.wait(unit)
+
+    def unshard(self, unit: Unit) -> None:
+        with torch.no_grad():
+            for flat in unit.needed():
+                if flat.state is ShardState.SHARDED:
+                    flat.start_unshard(self._issue)
+        self.peak_params_bytes = max(self.peak_params_bytes, self.params_bytes())
+
+    def wait(self, unit: Unit) -> None:
+        self.unshard(unit)
+        for flat in unit.needed():
+            flat.wait_unsharded()
+
+    def reshard(self, unit: Unit, flats: Sequence[FlatParamGroup] | None = None) -> None:
+        for flat in flats if flats is not None else unit.flats:
+            flat.reshard()
+
+    def params_bytes(self) -> int:
+        return sum(f.shard_bytes + f.allocated_full_bytes() for f in self.flats)
+
+    # ------------------------------------------------------------------ prefetch
+
+    def _predict(self, current: list[Unit], history: Sequence[Unit]) -> list[Unit]:
+        """The next units the recorded order runs after the uses seen so far (nothing once the
+        present departs from the record)."""
+        k = len(current)
+        if self.prefetch == 0 or len(history) < k or history[k - 1] is not current[-1]:
+            return []
+        return list(history[k : k + self.prefetch])
+
+    def _prefetch(self, units: list[Unit]) -> None:
+        for unit in units:
+            if unit.from_policy or not self.leftovers_held:  # held leftovers follow the root
+                self.unshard(unit)
+
+    # ------------------------------------------------------------------ hooks
+
+    def begin_forward(self) -> None:
+        """The root's forward starts (not a recompute)."""
+        if self._forward_uses:
+            self._last_forward = self._forward_uses
+        self._forward_uses = []
+        if self.leftovers_held:
+            self._gather_leftovers()
+
+    def begin_backward(self) -> None:
+        """The root's backward starts."""
+        if self.leftovers_held:
+            self._gather_leftovers()
+
+    def end_forward(self) -> None:
+        """The root's forward ended: gathers prefetched for units that never ran are done and
+        freed (a branch not taken), as are gathered units when no backward will follow."""
+        for unit in self.units:
+            for flat in unit.flats:
+                if flat.state is ShardState.GATHERING or (
+                    flat.state is ShardState.UNSHARDED and (self.reshard_after_forward or not torch.is_grad_enabled())
+                ):
+                    flat.reshard()
+
+    def pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self.state.is_recompute():
+            self.wait(unit)  # usually gathered by its pre-backward already
+            return self._hook_inputs(unit, args, kwargs)
+        self._forward_uses.append(unit)
+        self.on_forward_use(unit)
+        self.wait(unit)
+        self._prefetch(self._predict(self._forward_uses, self._last_forward))
+        return self._hook_inputs(unit, args, kwargs)
+
+    def post_forward(self, unit: Unit, output: Any) -> None:
+        if torch.is_grad_enabled():
+            tensors = _grad_tensors(output)
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, torch.compiler.disable(lambda grads: self.pre_backward(unit)), mode="any"
+                )
+        if self.state.is_recompute() or (self.leftovers_held and not unit.from_policy):
+            return  # the recomputed graph is about to use the storage; held leftovers follow the root
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self.reshard(unit)
+
+    def _hook_inputs(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not torch.is_grad_enabled():
+            return None
+        leaves, spec = tree_flatten((args, kwargs))
+        positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not positions:
+            return None  # freed when its gradients are final, or at the end of backward
+        outputs = _PostBackward.apply(self, unit, *[leaves[i] for i in positions])
+        for i, tensor in zip(positions, outputs):
+            leaves[i] = tensor
+        return tree_unflatten(leaves, spec)
+
+    def pre_backward(self, unit: Unit) -> None:
+        self.on_backward_start()
+        if unit.backward_done:
+            return
+        unit.active_backward += 1
+        self._backward_uses.append(unit)
+        self.wait(unit)
+        history = self._last_backward or self._last_forward_reversed()
+        self._prefetch([u for u in self._predict(self._backward_uses, history) if not u.backward_done])
+
+    def _last_forward_reversed(self) -> list[Unit]:
+        uses = self._forward_uses or self._last_forward
+        return uses[::-1]
+
+    def post_backward(self, unit: Unit) -> None:
+        if unit.active_backward > 0:
+            unit.active_backward -= 1
+        if unit.active_backward == 0 and (unit.from_policy or not self.leftovers_held):
+            self.reshard(unit)
+
+    def grads_final(self, flat: FlatParamGroup) -> None:
+        """All gradients of a trainable group are final: its parameters are not needed again
+        in this backward (every node using them has run)."""
+        unit = self.unit_of[flat]
+        unit.final.add(flat)
+        flat.reshard()
+
+    def finish_backward(self) -> None:
+        for unit in self.units:
+            self.reshard(unit)
+            unit.active_backward = 0
+            unit.final.clear()
+        if self._backward_uses:
+            self._last_backward = self._backward_uses
+        self._backward_uses = []

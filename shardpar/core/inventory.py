@@ -1,0 +1,111 @@
+"""The model's parameters as every stage sees them: unique names, tied aliases, trainable
+and frozen, the dtypes they were built with, and the signature ranks compare at wrap."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+
+def tied_names(module: nn.Module) -> dict[str, str]:
+    """``alias -> canonical name`` for every parameter reachable under more than one name."""
+    canonical: dict[nn.Parameter, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if param in canonical:
+            aliases[name] = canonical[param]
+        else:
+            canonical[param] = name
+    return aliases
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """The single device every parameter and buffer is on; raise naming two that differ."""
+    first: tuple[str, torch.device] | None = None
+    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        if first is None:
+            first = (name, tensor.device)
+        elif tensor.device != first[1]:
+            raise ValueError(
+                f"shardpar.wrap needs every parameter and buffer on one device, but "
+                f"'{first[0]}' is on {first[1]} and '{name}' is on {tensor.device}; "
+                "move the model with model.to(device) before wrapping"
+            )
+    return first[1] if first is not None else torch.device("cpu")
+
+
+class ParamInventory:
+    """Parameters of one module, each once under its first name (as ``named_parameters()``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.named = list(module.named_parameters())
+        self.by_name = dict(self.named)
+        self.name_of: dict[nn.Parameter, str] = {p: n for n, p in self.named}
+        self.trainable = [(n, p) for n, p in self.named if p.requires_grad]
+        self.frozen = [(n, p) for n, p in self.named if not p.requires_grad]
+        self.aliases = tied_names(module)
+        self.original_dtypes = {n: p.dtype for n, p in self.named}
+        """Parameter dtypes as built: what checkpoints and full state dicts hold."""
+        self.shapes = {n: p.shape for n, p in self.named}
+        self._requires_grad = [p.requires_grad for _, p in self.named]
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(p.numel() for _, p in self.trainable)
+
+    def changed_requires_grad(self) -> str | None:
+        """The first parameter whose ``requires_grad`` differs from wrap time, if any."""
+        for (name, param), before in zip(self.named, self._requires_grad):
+            if param.requires_grad != before:
+                return name
+        return None
+
+
+def check_supported_dtypes(inventory: ParamInventory) -> None:
+    """Trainable parameters must be real floating point (checked at wrap, naming the first
+    that is not); frozen ones may be anything (integer tables, masks)."""
+    for name, param in inventory.trainable:
+        if param.is_complex():
+            raise ValueError(
+                f"parameter '{name}' is complex ({param.dtype}); shardpar trains real floating-point "
+                "parameters only: store it as a real view (torch.view_as_real) or freeze it"
+            )
+        if not param.is_floating_point():
+            raise ValueError(
+                f"parameter '{name}' has dtype {param.dtype} and requires_grad=True; only floating-point "
+                "parameters can be trained (freeze it with requires_grad_(False))"
+            )
+
+
+def group_by_dtype(named: Sequence[tuple[str, nn.Parameter]]) -> list[list[tuple[str, nn.Parameter]]]:
+    """Parameters grouped by dtype, groups in order of first appearance, members in order."""
+    groups: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+    for name, param in named:
+        groups.setdefault(param.dtype, []).append((name, param))
+    return list(groups.values())
+
+
+def model_signature(module: nn.Module, fingerprint: str) -> list[tuple[str, str]]:
+    """What every rank must agree on, as comparable ``(what, value)`` rows."""
+    rows = [("config", fingerprint)]
+    for name, p in module.named_parameters():
+        rows.append((f"parameter '{name}'", f"shape={tuple(p.shape)} dtype={p.dtype} requires_grad={p.requires_grad}"))
+    for name, b in module.named_buffers():
+        rows.append((f"buffer '{name}'", f"shape={tuple(b.shape)} dtype={b.dtype}"))
+    return rows
+
+
+def first_difference(reference: Sequence[tuple[str, str]], other: Sequence[tuple[str, str]]) -> str | None:
+    for (what_a, value_a), (what_b, value_b) in zip(reference, other):
+        if what_a != what_b:
+            return f"{what_a} on rank 0 is {what_b} here (parameters/buffers differ in name or order)"
+        if value_a != value_b:
+            return f"{what_a} is {value_a} on rank 0 but {value_b} on rank {{rank}}"
+    if len(reference) != len(other):
+        longer, shorter = (reference, other) if len(reference) > len(other) else (other, reference)
+        extra = longer[len(shorter)][0]
+        owner = "rank 0" if longer is reference else "rank {rank}"
+        return f"{extra} exists only on {owner} ({len(reference)} entries on rank 0, {len(other)} on rank {{rank}})"
+    return None

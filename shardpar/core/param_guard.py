@@ -1,0 +1,128 @@
+"""Guarded parameters: what happens when code touches a parameter whose values are not here.
+
+[Note: guarded parameters]
+Between steps a stage-3 parameter has no values on this rank (its unit is sharded), and at
+stages 1-2 a parameter's values may still be arriving (the all-gather after ``step()`` is
+completed lazily, just before first use). The ``Parameter`` objects must stay the user's
+own (optimizers and param groups hold them; ``shape``/``ndim`` are what people group on), so
+the values cannot be swapped for another object. Instead, while a parameter is not usable,
+its Python class is switched to :class:`GuardedParameter`, a ``nn.Parameter`` subclass whose
+``__torch_function__`` runs the guard before any operation that reads values:
+
+- a *pending* parameter (stages 1-2) waits for its all-gather, then the operation proceeds;
+- a *sharded* parameter (stage 3) raises an error that names the parameter and its unit.
+
+Metadata (``shape``, ``dtype``, ``requires_grad``, ``numel()``, ``repr``...) never needs
+values and passes through. When the values are back the class is switched back, so compute
+inside forward pays nothing (``nn.Parameter`` disables ``__torch_function__``), and
+``torch.compile`` of blocks only ever sees plain parameters. ``isinstance(p, nn.Parameter)``
+holds throughout. Operations that bypass Python (autograd's saved tensors) cannot be
+guarded; for those a sharded parameter's ``.data`` is a tensor with no storage, which makes
+torch raise ("data is not allocated yet") instead of reading freed memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+
+class Guard(Protocol):
+    def on_access(self, param: nn.Parameter, operation: str) -> None:
+        """Called before an operation reads ``param``'s values: make them valid (and unguard
+        the parameter) or raise."""
+
+
+# Tensor methods that read metadata only (the property getters/setters, ``shape`` and the
+# like, arrive as ``__get__``/``__set__``).
+_METADATA = frozenset(
+    {
+        "__get__", "__set__", "__hash__", "numel", "nelement", "size", "dim", "ndimension",
+        "element_size", "is_floating_point", "is_complex", "is_contiguous", "stride",
+        "requires_grad_", "data_ptr", "untyped_storage", "storage_offset", "get_device",
+        "__len__", "type", "is_shared", "is_pinned", "register_hook", "register_post_accumulate_grad_hook",
+        "__dir__",
+    }
+)
+
+
+_ALLOWED: set[str] = set()
+"""Operations let through for now (see :func:`allow`)."""
+
+
+class allow:
+    """Within this context, the named operations pass guards without reading values (e.g.
+    ``detach`` while ``nn.Module.state_dict`` collects entries that are replaced by full
+    tensors afterwards)."""
+
+    def __init__(self, *operations: str) -> None:
+        self.operations = set(operations) - _ALLOWED
+
+    def __enter__(self) -> None:
+        _ALLOWED.update(self.operations)
+
+    def __exit__(self, *exc: Any) -> None:
+        _ALLOWED.difference_update(self.operations)
+
+
+class GuardedParameter(nn.Parameter):
+    """The class a parameter has while its values are not usable; see the note above."""
+
+    _shardpar_guard: Guard
+    _shardpar_class: type
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name == "__repr__":
+            param = args[0]
+            return (f"Parameter(shape={tuple(param.shape)}, dtype={param.dtype}, requires_grad={param.requires_grad}, "
+                    f"values not on this rank right now: {param._shardpar_guard})")
+        if name not in _METADATA and name not in _ALLOWED:
+            leaves, _ = tree_flatten((args, kwargs))
+            for leaf in leaves:
+                if isinstance(leaf, GuardedParameter):
+                    leaf._shardpar_guard.on_access(leaf, name)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def guard(param: nn.Parameter, reason: Guard) -> None:
+    """Switch ``param`` to :class:`GuardedParameter` (idempotent; the guard is replaced)."""
+    if type(param) is not GuardedParameter:
+        param._shardpar_class = type(param)
+        param.__class__ = GuardedParameter
+    param._shardpar_guard = reason
+
+
+def unguard(param: nn.Parameter) -> None:
+    """Give ``param`` back its own class."""
+    if type(param) is GuardedParameter:
+        param.__class__ = param._shardpar_class
+        del param._shardpar_guard
+
+
+def is_guarded(param: nn.Parameter) -> bool:
+    return type(param) is GuardedParameter
+
+
+class _NoStorage(torch.Tensor):
+    """Only used to make tensors with metadata and no storage at all (see the note)."""
+
+    @staticmethod
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> "_NoStorage":
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        raise RuntimeError("this tensor stands in for a sharded parameter and has no values")
+
+
+def storageless(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape``/``dtype`` with no storage: assigned to a sharded parameter's
+    ``.data``, any kernel reading it raises instead of touching freed memory."""
+    return _NoStorage(shape, dtype, device)

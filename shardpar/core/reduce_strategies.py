@@ -1,0 +1,384 @@
+"""Where gradients live and which collective reduces a bucket: the reducer's three strategies.
+
+- :class:`AllReduceStrategy` (stage 0): one full gradient buffer per parameter space in the
+  reduce dtype, ``param.grad`` are views of it; each bucket is divided by N and all-reduced.
+- :class:`ReduceScatterInPlace` (stage 1): the same full buffer; each bucket is
+  reduce-scattered in place, so this rank's slice holds the averaged gradient.
+- :class:`StagedReduceScatter` (stages 2-3): no full buffer; a bucket's gradients are copied
+  into a staging buffer from a bounded pool, reduce-scattered out of it into this rank's
+  gradient shard, and the staging buffer goes back to the pool.
+
+[Note: averaging after the reduce-scatter]
+Stage 0 divides the whole bucket by N before its all-reduce. A reduce-scatter leaves only
+the owned 1/N needed afterwards, so stages 1-3 divide that slice after the collective
+((N-1)/N of a pass over every bucket saved), except for an fp16 reduce dtype, whose sum of
+N unscaled gradients could overflow: it is divided first.
+
+[Note: stage 1 accumulation across reductions]
+Stage 1 reduce-scatters each bucket in place, so after backward the owned slice of the full
+buffer holds the averaged gradient while the rest holds stale local gradients -- no extra
+memory (DESIGN.md's ``8Ψ + 8Ψ/N``). ``param.grad`` of the bucket's parameters is released
+(it would show that mix; the optimizer reads the owned slices). A later backward before
+``zero_grad`` (accumulating across reductions, or ``no_sync`` after a reduced backward)
+finds ``param.grad`` None; the first new gradient of such a bucket moves the reduced slice
+to a carry shard and zeroes the bucket before anything is added, and the next reduction adds
+the carry back. The carry (``4Ψ/N``) exists only then and ``zero_grad`` frees it.
+
+[Note: no_sync at stages 2-3]
+Inside ``no_sync()`` nothing is reduced, so gradients must be kept in full. They are added,
+as each becomes final, into a full-size accumulation buffer per parameter space in the
+*reduce* dtype (as stages 0-1 accumulate in their full buffer), and ``param.grad`` is
+released; the synchronising backward stages "accumulated + new" and reduces it, after which
+the accumulation buffer is freed. Its bytes are what gradient accumulation costs at these
+stages (``memory_stats()["grads"]`` counts them while they exist).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..comm import collectives as C
+from .layout import ShardPiece
+from .reducer import GradBucket, ParamSpace
+
+ReduceDtype = Callable[[ParamSpace], torch.dtype]
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _FullGradBuffer:
+    """Stages 0-1: one full gradient buffer per space in the reduce dtype. When that is the
+    parameters' dtype, ``param.grad`` are views into it (autograd accumulates in place);
+    otherwise each finished gradient is added into it and ``param.grad`` is released."""
+
+    def __init__(self, spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype) -> None:
+        self.spaces = list(spaces)
+        self.data = {s: torch.zeros(s.layout.numel, dtype=reduce_dtype(s), device=s.device) for s in spaces}
+        self.views = {name: s.layout.view(self.data[s], name) for s in spaces for name in s.params}
+        for space in spaces:
+            for name, param in space.params.items():
+                if self.views[name].dtype == param.dtype:
+                    param.grad = self.views[name]
+
+    def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        view = self.views[name]
+        if param.grad is view:
+            return
+        if view.dtype == param.dtype:
+            # .grad was None (zero_grad, or an unused parameter's), so autograd allocated a
+            # fresh tensor: take its value and point .grad back at the buffer.
+            view.copy_(param.grad)
+            param.grad = view
+        else:
+            view.add_(param.grad)  # low-precision gradient into the reduce-dtype buffer
+            param.grad = None
+
+    accumulate_no_sync = accept_grad
+
+    def fill_missing(self, bucket: GradBucket) -> None:
+        """Parameters that got no gradient this backward contribute zeros (or what they
+        accumulated earlier, e.g. under no_sync)."""
+        for name in bucket.missing:
+            param = bucket.params[name]
+            view = self.views[name]
+            if view.dtype != param.dtype:
+                if param.grad is not None:
+                    self.accept_grad(bucket, name, param)
+            elif param.grad is None:
+                view.zero_()
+                param.grad = view
+            elif param.grad is not view:
+                self.accept_grad(bucket, name, param)
+
+    def clear(self) -> None:
+        # As torch's zero_grad(set_to_none=True): no memset. The next backward's first gradient
+        # of each parameter is copied over the stale values (accept_grad), parameters that get
+        # none are zeroed (fill_missing). Only a buffer that accumulates by add_ (reduce dtype
+        # differs from the parameters') is zeroed.
+        for space, grad in self.data.items():
+            if grad.dtype != space.compute_dtype:
+                grad.zero_()
+            for param in space.params.values():
+                param.grad = None
+
+    def after_sync_backward(self) -> None:
+        pass
+
+
+class AllReduceStrategy(_FullGradBuffer):
+    """Stage 0."""
+
+    max_in_flight: int | None = None
+
+    def __init__(self, spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype, world_size: int, group, comm) -> None:
+        super().__init__(spaces, reduce_dtype)
+        self.world_size, self.group, self.comm = world_size, group, comm
+        # What the optimizer reads: reduced gradients in the master dtype.
+        self.master_grads = {
+            s: g if g.dtype == s.master_dtype else torch.zeros_like(g, dtype=s.master_dtype) for s, g in self.data.items()
+        }
+
+    def start(self, bucket: GradBucket) -> C.Handle:
+        data = bucket.spec.range.of(self.data[bucket.space])
+        data.div_(self.world_size)
+        return C.all_reduce(data, group=self.group, async_op=True, stats=self.comm, padding_numel=bucket.spec.padding)
+
+    def finish(self, bucket: GradBucket) -> None:
+        master = self.master_grads[bucket.space]
+        if master is not self.data[bucket.space]:
+            bucket.spec.range.of(master).copy_(bucket.spec.range.of(self.data[bucket.space]))
+
+    def release_unused(self, names: set[str]) -> None:
+        for space in self.spaces:
+            for name, param in space.params.items():
+                if name in names:
+                    param.grad = None
+
+    def master_grad(self, space: ParamSpace, name: str) -> torch.Tensor:
+        return space.layout.view(self.master_grads[space], name)
+
+    def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
+        return list(self.master_grads.values()), False
+
+    def grad_bytes(self) -> int:
+        extra = [g for s, g in self.master_grads.items() if g is not self.data[s]]
+        return _nbytes(list(self.data.values()) + extra)
+
+    def workspace_bytes(self) -> int:
+        return 0
+
+
+class _ShardedAverage:
+    """What stages 1-3 share: which slice is this rank's, and [Note: averaging after the
+    reduce-scatter]."""
+
+    world_size: int
+    rank: int
+    reduce_dtype: ReduceDtype
+
+    def divides_before(self, bucket: GradBucket) -> bool:
+        return self.reduce_dtype(bucket.space) == torch.float16
+
+    def scale_after(self, bucket: GradBucket) -> float:
+        return 1.0 if self.divides_before(bucket) else 1.0 / self.world_size
+
+    def owned_in_space(self, spec, space_buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of bucket ``spec`` in a buffer indexed like the whole space."""
+        return spec.shard(self.rank).of(space_buffer)
+
+    def owned_in_staging(self, bucket: GradBucket, staging: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``bucket`` in its staging buffer (indexed from the bucket start)."""
+        return bucket.spec.shard(self.rank).shift(-bucket.spec.range.start).of(staging)
+
+
+class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
+    """Stage 1; see [Note: stage 1 accumulation across reductions]."""
+
+    max_in_flight: int | None = None
+
+    def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm) -> None:
+        _FullGradBuffer.__init__(self, spaces, reduce_dtype)
+        self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = reduce_dtype, world_size, rank, group, comm
+        self.master_grad_shards = {
+            s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device)
+            for s, g in self.data.items()
+            if g.dtype != s.master_dtype
+        }
+        self._carry: dict[ParamSpace, torch.Tensor] | None = None
+
+    def start(self, bucket: GradBucket) -> C.Handle:
+        data = bucket.spec.range.of(self.data[bucket.space])
+        if self.divides_before(bucket):
+            data.div_(self.world_size)
+        return C.reduce_scatter(self.owned_in_space(bucket.spec, self.data[bucket.space]), data, group=self.group, async_op=True,
+                                stats=self.comm, padding_numel=bucket.spec.padding)
+
+    def finish(self, bucket: GradBucket) -> None:
+        space = bucket.space
+        reduced = self.owned_in_space(bucket.spec, self.data[space])
+        if not self.divides_before(bucket):
+            reduced.div_(self.world_size)
+        if self._carry is not None:
+            carried = space.layout.shard_of(bucket.spec, self._carry[space])
+            reduced.add_(carried)
+            carried.zero_()
+        if space in self.master_grad_shards:
+            space.layout.shard_of(bucket.spec, self.master_grad_shards[space]).copy_(reduced)
+        bucket.reduced = True
+        for name in bucket.names:  # see [Note: stage 1 accumulation across reductions]
+            bucket.params[name].grad = None
+
+    def _carry_reduced(self, bucket: GradBucket) -> None:
+        if self._carry is None:
+            self._carry = {s: torch.zeros(s.layout.shard_numel, dtype=g.dtype, device=s.device) for s, g in self.data.items()}
+        space = bucket.space
+        space.layout.shard_of(bucket.spec, self._carry[space]).add_(self.owned_in_space(bucket.spec, self.data[space]))
+        bucket.spec.range.of(self.data[space]).zero_()
+        bucket.reduced = False
+
+    def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        if bucket.reduced:
+            self._carry_reduced(bucket)
+        _FullGradBuffer.accept_grad(self, bucket, name, param)
+
+    accumulate_no_sync = accept_grad
+
+    def fill_missing(self, bucket: GradBucket) -> None:
+        if bucket.reduced:
+            self._carry_reduced(bucket)
+        _FullGradBuffer.fill_missing(self, bucket)
+
+    def clear(self) -> None:
+        _FullGradBuffer.clear(self)
+        self._carry = None
+
+    def release_unused(self, names: set[str]) -> None:
+        """The optimizer skips them (see ShardedOptimizer); nothing to release here."""
+
+    def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor:
+        if space in self.master_grad_shards:
+            return piece.local_range.of(self.master_grad_shards[space])
+        return piece.buffer_range.of(self.data[space])
+
+    def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
+        if self.master_grad_shards:
+            return list(self.master_grad_shards.values()), True
+        return [self.owned_in_space(spec, self.data[s]) for s in self.spaces for spec in s.layout.buckets], True
+
+    def grad_bytes(self) -> int:
+        tensors = list(self.data.values()) + list(self.master_grad_shards.values())
+        if self._carry is not None:
+            tensors += list(self._carry.values())
+        return _nbytes(tensors)
+
+    def workspace_bytes(self) -> int:
+        return 0
+
+
+class StagedReduceScatter(_ShardedAverage):
+    """Stages 2-3; see [Note: no_sync at stages 2-3]. ``max_in_flight`` reductions may be
+    outstanding; launching one more waits for the oldest, and the pool keeps at most
+    ``max_in_flight + 1`` released staging buffers."""
+
+    max_in_flight: int | None = 2
+
+    def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm) -> None:
+        self.spaces = list(spaces)
+        self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = reduce_dtype, world_size, rank, group, comm
+        self.grad_shards = {
+            s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device) for s in spaces
+        }  # 1-D, this rank's slice of every bucket, in bucket order (local space), master dtype
+        self._staging: dict[int, torch.Tensor] = {}  # bucket position -> its full-size gradients
+        self._free: list[torch.Tensor] = []
+        self._accumulated: dict[ParamSpace, torch.Tensor] = {}  # no_sync, full size, reduce dtype
+        self.peak_staging_bytes = 0
+        for space in spaces:
+            for param in space.params.values():
+                param.grad = None
+
+    # ------------------------------------------------------------------ staging
+
+    def _staging_for(self, bucket: GradBucket) -> torch.Tensor:
+        staging = self._staging.get(bucket.position)
+        if staging is None:
+            dtype, numel = self.reduce_dtype(bucket.space), bucket.spec.range.size
+            reusable = [i for i, t in enumerate(self._free) if t.dtype == dtype and t.numel() == numel]
+            staging = self._free.pop(reusable[0]) if reusable else torch.empty(numel, dtype=dtype, device=bucket.space.device)
+            # Not zeroed as a whole: every slot is overwritten by its gradient or, if none comes,
+            # by fill_missing; only the padding tail must be zero.
+            staging[numel - bucket.spec.padding :].zero_()
+            self._staging[bucket.position] = staging
+            self.peak_staging_bytes = max(self.peak_staging_bytes, _nbytes(self._staging.values()))
+        return staging
+
+    def _slot(self, bucket: GradBucket, name: str, full: torch.Tensor | None = None) -> torch.Tensor:
+        """``name``'s gradient slot in the bucket's staging buffer (or in ``full``, a buffer
+        indexed like the whole space)."""
+        slot = bucket.space.layout.slots[name]
+        if full is not None:
+            return slot.range.of(full).view(slot.shape)
+        return slot.range.shift(-bucket.spec.range.start).of(self._staging_for(bucket)).view(slot.shape)
+
+    def _accumulation(self, space: ParamSpace) -> torch.Tensor:
+        if space not in self._accumulated:
+            self._accumulated[space] = torch.zeros(space.layout.numel, dtype=self.reduce_dtype(space), device=space.device)
+        return self._accumulated[space]
+
+    # ------------------------------------------------------------------ gradients arriving
+
+    def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        slot = self._slot(bucket, name)
+        slot.copy_(param.grad)
+        if bucket.space in self._accumulated:
+            slot.add_(self._slot(bucket, name, self._accumulated[bucket.space]))
+        param.grad = None
+
+    def accumulate_no_sync(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        self._slot(bucket, name, self._accumulation(bucket.space)).add_(param.grad)
+        param.grad = None
+
+    def fill_missing(self, bucket: GradBucket) -> None:
+        accumulated = self._accumulated.get(bucket.space)
+        for name in bucket.missing:
+            if accumulated is not None:
+                self._slot(bucket, name).copy_(self._slot(bucket, name, accumulated))
+            else:
+                self._slot(bucket, name).zero_()
+
+    # ------------------------------------------------------------------ collectives
+
+    def start(self, bucket: GradBucket) -> C.Handle:
+        staging = self._staging_for(bucket)
+        if self.divides_before(bucket):
+            staging.div_(self.world_size)
+        return C.reduce_scatter(self.owned_in_staging(bucket, staging), staging, group=self.group, async_op=True,
+                                stats=self.comm, padding_numel=bucket.spec.padding)
+
+    def finish(self, bucket: GradBucket) -> None:
+        staging = self._staging.pop(bucket.position)
+        owned = self.owned_in_staging(bucket, staging)
+        shard = bucket.space.layout.shard_of(bucket.spec, self.grad_shards[bucket.space])
+        scale = self.scale_after(bucket)
+        if bucket.reduced:  # accumulating over a reduction since zero_grad
+            shard.add_(owned, alpha=scale)
+        elif shard.dtype == owned.dtype:
+            torch.mul(owned, scale, out=shard)
+        else:
+            shard.copy_(owned).mul_(scale)
+        bucket.reduced = True
+        self._free.append(staging)
+        if len(self._free) > self.max_in_flight + 1:
+            self._free.pop(0)
+
+    def after_sync_backward(self) -> None:
+        self._accumulated.clear()
+
+    def clear(self) -> None:
+        # Nothing reduced is zeroed: the first reduction of a bucket after zero_grad
+        # (`bucket.reduced` False) overwrites its gradient-shard slice.
+        self._accumulated.clear()
+        for space in self.spaces:
+            for param in space.params.values():
+                param.grad = None
+
+    def release_unused(self, names: set[str]) -> None:
+        """The optimizer skips them (see ShardedOptimizer); nothing to release here."""
+
+    # ------------------------------------------------------------------ what the optimizer reads
+
+    def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor:
+        return piece.local_range.of(self.grad_shards[space])
+
+    def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
+        return list(self.grad_shards.values()), True
+
+    def grad_bytes(self) -> int:
+        return _nbytes(list(self.grad_shards.values()) + list(self._accumulated.values()))
+
+    def workspace_bytes(self) -> int:
+        return _nbytes(list(self._staging.values()) + self._free)

@@ -1,0 +1,296 @@
+"""The gradient reducer: readiness counting, in-order launch, start and finish per bucket.
+
+[Note: gradient readiness and launch order]
+Each trainable parameter has a post-accumulate-grad hook, which autograd calls once the
+parameter's gradient for this backward is final. The hook counts the parameter's bucket
+down; a complete bucket starts its collective at once, so communication runs while backward
+computes earlier layers. Collectives pair up across ranks by the order they are issued in,
+so buckets are *launched in one agreed order*, the same on every rank: a bucket that
+completes early waits until every bucket before it in that order has launched.
+
+The order is learnt once ([Note: launch order]); until then it is the layout order (reverse
+registration order). At the end of backward (a callback queued on the *outermost* backward:
+see the engine) every bucket not launched yet -- those holding parameters that got no
+gradient on this rank -- is launched with zeros for the missing gradients, so unused
+branches and rank-dependent control flow neither hang nor need a graph walk; then every
+handle is waited on, so gradients are final when ``backward()`` returns.
+
+[Note: launch order]
+Gradients become final roughly in the reverse order of the parameters' *first use* in
+forward (a parameter's gradient is complete once the backward of its earliest use ran), so
+a bucket completes when the earliest-used of its parameters does. The engine records, in
+the first forward with autograd, the order in which buckets are first used; at the start of
+the first synchronising backward every rank proposes the launch order "latest first use
+first, never used last" and all adopt rank 0's (one object all-gather, once). Models whose
+forward runs modules in another order than they are registered in (reversed, interleaved)
+then still reduce each bucket as soon as it is complete, which is what bounds stage 2-3
+staging. A model whose order changes later keeps the learnt order (correct, less overlap).
+
+[Note: used parameters]
+Plain torch leaves ``.grad`` of a parameter that took no part in the backward untouched
+(``None`` after ``zero_grad``) and its optimizer skips it: no weight decay, no moment
+update. Here a parameter unused on *this* rank still takes part in its bucket's collective
+(with zeros), so that ranks that did use it get DDP's average. Which parameters were used
+on *some* rank is one small all-reduce (max) per synchronising backward of a flag per
+trainable parameter, launched with the last buckets: a parameter no rank used since
+``zero_grad`` gets ``.grad = None`` (stage 0) or no gradient in the optimizer (stages
+1-3), exactly as torch. The same vector carries this rank's count of synchronising
+backward passes (and its negation, so one max-reduction yields the minimum too): if ranks
+disagree, one of them skipped or added a backward and every gradient reduced in this
+backward paired with the wrong partner, so every rank raises, naming the counts per rank.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from ..comm import collectives as C
+from .layout import Bucket, BufferLayout
+from .training_state import TrainingState
+
+
+class ParamSpace(Protocol):
+    """Parameters of one dtype laid out by one BufferLayout (a replicated buffer at stages
+    0-2, a flat parameter group at stage 3)."""
+
+    layout: BufferLayout
+    params: dict[str, nn.Parameter]
+    master_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    device: torch.device
+
+
+class BucketPhase(enum.Enum):
+    COLLECTING = "collecting"  # waiting for gradients of this backward
+    COMPLETE = "complete"  # every gradient is in, waiting for earlier buckets to launch
+    IN_FLIGHT = "in_flight"  # collective launched, handle pending
+
+
+class GradBucket:
+    """Run-time state of one bucket during a backward pass."""
+
+    def __init__(self, position: int, space: ParamSpace, spec: Bucket) -> None:
+        self.position = position
+        """Index in layout order over all spaces (``spec.index`` counts within one space)."""
+        self.space = space
+        self.spec = spec
+        self.names = spec.names
+        self.missing: set[str] = set(spec.names)
+        self.phase = BucketPhase.COLLECTING
+        self.handle: C.Handle | None = None
+        self.reduced = False
+        """Holds reduced gradients that ``zero_grad`` has not cleared yet."""
+
+    @property
+    def params(self) -> dict[str, nn.Parameter]:
+        return self.space.params
+
+    def mark_ready(self, name: str) -> None:
+        assert self.phase is BucketPhase.COLLECTING, (
+            f"gradient of '{name}' arrived after bucket {self.position} was already reduced; "
+            "a parameter took part in two backward passes that were not separated by a forward"
+        )
+        self.missing.discard(name)
+        if not self.missing:
+            self.phase = BucketPhase.COMPLETE
+
+    def reset(self) -> None:
+        self.missing = set(self.spec.names)
+        self.phase = BucketPhase.COLLECTING
+        self.handle = None
+
+
+class ReduceStrategy(Protocol):
+    """Where gradients live and which collective reduces a bucket (see reduce_strategies)."""
+
+    max_in_flight: int | None
+
+    def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
+    def accumulate_no_sync(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
+    def fill_missing(self, bucket: GradBucket) -> None: ...
+    def start(self, bucket: GradBucket) -> C.Handle: ...
+    def finish(self, bucket: GradBucket) -> None: ...
+    def after_sync_backward(self) -> None: ...
+    def clear(self) -> None: ...
+    def release_unused(self, names: set[str]) -> None: ...
+
+
+class LaunchOrder:
+    """See [Note: launch order]."""
+
+    def __init__(self, buckets: int) -> None:
+        self.order = list(range(buckets))
+        self.agreed = False
+        self._first_use: dict[int, int] = {}
+        self._recording = True
+
+    @property
+    def recording(self) -> bool:
+        return self._recording and not self.agreed
+
+    def saw(self, positions: Iterable[int]) -> None:
+        """Buckets whose parameters a module about to run uses (first forward only)."""
+        for position in positions:
+            self._first_use.setdefault(position, len(self._first_use))
+
+    def stop_recording(self) -> None:
+        self._recording = False
+
+    def proposal(self) -> list[int]:
+        """Latest first use first; buckets forward never used last, in layout order."""
+        used = sorted(self._first_use, key=lambda position: -self._first_use[position])
+        return used + [position for position in self.order if position not in self._first_use]
+
+    def agree(self, group: Any) -> None:
+        proposals = C.all_gather_objects(("launch order", self.proposal()), group=group)
+        self.order = list(proposals[0][1])
+        self.agreed = True
+
+
+class DivergedRanks(RuntimeError):
+    """Ranks ran a different number of synchronising backward passes."""
+
+
+class GradientReducer:
+    """See [Note: gradient readiness and launch order] and [Note: used parameters]."""
+
+    def __init__(
+        self,
+        spaces: Sequence[ParamSpace],
+        strategy: ReduceStrategy,
+        state: TrainingState,
+        comm: C.CommStats,
+        group: Any,
+        on_bucket_complete: Callable[[GradBucket], None] | None = None,
+    ) -> None:
+        specs = [(space, spec) for space in spaces for spec in space.layout.buckets]
+        self.buckets = [GradBucket(position, space, spec) for position, (space, spec) in enumerate(specs)]
+        self.bucket_of = {name: bucket for bucket in self.buckets for name in bucket.names}
+        self.names = [name for bucket in self.buckets for name in bucket.names]
+        self.flag_index = {name: i for i, name in enumerate(self.names)}
+        self.strategy = strategy
+        self.state = state
+        self.comm = comm
+        self.group = group
+        self.on_bucket_complete = on_bucket_complete
+        self.launch_order = LaunchOrder(len(self.buckets))
+        self.device = spaces[0].device
+        self.used = torch.zeros(len(self.names), dtype=torch.int32, device=self.device)
+        """Flags of the parameters that got a gradient on this rank since ``zero_grad``."""
+        self.unused: set[str] = set()
+        """Parameters no rank used since ``zero_grad`` (known after a synchronising backward)."""
+        self.grads_ready = False
+        """Some synchronising backward reduced gradients since the last ``zero_grad``."""
+        self._cursor = 0
+        self._in_flight: list[GradBucket] = []
+        self.last_backward_wait_s = 0.0
+        """Seconds the end of the last backward waited for gradient collectives."""
+        self.timeline: list[tuple[str, object]] | None = None
+        """Set to a list to record ("grad", name) and ("launch", bucket position) events."""
+
+    # ------------------------------------------------------------------ during backward
+
+    def on_grad_ready(self, name: str, param: nn.Parameter) -> None:
+        """A parameter's gradient of this backward is final."""
+        bucket = self.bucket_of[name]
+        self.used[self.flag_index[name]] = 1
+        if not self.state.backward_syncs:
+            self.strategy.accumulate_no_sync(bucket, name, param)
+            return
+        if self.timeline is not None:
+            self.timeline.append(("grad", name))
+        self.strategy.accept_grad(bucket, name, param)
+        bucket.mark_ready(name)
+        if bucket.phase is BucketPhase.COMPLETE:
+            if self.on_bucket_complete is not None:
+                self.on_bucket_complete(bucket)
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        order = self.launch_order.order
+        while self._cursor < len(order) and self.buckets[order[self._cursor]].phase is BucketPhase.COMPLETE:
+            self._launch(self.buckets[order[self._cursor]])
+            self._cursor += 1
+
+    def _launch(self, bucket: GradBucket) -> None:
+        assert bucket.handle is None, f"bucket {bucket.position} already has a collective in flight"
+        if self.timeline is not None:
+            self.timeline.append(("launch", bucket.position))
+        bucket.handle = self.strategy.start(bucket)
+        bucket.phase = BucketPhase.IN_FLIGHT
+        self._in_flight.append(bucket)
+        limit = self.strategy.max_in_flight
+        while limit is not None and len(self._in_flight) > limit:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        bucket = self._in_flight.pop(0)
+        bucket.handle.wait()
+        self.strategy.finish(bucket)
+        bucket.reset()
+
+    def finish_backward(self) -> None:
+        """End of a synchronising backward: launch what is left (zeros for gradients that never
+        came), agree on which parameters were used, wait for everything."""
+        started = time.perf_counter()
+        order = self.launch_order.order
+        for position in order[self._cursor :]:
+            bucket = self.buckets[position]
+            if bucket.phase is BucketPhase.COLLECTING:
+                self.strategy.fill_missing(bucket)
+                bucket.phase = BucketPhase.COMPLETE
+                if self.on_bucket_complete is not None:
+                    self.on_bucket_complete(bucket)
+            self._launch(bucket)
+        self._cursor = len(order)
+        flags = torch.cat([self.used, torch.tensor([self.state.sync_count, -self.state.sync_count],
+                                                   dtype=torch.int32, device=self.device)])
+        flags_handle = C.all_reduce(flags, group=self.group, async_op=True, stats=self.comm, op="max", kind="used_flags")
+        while self._in_flight:
+            self._finish_oldest()
+        flags_handle.wait()
+        self._cursor = 0
+        self.last_backward_wait_s = time.perf_counter() - started
+        highest, lowest = int(flags[-2]), -int(flags[-1])
+        if highest != lowest:
+            self._raise_diverged()
+        self.unused = {name for name, flag in zip(self.names, flags[:-2].tolist()) if not flag}
+        self.strategy.release_unused(self.unused)
+        self.strategy.after_sync_backward()
+        self.grads_ready = True
+
+    def _raise_diverged(self) -> None:
+        counts = C.all_gather_objects(self.state.sync_count, group=self.group)
+        detail = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))
+        raise DivergedRanks(
+            "ranks fell out of step: they ran different numbers of gradient-synchronising backward passes "
+            f"({detail}), so this backward's gradient collectives paired with another backward's on some rank. "
+            "Every rank must run the same forward/backward sequence (no_sync() on all ranks or none)"
+        )
+
+    def has_gradient(self, name: str) -> bool:
+        return self.grads_ready and name not in self.unused
+
+    # ------------------------------------------------------------------ between steps
+
+    def zero_grad(self) -> None:
+        self.strategy.clear()
+        self.used.zero_()
+        self.unused = set()
+        self.grads_ready = False
+        for bucket in self.buckets:
+            bucket.reduced = False
+
+    def register_hooks(self, on_ready: Callable[[str, nn.Parameter], None]) -> list[Any]:
+        handles = []
+        for name in self.names:
+            param = self.bucket_of[name].params[name]
+            handles.append(param.register_post_accumulate_grad_hook(
+                torch.compiler.disable(lambda p, name=name: on_ready(name, p))
+            ))
+        return handles

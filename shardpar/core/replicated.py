@@ -1,0 +1,272 @@
+"""Replicated parameter storage (stages 0-2): every rank holds every trainable parameter, as
+views of one flat buffer per dtype, cut into gradient buckets.
+
+What differs between the stages is who owns the values the optimizer updates:
+
+- stage 0: every rank updates everything (the full master copy under mixed precision);
+- stages 1-2: each rank updates its slice of every bucket (its *master shard*: the slice of
+  the buffer itself, or a full-precision copy of it under mixed precision) and the updated
+  slices are all-gathered back into every rank's buffer after ``step()``
+  (:class:`PostStepGatherer`): one :class:`FlatParamGroup` per bucket tracks that gather.
+
+[Note: lazy parameter gather]
+The all-gathers after ``step()`` are launched and left in flight: each bucket's gather is
+completed by a forward pre-hook of the first module that uses one of its parameters (its
+*use module*, lifted out of compiled regions), so the gather of the later buckets overlaps
+the first layers' forward. Anything else that reads a parameter in between sees a guarded
+parameter that waits for its bucket first ([Note: guarded parameters]); ``state_dict``,
+checkpoints and the next ``step()`` wait for everything. The same use-module hooks record,
+in the first forward, the order buckets are first used in ([Note: launch order]).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..comm import collectives as C
+from .flat_param import FlatParamGroup
+from .gatherer import PostStepGatherer
+from .inventory import group_by_dtype
+from .layout import BufferLayout, ShardPiece
+from .pieces import TensorPiece
+
+
+class ParamBuffer:
+    """One dtype's trainable parameters back to back in one 1-D tensor (compute dtype, padded
+    per bucket); after construction every parameter's ``.data`` is a view into ``data``. The
+    Parameter objects themselves never change."""
+
+    def __init__(
+        self, named: Sequence[tuple[str, nn.Parameter]], world_size: int, bucket_cap_numel: int,
+        param_dtype: torch.dtype | None,
+    ) -> None:
+        first = named[0][1]
+        self.master_dtype = first.dtype
+        self.compute_dtype = param_dtype if param_dtype is not None and first.dtype.is_floating_point else first.dtype
+        self.device = first.device
+        self.params = dict(named)
+        # Reverse registration order: see [Note: layout order] in layout.py.
+        self.layout = BufferLayout([(n, p.shape) for n, p in reversed(named)], world_size, bucket_cap_numel)
+        self.data = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=self.device)  # 1-D, padded
+        self.full_master: torch.Tensor | None = None
+        """Stage 0 under mixed precision: the full-precision values the optimizer updates."""
+        self.master_shard: torch.Tensor | None = None
+        """Stages 1-2 under mixed precision: this rank's slice of every bucket (local space)."""
+        with torch.no_grad():
+            if self.compute_dtype != self.master_dtype:
+                self.full_master = torch.zeros(self.layout.numel, dtype=self.master_dtype, device=self.device)
+            for name, param in named:
+                if self.full_master is not None:
+                    self.layout.view(self.full_master, name).copy_(param.data)
+                view = self.layout.view(self.data, name)
+                view.copy_(param.data)
+                param.data = view
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The full-precision values (the master copy when there is a full one)."""
+        return self.full_master if self.full_master is not None else self.data
+
+    def shard_master(self, rank: int) -> None:
+        """Stages 1-2: keep only this rank's slice of the full-precision master."""
+        if self.full_master is not None:
+            self.master_shard = torch.cat([b.shard(rank).of(self.full_master) for b in self.layout.buckets])
+            self.full_master = None
+
+    def master_piece(self, piece: ShardPiece) -> torch.Tensor:
+        """This rank's full-precision values of ``piece`` (1-D view)."""
+        if self.master_shard is not None:
+            return piece.local_range.of(self.master_shard)
+        return piece.buffer_range.of(self.values)
+
+    def bucket_groups(self, rank: int) -> list[FlatParamGroup]:
+        """One flat parameter group per bucket (stages 1-2), views of this buffer."""
+        groups = []
+        for bucket in self.layout.buckets:
+            named = [(name, self.params[name]) for name in bucket.names]
+            sub = BufferLayout([(n, p.shape) for n, p in named], self.layout.world_size)
+            assert sub.numel == bucket.range.size
+            if self.master_shard is not None:
+                shard = self.layout.shard_of(bucket, self.master_shard)
+            else:
+                shard = bucket.shard(rank).of(self.data)
+            group = FlatParamGroup(f"{self.compute_dtype} bucket {bucket.index}", "", named, sub,
+                                   bucket.range.of(self.data), shard, rank, frees_storage=False, trainable=True)
+            groups.append(group)
+        return groups
+
+
+class ReplicatedStorage:
+    """Stages 0-2 (see the module docstring). ``sharded_master`` selects stages 1-2."""
+
+    def __init__(self, module: nn.Module, inventory, config, group: Any, comm: C.CommStats,
+                 world_size: int, rank: int, sharded_master: bool) -> None:
+        self.module = module
+        self.inventory = inventory
+        self.rank = rank
+        self.sharded_master = sharded_master
+        mp = config.mixed_precision
+        param_dtype = mp.param_dtype if mp is not None else None
+        bytes_cap = int(config.bucket_cap_mb * 1024 * 1024)
+        self.buffers = [
+            ParamBuffer(named, world_size, max(1, bytes_cap // named[0][1].element_size()), param_dtype)
+            for named in group_by_dtype(inventory.trainable)
+        ]
+        self.buffer_of = {name: buf for buf in self.buffers for name in buf.params}
+        self.frozen_masters: dict[str, torch.Tensor] = {}
+        """Mixed precision: frozen parameters compute in ``param_dtype``; their original values
+        are kept here so checkpoints stay exact."""
+        if param_dtype is not None:
+            for name, param in inventory.frozen:
+                if param.is_floating_point() and param.dtype != param_dtype:
+                    self.frozen_masters[name] = param.data
+                    param.data = param.data.to(param_dtype)
+        self.gatherer: PostStepGatherer | None = None
+        self.groups: list[FlatParamGroup] = []
+
+    # ------------------------------------------------------------------ set-up
+
+    def tensors_to_broadcast(self) -> list[torch.Tensor]:
+        """What must equal rank 0's on every rank after wrap."""
+        return ([b.data for b in self.buffers] + [b.full_master for b in self.buffers if b.full_master is not None]
+                + list(self.frozen_masters.values()) + [p.data for _, p in self.inventory.frozen])
+
+    def finish_setup(self, group: Any, comm: C.CommStats) -> None:
+        """After the broadcast: stages 1-2 keep only their master shard and track buckets."""
+        if self.sharded_master:
+            for buf in self.buffers:
+                buf.shard_master(self.rank)
+            self.groups = [g for buf in self.buffers for g in buf.bucket_groups(self.rank)]
+            self.gatherer = PostStepGatherer(self.groups, group, comm)
+
+    @property
+    def spaces(self) -> list[ParamBuffer]:
+        return self.buffers
+
+    def frozen_values(self) -> list[tuple[str, torch.Tensor]]:
+        """Frozen parameters at full precision (their originals under mixed precision)."""
+        return [(name, self.frozen_masters.get(name, param.data)) for name, param in self.inventory.frozen]
+
+    # ------------------------------------------------------------------ optimizer
+
+    def optimizer_pieces(self, names: Sequence[str], strategy: Any) -> list[TensorPiece]:
+        """Stage 0: whole parameters; stages 1-2: this rank's pieces (see TensorPiece)."""
+        if self.sharded_master:
+            wanted = set(names)
+            found = {}
+            for buf in self.buffers:
+                for piece in buf.layout.pieces(self.rank):
+                    if piece.name in wanted:
+                        found[piece.name] = TensorPiece(piece.name, buf.master_piece(piece),
+                                                        (piece.param_range.start, piece.param_range.end),
+                                                        strategy.piece_grad(buf, piece))
+            return [found[name] for name in names if name in found]  # names this rank owns nothing of drop out
+        pieces = []
+        for name in names:
+            buf = self.buffer_of[name]
+            param = buf.params[name]
+            master_grad = strategy.master_grad(buf, name)
+            if buf.full_master is None and master_grad is strategy.views[name]:
+                pieces.append(TensorPiece(name, param, (0, param.numel()), None))  # the parameter itself
+            else:
+                pieces.append(TensorPiece(name, buf.layout.view(buf.values, name), (0, param.numel()), master_grad))
+        return pieces
+
+    def before_optimizer_step(self) -> None:
+        if self.gatherer is not None:
+            self.gatherer.wait_all()  # the step overwrites the slices a pending gather sends
+
+    def after_optimizer_step(self) -> None:
+        """Make the updated values the ones forward computes with."""
+        with torch.no_grad():
+            if self.gatherer is not None:
+                self.gatherer.start_all()
+                return
+            for buf in self.buffers:
+                if buf.full_master is not None:
+                    buf.data.copy_(buf.full_master)
+
+    def wait_for_params(self) -> None:
+        if self.gatherer is not None:
+            self.gatherer.wait_all()
+
+    # ------------------------------------------------------------------ checkpoint pieces
+
+    def save_pieces(self) -> list[TensorPiece]:
+        # Parameters are replicated, yet each rank writes only its bucket slices, so saving is
+        # parallel and every rank writes the same amount; rank 0 adds the frozen parameters.
+        pieces = [
+            TensorPiece(p.name, buf.master_piece(p), (p.param_range.start, p.param_range.end))
+            for buf in self.buffers
+            for p in buf.layout.pieces(self.rank)
+        ]
+        if self.rank == 0:
+            pieces += [TensorPiece(n, t.reshape(-1), (0, t.numel())) for n, t in self.frozen_values()]
+        return pieces
+
+    def load_pieces(self) -> list[TensorPiece]:
+        if self.sharded_master:
+            pieces = [
+                TensorPiece(p.name, buf.master_piece(p), (p.param_range.start, p.param_range.end))
+                for buf in self.buffers
+                for p in buf.layout.pieces(self.rank)
+            ]
+        else:
+            pieces = [
+                TensorPiece(name, buf.layout.view(buf.values, name).view(-1), (0, param.numel()))
+                for buf in self.buffers
+                for name, param in buf.params.items()
+            ]
+        return pieces + self._frozen_load_pieces()
+
+    def _frozen_load_pieces(self) -> list[TensorPiece]:
+        pieces = []
+        for name, tensor in self.frozen_values():
+            if not tensor.is_contiguous():
+                raise ValueError(f"frozen parameter '{name}' is not contiguous; cannot load into it in place")
+            pieces.append(TensorPiece(name, tensor.view(-1), (0, tensor.numel())))
+        return pieces
+
+    def after_load(self) -> None:
+        with torch.no_grad():
+            for name, param in self.inventory.frozen:
+                if name in self.frozen_masters:
+                    param.data.copy_(self.frozen_masters[name])
+        self.after_optimizer_step()
+        self.wait_for_params()
+
+    # ------------------------------------------------------------------ memory
+
+    def param_bytes(self) -> int:
+        tensors = [b.data for b in self.buffers]
+        tensors += [t for b in self.buffers for t in (b.full_master, b.master_shard) if t is not None]
+        frozen = sum(p.numel() * p.element_size() for _, p in self.inventory.frozen)
+        frozen += sum(t.numel() * t.element_size() for t in self.frozen_masters.values())
+        return sum(t.numel() * t.element_size() for t in tensors) + frozen
+
+    def layouts(self) -> list[BufferLayout]:
+        return [b.layout for b in self.buffers]
+
+    def use_modules(self, tree_lift: Callable[[str], str]) -> dict[str, list[int]]:
+        """Hook module name -> bucket positions of the parameters it (or its compiled subtree)
+        registers; positions count buckets over all buffers in layout order."""
+        position = {}
+        index = 0
+        for buf in self.buffers:
+            for bucket in buf.layout.buckets:
+                for name in bucket.names:
+                    position[name] = index
+                index += 1
+        canonical = self.inventory.name_of
+        uses: dict[str, list[int]] = {}
+        for module_name, sub in self.module.named_modules(remove_duplicate=False):
+            for _, param in sub.named_parameters(recurse=False, remove_duplicate=False):
+                name = canonical.get(param)
+                if name in position:
+                    hook = tree_lift(module_name)
+                    if position[name] not in uses.setdefault(hook, []):
+                        uses[hook].append(position[name])
+        return uses

@@ -1,0 +1,136 @@
+"""Sharded parameter storage (stage 3): each rank keeps 1/N of every parameter, grouped in
+units ([Note: units] in units.py) of flat parameter groups, gathered per use
+([Note: one step at stage 3] in gatherer.py).
+
+Groups are *born sharded*: a group is built from names, shapes and dtypes, its values are put
+into the shard by a :class:`ValueSource`, and its full buffer is freed before the next group
+is built, so building never holds more than the shards plus one group.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from ..comm import collectives as C
+from .flat_param import FlatParamGroup
+from .gatherer import Unit, UnitGatherer
+from .inventory import ParamInventory, group_by_dtype
+from .layout import BufferLayout
+from .pieces import TensorPiece
+from .units import UnitPlan, plan_units
+
+
+class ValueSource(Protocol):
+    def fill(self, flat: FlatParamGroup, full: torch.Tensor) -> None:
+        """Write the group's values into ``full`` (1-D, master dtype, laid out by
+        ``flat.layout``) on this rank; only this rank's slice of it is kept."""
+
+
+class FromLiveModule:
+    """The parameters' current values on rank 0 (every rank built the model; rank 0's win)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def fill(self, flat: FlatParamGroup, full: torch.Tensor) -> None:
+        with torch.no_grad():
+            for name, param in flat.params.items():
+                flat.layout.view(full, name).copy_(param.data)
+            C.broadcast(full, 0, group=self.group)
+
+
+class ShardedStorage:
+    """Stage 3 (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, inventory: ParamInventory, config: Any, world_size: int, rank: int,
+                 source: ValueSource) -> None:
+        self.module = module
+        self.inventory = inventory
+        self.rank = rank
+        self.world_size = world_size
+        mp = config.mixed_precision
+        self.param_dtype = mp.param_dtype if mp is not None else None
+        self.plans: list[UnitPlan] = plan_units(module, config.wrap_policy, config.min_unit_params)
+        self.units: list[Unit] = []
+        for index, plan in enumerate(self.plans):
+            named = [(name, inventory.by_name[name]) for name in plan.params]
+            flats = []
+            for trainable in (True, False):
+                members = [(n, p) for n, p in named if p.requires_grad == trainable]
+                for dtype_group in group_by_dtype(members) if members else []:
+                    flats.append(self._born_sharded(plan.name, dtype_group, trainable, source))
+            self.units.append(Unit(index, plan.name, plan.hook_modules, flats, plan.from_policy))
+        # The reducer's layout order: gradients come last unit first.
+        self.trainable_groups = [f for unit in reversed(self.units) for f in unit.trainable]
+        self.groups = [f for unit in self.units for f in unit.flats]
+        self.gatherer: UnitGatherer | None = None
+
+    def _born_sharded(self, unit: str, named: Sequence[tuple[str, nn.Parameter]], trainable: bool,
+                      source: ValueSource) -> FlatParamGroup:
+        first = named[0][1]
+        master_dtype = first.dtype
+        compute = self.param_dtype if self.param_dtype is not None and master_dtype.is_floating_point else master_dtype
+        layout = BufferLayout([(n, p.shape) for n, p in reversed(named)], self.world_size)  # one bucket
+        full = torch.empty(layout.numel, dtype=compute, device=first.device)  # views are made while allocated
+        shard = torch.zeros(layout.shard_numel, dtype=master_dtype, device=first.device)
+        label = f"{'trainable' if trainable else 'frozen'} {str(master_dtype).replace('torch.', '')}"
+        flat = FlatParamGroup(label, unit, list(reversed(named)), layout, full, shard, self.rank,
+                              frees_storage=True, trainable=trainable)
+        values = torch.zeros(layout.numel, dtype=master_dtype, device=first.device)
+        source.fill(flat, values)
+        shard.copy_(layout.buckets[0].shard(self.rank).of(values))
+        del values
+        flat.reshard()
+        return flat
+
+    @property
+    def spaces(self) -> list[FlatParamGroup]:
+        return self.trainable_groups
+
+    def layouts(self) -> list[BufferLayout]:
+        return [f.layout for f in self.groups]
+
+    # ------------------------------------------------------------------ optimizer
+
+    def optimizer_pieces(self, names: Sequence[str], strategy: Any) -> list[TensorPiece]:
+        wanted = set(names)
+        found = {}
+        for flat in self.trainable_groups:
+            for piece in flat.layout.pieces(self.rank):
+                if piece.name in wanted:
+                    found[piece.name] = TensorPiece(piece.name, piece.local_range.of(flat.shard),
+                                                    (piece.param_range.start, piece.param_range.end),
+                                                    strategy.piece_grad(flat, piece))
+        return [found[name] for name in names if name in found]
+
+    def before_optimizer_step(self) -> None:
+        """Nothing is gathered between steps at stage 3."""
+
+    def after_optimizer_step(self) -> None:
+        """The shards were updated in place; the next forward gathers them."""
+
+    def wait_for_params(self) -> None:
+        """Nothing is pending between steps at stage 3."""
+
+    # ------------------------------------------------------------------ checkpoint pieces
+
+    def save_pieces(self) -> list[TensorPiece]:
+        return [
+            TensorPiece(p.name, p.local_range.of(flat.shard), (p.param_range.start, p.param_range.end))
+            for flat in self.groups
+            for p in flat.layout.pieces(self.rank)
+        ]
+
+    def load_pieces(self) -> list[TensorPiece]:
+        return self.save_pieces()  # a rank holds exactly its shards
+
+    def after_load(self) -> None:
+        """Shards are the only copy at stage 3; the next forward gathers them."""
+
+    # ------------------------------------------------------------------ memory
+
+    def param_bytes(self) -> int:
+        return sum(f.shard_bytes + f.allocated_full_bytes() for f in self.groups)

@@ -1,0 +1,173 @@
+"""Stage-3 units: which parameters are gathered together, and around which modules' forward.
+
+[Note: units]
+A wrap policy picks submodules as *units* (a transformer block, typically): their parameters
+are gathered just before the unit's forward and its backward and freed after. A parameter
+registered by several modules (a tied embedding and LM head) belongs to the innermost
+policy unit that encloses all of them.
+
+Parameters no policy unit encloses (embeddings, a final norm, a tied head: what FSDP2 leaves
+to the root) are not held for the whole step. They form *leftover units*, grouped by the
+modules that use them: each owner module is mapped to its *hook module*, the outermost
+module on the path from the root to the owner that contains no policy unit and runs a
+forward of its own (containers such as ``ModuleList`` do not), and leftover parameters with
+the same set of hook modules form one unit, gathered around each hook module's forward. A
+tied embedding/head therefore has two hook modules and is gathered for each of its two uses,
+exactly like a block applied twice. Only parameters registered directly on the wrapped
+module itself have the root as hook module and stay gathered for the root's whole forward
+(and backward).
+
+``torch.compile``: a module compiled before wrapping is an ``OptimizedModule`` around the
+original (``_orig_mod``). Hooks inside it would run inside compiled code, so anything a policy
+or the leftover rule picks inside a compiled module is lifted to the compiled module itself,
+and a class policy matches a compiled module by the class of its ``_orig_mod``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+ROOT = ""
+"""Qualified name of the wrapped module itself."""
+
+
+def is_compiled(module: nn.Module) -> bool:
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)
+
+
+def runs_forward(module: nn.Module) -> bool:
+    """Containers such as ModuleList/ModuleDict never run ``forward``: hooks on them never
+    fire. A compiled module runs its original's forward."""
+    return is_compiled(module) or type(module).forward is not nn.Module.forward
+
+
+def _original(module: nn.Module) -> nn.Module:
+    return module._orig_mod if is_compiled(module) else module
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One unit: the parameters gathered together and the modules whose forward gathers them."""
+
+    name: str
+    """The policy module's qualified name, or the hook modules' names joined by '+'
+    (``<root>`` for the wrapped module itself)."""
+    hook_modules: tuple[str, ...]
+    params: tuple[str, ...]
+    """Canonical parameter names, in registration order."""
+    from_policy: bool
+
+
+def display_name(qualified: str) -> str:
+    return qualified if qualified else "<root>"
+
+
+class _ModuleTree:
+    def __init__(self, root: nn.Module) -> None:
+        self.modules = dict(root.named_modules())
+        self.order = {name: index for index, name in enumerate(self.modules)}
+        compiled = [n for n, m in self.modules.items() if n and is_compiled(m)]
+        self.compiled = sorted(compiled, key=len)  # outermost first
+
+    def lift(self, name: str) -> str:
+        """The outermost compiled module enclosing ``name`` (or ``name`` itself)."""
+        for outer in self.compiled:
+            if name == outer or name.startswith(outer + "."):
+                return outer
+        return name
+
+    def inside_compiled(self, name: str) -> bool:
+        return self.lift(name) != name
+
+    def path(self, name: str) -> list[str]:
+        """Names from the root's child down to ``name`` (empty for the root)."""
+        if not name:
+            return []
+        parts = name.split(".")
+        return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _select_policy_units(tree: _ModuleTree, policy: Any, min_params: int) -> list[str]:
+    """Qualified names of the submodules the wrap policy makes units (root excluded)."""
+    named = [(n, m) for n, m in tree.modules.items() if n and runs_forward(m) and not tree.inside_compiled(n)]
+    if policy is None or isinstance(policy, int):
+        threshold = min_params if policy is None else policy
+        chosen: list[str] = []
+        claimed: set[nn.Parameter] = set()
+        for name, sub in reversed(named):  # children before parents (post-order by position)
+            own = [p for p in sub.parameters() if p not in claimed]
+            if sum(p.numel() for p in own) >= threshold:
+                chosen.append(name)
+                claimed.update(own)
+        if isinstance(policy, int) and not chosen:
+            raise ValueError(
+                f"wrap_policy={policy} selects no submodule (none has {policy} parameters or more); "
+                "lower the threshold or name module classes"
+            )
+        return sorted(chosen, key=tree.order.__getitem__)
+    if isinstance(policy, (list, tuple, set)):
+        classes = tuple(policy)
+        for cls in classes:
+            if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+                raise ValueError(f"wrap_policy entries must be nn.Module classes, got {cls!r}")
+            if not any(isinstance(_original(m), cls) for _, m in named):
+                raise ValueError(f"wrap_policy names {cls.__qualname__}, but the model has no module of that class")
+        return [n for n, m in named if isinstance(_original(m), classes)]
+    if callable(policy):
+        chosen = [n for n, m in named if policy(n, _original(m))]
+        if not chosen:
+            raise ValueError("wrap_policy selects no submodule; every parameter would be in the root unit")
+        return chosen
+    raise TypeError(f"wrap_policy must be None, an int, a sequence of module classes or a callable, got {policy!r}")
+
+
+def _owners(root: nn.Module) -> dict[nn.Parameter, list[str]]:
+    """Every parameter -> the qualified names of the modules that register it."""
+    owners: dict[nn.Parameter, list[str]] = {}
+    for module_name, sub in root.named_modules(remove_duplicate=False):
+        for _, param in sub.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(param, [])
+            if module_name not in owners[param]:
+                owners[param].append(module_name)
+    return owners
+
+
+def _hook_module(tree: _ModuleTree, owner: str, units: list[str]) -> str:
+    """See [Note: units]: the outermost module on the root -> owner path that contains no
+    policy unit and runs a forward (lifted out of compiled modules)."""
+    for name in tree.path(owner):
+        contains_unit = any(u == name or u.startswith(name + ".") for u in units)
+        if not contains_unit and runs_forward(tree.modules[name]):
+            return tree.lift(name)
+    return tree.lift(owner) if owner and runs_forward(tree.modules[owner]) else ROOT
+
+
+def plan_units(root: nn.Module, policy: Any, min_params: int) -> list[UnitPlan]:
+    """Every unit of ``root`` at stage 3 (see [Note: units]), in the order their first hook
+    module is registered; units without parameters are left out."""
+    tree = _ModuleTree(root)
+    policy_units = _select_policy_units(tree, policy, min_params)
+    canonical = {p: n for n, p in root.named_parameters()}
+    owners = _owners(root)
+    assigned: dict[str, list[str]] = {u: [] for u in policy_units}
+    leftovers: dict[tuple[str, ...], list[str]] = {}
+    for param, name in canonical.items():
+        enclosing = [
+            u for u in policy_units if all(o == u or o.startswith(u + ".") for o in owners[param])
+        ]
+        if enclosing:
+            assigned[max(enclosing, key=len)].append(name)
+            continue
+        hooks = sorted({_hook_module(tree, o, policy_units) for o in owners[param]}, key=tree.order.__getitem__)
+        leftovers.setdefault(tuple(hooks), []).append(name)
+    plans = [UnitPlan(u, (u,), tuple(params), True) for u, params in assigned.items() if params]
+    plans += [
+        UnitPlan("+".join(display_name(h) for h in hooks), hooks, tuple(params), False)
+        for hooks, params in leftovers.items()
+    ]
+    return sorted(plans, key=lambda plan: tree.order[plan.hook_modules[0]])

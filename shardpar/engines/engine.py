@@ -1,0 +1,506 @@
+"""The engine: one stage's training machinery, composed of the parts its row of the stage
+table picks (``stages.py``): parameter storage, gradient reducer strategy, parameter gatherer.
+
+The engine owns what every stage shares: the training state, the hooks that tell it where
+forward and backward are, the end-of-backward callback, buffers, and the questions the
+``ShardedModule`` facade, the optimizer and checkpoints ask ("which tensors do I update",
+"which pieces do I save", "how much memory do you hold").
+
+[Note: end of backward]
+Gradients must be final when ``backward()`` returns, so the reducer's last work runs in a
+callback queued on the autograd engine. It has to be queued on the *outermost* backward:
+reentrant activation checkpointing runs an inner backward (its own graph task) inside the
+outer one, and a callback queued from a gradient hook firing in there would run when the
+inner backward ends -- mid-backward, reducing every remaining bucket early with zeros and
+again at the real end. So the callback is queued from a hook on the root module's outputs,
+which fires first and in the outer backward; a gradient hook queues it only when no root
+hook did (a backward through part of the model).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from ..comm import collectives as C
+from ..config import ShardConfig
+from ..core.gatherer import Unit, UnitGatherer, _grad_tensors
+from ..core.inventory import ParamInventory, check_supported_dtypes, module_device
+from ..core.param_guard import allow
+from ..core.pieces import TensorPiece
+from ..core.reducer import GradBucket, GradientReducer
+from ..core.replicated import ReplicatedStorage
+from ..core.sharded import FromLiveModule, ShardedStorage
+from ..core.training_state import Phase, TrainingState
+from ..core.units import ROOT, _ModuleTree
+
+WRAPPED_MARK = "_shardpar_wrapped"
+"""Set on the module an engine manages, so that wrapping it (or a model containing it) again
+is refused: a second engine would re-point its parameters and gradients behind the first."""
+
+
+def _disabled(fn):
+    """Hooks run eagerly even inside ``torch.compile``d code: they launch collectives."""
+    return torch.compiler.disable(fn)
+
+
+class Engine:
+    """Training machinery of one wrapped module at one stage (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, config: ShardConfig, group: Any, row: Any) -> None:
+        self.module = module
+        self.config = config
+        self.group = group
+        self.row = row
+        self.stage = row.stage
+        self.world_size = C.get_world_size(group)
+        self.rank = C.get_rank(group)
+        self.device = module_device(module)
+        self.comm = C.CommStats()
+        self.state = TrainingState()
+        self.inventory = ParamInventory(module)
+        if not self.inventory.trainable:
+            raise ValueError(
+                "shardpar.wrap: the module has no parameter with requires_grad=True; "
+                "there is nothing to train in data parallel"
+            )
+        check_supported_dtypes(self.inventory)
+        mp = config.mixed_precision
+        self.param_dtype = mp.param_dtype if mp is not None else None
+        self.original_buffer_dtypes: dict[str, torch.dtype] = {}
+        """Buffers that ``MixedPrecision.buffer_dtype`` cast: their dtypes as created."""
+        self._cast_buffers()
+        self.optimizer: Any = None
+        """The ShardedOptimizer built over this engine, once there is one."""
+        self._handles: list[Any] = []
+        self._use_handles: list[Any] = []
+        self._tree = _ModuleTree(module)
+
+        self.storage = row.storage(self)
+        self.strategy = row.strategy(self, self.storage.spaces)
+        self.reducer = GradientReducer(self.storage.spaces, self.strategy, self.state, self.comm, group,
+                                       on_bucket_complete=self._on_bucket_complete)
+        self.gatherer = getattr(self.storage, "gatherer", None)
+        self._handles += self.reducer.register_hooks(self._on_grad_ready)
+        if isinstance(self.storage, ShardedStorage):
+            self._install_unit_hooks()
+            self._install_state_dict_hooks()
+        else:
+            self._install_use_hooks()
+        self._install_root_hooks()
+        module.zero_grad = lambda set_to_none=True: self.zero_grad()  # the module's own zero_grad clears ours
+        setattr(module, WRAPPED_MARK, True)
+
+    # ------------------------------------------------------------------ construction helpers
+
+    def _cast_buffers(self) -> None:
+        mp = self.config.mixed_precision
+        if mp is None or mp.buffer_dtype is None:
+            return
+        for name, buffer in self.module.named_buffers():
+            if buffer.is_floating_point():
+                self.original_buffer_dtypes[name] = buffer.dtype
+                buffer.data = buffer.data.to(mp.buffer_dtype)
+
+    def broadcast_from_rank0(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Make ``tensors`` equal rank 0's on every rank (set-up only; not per step)."""
+        with torch.no_grad():
+            for tensor in tensors:
+                C.broadcast(tensor, 0, group=self.group)
+
+    def reduce_dtype(self, space: Any) -> torch.dtype:
+        """dtype gradients of ``space`` are accumulated and communicated in."""
+        mp = self.config.mixed_precision
+        if mp is None or not space.master_dtype.is_floating_point:
+            return space.compute_dtype
+        return mp.reduce_dtype if mp.reduce_dtype is not None else space.master_dtype
+
+    def _install_root_hooks(self) -> None:
+        self._handles.append(self.module.register_forward_pre_hook(_disabled(self._root_pre_forward), prepend=True))
+        self._handles.append(self.module.register_forward_hook(_disabled(self._root_post_forward)))
+
+    def _install_use_hooks(self) -> None:
+        """Stages 0-2: the modules that register parameters (lifted out of compiled regions)
+        record first use (launch order) and complete lazy gathers (stages 1-2)."""
+        modules = self._tree.modules
+        for hook_name, positions in self.storage.use_modules(self._tree.lift).items():
+            buckets = [self.reducer.buckets[p] for p in positions]
+            groups = [self.storage.groups[p] for p in positions] if self.storage.groups else []
+            hook = _disabled(lambda module, args, buckets=buckets, groups=groups: self._on_module_use(buckets, groups))
+            handle = modules[hook_name].register_forward_pre_hook(hook, prepend=True)
+            (self._handles if groups else self._use_handles).append(handle)
+
+    def _install_unit_hooks(self) -> None:
+        storage: ShardedStorage = self.storage
+        storage.gatherer = UnitGatherer(
+            storage.units, self.state, self.config.reshard_after_forward, self.config.prefetch_units, self.comm,
+            C.sibling_group(self.group, self.config.timeout_s), self.rank,
+            on_forward_use=self._on_unit_use, on_backward_start=self.ensure_backward_started,
+        )
+        self.gatherer = storage.gatherer
+        self.gatherer.retire_group = lambda: C.retire_sibling_group(self.group)
+        self._bucket_of_group = {b.space: b for b in self.reducer.buckets}
+        modules = self._tree.modules
+        for unit in storage.units:
+            for hook_name in unit.hook_modules:
+                module = modules[hook_name]
+                self._handles.append(module.register_forward_pre_hook(
+                    _disabled(lambda m, args, kwargs, unit=unit: self.gatherer.pre_forward(unit, args, kwargs)),
+                    prepend=True, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(
+                    _disabled(lambda m, args, output, unit=unit: self.gatherer.post_forward(unit, output))))
+
+    def _install_state_dict_hooks(self) -> None:
+        """Stage 3: ``module.state_dict()`` (nanoGPT's ``raw_model.state_dict()``) returns full
+        tensors, like ``full_state_dict()``, and is therefore a collective: call it on every
+        rank. With ``keep_vars=True`` it returns the Parameter objects, as torch does."""
+        self._collecting_state = False
+        self._internal_state = False
+
+        def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            if not keep_vars and not self._internal_state:
+                self._collecting_state = True
+                self._allow_detach = allow("detach")
+                self._allow_detach.__enter__()
+
+        def post(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
+            if not self._collecting_state:
+                return
+            self._collecting_state = False
+            self._allow_detach.__exit__(None, None, None)
+            for key, value in self.full_state_dict().items():
+                state[prefix + key] = value
+
+        self._handles.append(self.module.register_state_dict_pre_hook(pre))
+        self._handles.append(self.module.register_state_dict_post_hook(post))
+
+    # ------------------------------------------------------------------ forward
+
+    def check_requires_grad(self) -> None:
+        """Which parameters train is fixed at wrap time (it decides buffers and hooks)."""
+        name = self.inventory.changed_requires_grad()
+        if name is not None:
+            raise RuntimeError(
+                f"requires_grad of parameter '{name}' changed after shardpar.wrap; freeze or "
+                "unfreeze parameters before wrapping (wrap the model again to change them)"
+            )
+
+    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Floating-point inputs are cast to ``param_dtype`` so layers see one dtype."""
+        if self.param_dtype is None:
+            return args, kwargs
+
+        def cast(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return value.to(self.param_dtype)
+            return value
+
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.state.is_recompute():
+            return
+        self.check_requires_grad()
+        self.state.phase = Phase.FORWARD
+        if torch.is_grad_enabled():
+            self._broadcast_buffers()
+        if isinstance(self.gatherer, UnitGatherer):
+            self.gatherer.begin_forward()
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.state.is_recompute():
+            return
+        self.state.phase = Phase.IDLE
+        if torch.is_grad_enabled():
+            tensors = _grad_tensors(output)
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, _disabled(lambda grads: self.ensure_backward_started()), mode="any")
+            self.reducer.launch_order.stop_recording()
+            if not self.storage_is_sharded and not self.storage.groups:
+                self._remove_use_hooks()  # stage 0 needs them for the first forward only
+        if isinstance(self.gatherer, UnitGatherer):
+            self.gatherer.end_forward()
+
+    @property
+    def storage_is_sharded(self) -> bool:
+        return isinstance(self.storage, ShardedStorage)
+
+    def _remove_use_hooks(self) -> None:
+        for handle in self._use_handles:
+            handle.remove()
+        self._use_handles.clear()
+
+    def _broadcast_buffers(self) -> None:
+        """DDP's semantics: before every forward with autograd enabled, every rank takes rank
+        0's buffers (a forward under no_grad, e.g. evaluation on one rank, sends nothing)."""
+        if self.world_size == 1 or not self.config.broadcast_buffers:
+            return
+        buffers = list(self.module.buffers())
+        if not buffers:
+            return
+        with torch.no_grad():
+            handles = [C.broadcast(b, 0, group=self.group, async_op=True, stats=self.comm) for b in buffers]
+            for handle in handles:
+                handle.wait()
+
+    def _on_module_use(self, buckets: list[GradBucket], groups: list) -> None:
+        if self.reducer.launch_order.recording and torch.is_grad_enabled() and not self.state.is_recompute():
+            self.reducer.launch_order.saw(b.position for b in buckets)
+        for group in groups:
+            group.wait_unsharded()
+
+    def _on_unit_use(self, unit: Unit) -> None:
+        if self.reducer.launch_order.recording and torch.is_grad_enabled():
+            self.reducer.launch_order.saw(self._bucket_of_group[f].position for f in unit.trainable)
+
+    # ------------------------------------------------------------------ backward
+
+    def ensure_backward_started(self) -> None:
+        """The first hook of a backward (see [Note: end of backward])."""
+        if self.state.final_callback_queued:
+            return
+        self.state.begin_backward()
+        self.state.final_callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if self.state.backward_syncs and not self.reducer.launch_order.agreed:
+            self.reducer.launch_order.agree(self.group)
+        if isinstance(self.gatherer, UnitGatherer):
+            self.gatherer.begin_backward()
+
+    def _on_grad_ready(self, name: str, param: nn.Parameter) -> None:
+        self.ensure_backward_started()
+        with torch.no_grad():
+            self.reducer.on_grad_ready(name, param)
+
+    def _on_bucket_complete(self, bucket: GradBucket) -> None:
+        if isinstance(self.gatherer, UnitGatherer):
+            self.gatherer.grads_final(bucket.space)
+
+    def _finish_backward(self) -> None:
+        try:
+            with torch.no_grad():
+                if self.state.backward_syncs:
+                    self.reducer.finish_backward()
+                if isinstance(self.gatherer, UnitGatherer):
+                    self.gatherer.finish_backward()
+        finally:
+            self.state.end_backward()
+
+    @property
+    def require_grad_sync(self) -> bool:
+        return self.state.require_grad_sync
+
+    @require_grad_sync.setter
+    def require_grad_sync(self, value: bool) -> None:
+        self.state.require_grad_sync = bool(value)
+
+    @property
+    def grads_ready(self) -> bool:
+        return self.reducer.grads_ready
+
+    @property
+    def last_backward_wait_s(self) -> float:
+        return self.reducer.last_backward_wait_s
+
+    # ------------------------------------------------------------------ optimizer
+
+    def zero_grad(self) -> None:
+        self.reducer.zero_grad()
+
+    def optimizer_tensors(self, names: Sequence[str]) -> list[TensorPiece]:
+        """The tensors the wrapped optimizer updates for these parameters, on this rank."""
+        return self.storage.optimizer_pieces(names, self.strategy)
+
+    def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
+        """Final gradients this rank is responsible for, and whether they are a shard (so a
+        global norm needs an all-reduce of partial sums)."""
+        return self.strategy.owned_grads()
+
+    def has_gradient(self, name: str) -> bool:
+        """Whether the optimizer should update ``name`` in the coming step (plain torch skips
+        a parameter whose ``.grad`` is None; see [Note: used parameters])."""
+        return self.reducer.has_gradient(name)
+
+    def before_optimizer_step(self) -> None:
+        self.storage.before_optimizer_step()
+
+    def after_optimizer_step(self) -> None:
+        self.storage.after_optimizer_step()
+
+    def wait_for_params(self) -> None:
+        """Block until parameters are complete and current (pending all-gathers)."""
+        self.storage.wait_for_params()
+
+    # ------------------------------------------------------------------ state dicts and pieces
+
+    @property
+    def named_params(self) -> list[tuple[str, nn.Parameter]]:
+        return self.inventory.named
+
+    @property
+    def param_names(self) -> dict[nn.Parameter, str]:
+        return self.inventory.name_of
+
+    @property
+    def trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return self.inventory.trainable
+
+    @property
+    def frozen(self) -> list[tuple[str, nn.Parameter]]:
+        return self.inventory.frozen
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        return self.inventory.aliases
+
+    @property
+    def original_dtypes(self) -> dict[str, torch.dtype]:
+        return self.inventory.original_dtypes
+
+    def save_pieces(self) -> list[TensorPiece]:
+        """What this rank writes to a checkpoint: 1-D pieces of parameters (trainable and
+        frozen) such that, over all ranks, every element of every parameter is written
+        exactly once. Buffers are not included (replicated; the checkpoint takes rank 0's)."""
+        return self.storage.save_pieces()
+
+    def load_pieces(self) -> list[TensorPiece]:
+        """Where this rank must put parameter values on load (1-D views into live storage).
+        After filling them, call :meth:`after_load`."""
+        return self.storage.load_pieces()
+
+    def after_load(self) -> None:
+        self.storage.after_load()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor of ``module.state_dict()``, full, detached and in full precision (the
+        master values), on every rank. Tied aliases map to the same tensor."""
+        self.wait_for_params()
+        params = self.gather_full_params()
+        out = {}
+        for key, value in self._module_state(keep_vars=True).items():
+            canonical = self.aliases.get(key, key)
+            if canonical in params:
+                out[key] = params[canonical]
+            else:  # a buffer: back in the dtype the model was built with
+                out[key] = value.detach().to(self.original_buffer_dtypes.get(canonical, value.dtype), copy=True)
+        return out
+
+    def _module_state(self, keep_vars: bool) -> dict[str, Any]:
+        """The module's state-dict entries without touching parameter values."""
+        previous, self._internal_state = getattr(self, "_internal_state", False), True
+        try:
+            return self.module.state_dict(keep_vars=keep_vars)
+        finally:
+            self._internal_state = previous
+
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """``name -> full tensor`` of every parameter, assembled on every rank from all ranks'
+        save pieces (each element is written by exactly one rank, so one all-reduce per dtype
+        of the zero-filled rest reproduces the values exactly)."""
+        by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+        for name, param in self.named_params:
+            by_dtype.setdefault(self.original_dtypes[name], []).append((name, param))
+        pieces: dict[str, list[TensorPiece]] = {}
+        for piece in self.save_pieces():
+            pieces.setdefault(piece.name, []).append(piece)
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for dtype, named in by_dtype.items():
+                flat = torch.zeros(sum(p.numel() for _, p in named), dtype=dtype, device=self.device)
+                offset = 0
+                for name, param in named:
+                    full = flat[offset : offset + param.numel()]
+                    for piece in pieces.get(name, []):
+                        full[piece.param_range[0] : piece.param_range[1]].copy_(piece.tensor)
+                    out[name] = full.view(param.shape)
+                    offset += param.numel()
+                if dtype == torch.bool:  # gloo sums no bools: gather the bytes as uint8
+                    reduced = flat.view(torch.uint8)
+                    C.all_reduce(reduced, group=self.group, op="max")
+                else:
+                    C.all_reduce(flat, group=self.group)
+        return out
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`full_state_dict` (every rank passes the same full tensors).
+
+        Values go through :meth:`load_pieces`, so master copies and stage-3 shards get the
+        full-precision values, not a low-precision compute copy.
+        """
+        self.wait_for_params()
+        expected = {name: tuple(t.shape) for name, t in self._module_state(keep_vars=True).items()}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        wrong_shape = [
+            f"{name}: {tuple(state[name].shape)} vs model {shape}"
+            for name, shape in expected.items()
+            if name in state and tuple(state[name].shape) != shape
+        ]
+        if missing or unexpected or wrong_shape:
+            raise ValueError(
+                "state dict does not match the model: "
+                + "; ".join(
+                    f"{label}: {', '.join(items)}"
+                    for label, items in (("missing", missing), ("unexpected", unexpected), ("shape", wrong_shape))
+                    if items
+                )
+            )
+        with torch.no_grad():
+            for piece in self.load_pieces():
+                start, end = piece.param_range
+                piece.tensor.copy_(state[piece.name].reshape(-1)[start:end])
+            for name, buffer in self.module.named_buffers():
+                if name in state:
+                    buffer.copy_(state[name])
+            self.after_load()
+
+    # ------------------------------------------------------------------ memory
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind, and the peaks of the transient kinds."""
+        stats = {
+            "params": self.storage.param_bytes(),
+            "grads": self.strategy.grad_bytes(),
+            "workspace": self.strategy.workspace_bytes(),
+        }
+        if hasattr(self.strategy, "peak_staging_bytes"):
+            stats["peak_staging"] = self.strategy.peak_staging_bytes
+        if isinstance(self.gatherer, UnitGatherer):
+            stats["peak_params"] = self.gatherer.peak_params_bytes
+        return stats
+
+    def layouts(self):
+        """The BufferLayout of every parameter space: stage 0-2 buffers, stage 3 groups."""
+        return self.storage.layouts()
+
+    def layout_summary(self) -> dict[str, Any]:
+        """Where parameters live, as JSON-able information (checkpoint manifests carry it)."""
+        if isinstance(self.storage, ShardedStorage):
+            return {"units": [{"name": u.name, "params": [n for f in u.flats for n in f.layout.names]}
+                              for u in self.storage.units]}
+        return {"buckets": [{"dtype": str(buf.compute_dtype).replace("torch.", ""), "start": b.range.start,
+                             "end": b.range.end, "padding": b.padding, "params": list(b.names)}
+                            for buf in self.storage.buffers for b in buf.layout.buckets]}
+
+    @property
+    def hook_handles(self) -> list[Any]:
+        """Every hook this engine has registered and not removed yet."""
+        return self._handles + self._use_handles
+
+    def close(self) -> None:
+        """Remove every hook this engine registered (the module keeps working unwrapped)."""
+        for handle in self._handles + self._use_handles:
+            handle.remove()
+        self._handles.clear()
+        self._use_handles.clear()
+        self.module.__dict__.pop("zero_grad", None)
+        self.module.__dict__.pop(WRAPPED_MARK, None)
+
+    def iter_frozen_and_buffers(self) -> Iterator[torch.Tensor]:
+        for _, p in self.frozen:
+            yield p.data
+        yield from self.module.buffers()

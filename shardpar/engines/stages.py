@@ -1,0 +1,69 @@
+"""The stage table: each stage is a row that picks its parts, not a subclass switching off
+its parent's (DESIGN.md, "The core").
+
+| stage | reducer strategy        | gradient storage                     | parameter storage          | gatherer                       |
+|-------|-------------------------|--------------------------------------|----------------------------|--------------------------------|
+| 0     | all-reduce              | full buffer                          | replicated                 | none                           |
+| 1     | reduce-scatter in place | full buffer, owned slice read        | replicated, master shard   | after step, lazily completed   |
+| 2     | reduce-scatter, staged  | bounded staging -> owned shard       | replicated, master shard   | after step, lazily completed   |
+| 3     | reduce-scatter, staged  | bounded staging -> owned shard       | sharded per unit           | per unit, forward and backward |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..core.reduce_strategies import AllReduceStrategy, ReduceScatterInPlace, StagedReduceScatter
+from ..core.replicated import ReplicatedStorage
+from ..core.sharded import FromLiveModule, ShardedStorage
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def _replicated(sharded_master: bool) -> Callable[["Engine"], ReplicatedStorage]:
+    def build(engine: "Engine") -> ReplicatedStorage:
+        storage = ReplicatedStorage(engine.module, engine.inventory, engine.config, engine.group, engine.comm,
+                                    engine.world_size, engine.rank, sharded_master)
+        engine.broadcast_from_rank0(storage.tensors_to_broadcast() + list(engine.module.buffers()))
+        storage.finish_setup(engine.group, engine.comm)
+        return storage
+
+    return build
+
+
+def _sharded_units(engine: "Engine") -> ShardedStorage:
+    storage = ShardedStorage(engine.module, engine.inventory, engine.config, engine.world_size, engine.rank,
+                             FromLiveModule(engine.group))
+    engine.broadcast_from_rank0(list(engine.module.buffers()))
+    return storage
+
+
+def _all_reduce(engine: "Engine", spaces: list) -> AllReduceStrategy:
+    return AllReduceStrategy(spaces, engine.reduce_dtype, engine.world_size, engine.group, engine.comm)
+
+
+def _reduce_scatter_in_place(engine: "Engine", spaces: list) -> ReduceScatterInPlace:
+    return ReduceScatterInPlace(spaces, engine.reduce_dtype, engine.world_size, engine.rank, engine.group, engine.comm)
+
+
+def _staged_reduce_scatter(engine: "Engine", spaces: list) -> StagedReduceScatter:
+    return StagedReduceScatter(spaces, engine.reduce_dtype, engine.world_size, engine.rank, engine.group, engine.comm)
+
+
+@dataclass(frozen=True)
+class StageRow:
+    stage: int
+    storage: Callable[["Engine"], Any]
+    """Builds the parameter storage (and, at stages 1-3, its gatherer)."""
+    strategy: Callable[["Engine", list], Any]
+    """Builds the reducer's strategy over the storage's parameter spaces."""
+
+
+STAGES: dict[int, StageRow] = {
+    0: StageRow(0, _replicated(sharded_master=False), _all_reduce),
+    1: StageRow(1, _replicated(sharded_master=True), _reduce_scatter_in_place),
+    2: StageRow(2, _replicated(sharded_master=True), _staged_reduce_scatter),
+    3: StageRow(3, _sharded_units, _staged_reduce_scatter),
+}
