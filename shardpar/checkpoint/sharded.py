@@ -61,11 +61,12 @@ from .io import (
     SafetensorsWriter,
     commit_directory,
     dtype_name,
+    make_temp_dir,
     parse_dtype,
     parse_size,
+    remove_abandoned_temps,
     remove_stale_temps,
     sha256_file,
-    temp_sibling,
 )
 from ..engines.base import Engine, TensorPiece
 from ..errors import CheckpointError
@@ -264,8 +265,9 @@ def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimize
     Every rank calls it. Each writes ``rank-0000r-of-0000N.safetensors`` with its pieces;
     rank 0 verifies the files and writes ``shardpar.json`` (``extra`` must be JSON); the
     directory appears atomically (replacing an existing checkpoint only once complete) and
-    ``<parent>/latest`` names it. Returns on every rank once it is visible. The steps are
-    those of docs/checkpoint-format.md, "Writing".
+    ``<parent>/latest`` names it. Returns on every rank once it is visible. The steps are those of
+    docs/checkpoint-format.md, "Writing". Rank 0 first removes abandoned temporaries of other
+    checkpoints in the parent: [Note: sweeping temporaries] in :mod:`.io`.
     """
     engine = _engine_of(model)
     rank, world_size, group = engine.rank, engine.world_size, engine.group
@@ -282,8 +284,8 @@ def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimize
         if rank == 0:
             check_replaceable(target)
             remove_stale_temps(target)
-            tmp = temp_sibling(target)
-            tmp.mkdir(parents=True)
+            remove_abandoned_temps(target.parent)
+            tmp = make_temp_dir(target)
             tmp_name = tmp.name
     except Exception as error:
         problem = error
@@ -522,7 +524,7 @@ def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size
     (master copies), sent to rank 0 piece by piece in chunks of at most
     :data:`~shardpar.checkpoint.io.CHUNK_BYTES`, so no rank ever holds more than its shard
     plus one chunk; tied weights are written once, under their first name. ``dtype`` casts
-    floating-point tensors. Returns the files written (on every rank).
+    floating-point tensors. The directory appears whole or not at all. Returns the model files written (on every rank).
     """
     engine = _engine_of(model)
     rank, group = engine.rank, engine.group
