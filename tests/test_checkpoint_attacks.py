@@ -8,6 +8,8 @@ hang, an exhausted memory or a silent mix of two checkpoints (docs/reliability.m
   checkpoint file should be is refused before ``open`` could block or a read could not end.
 - A save sweeps the abandoned temporaries of *other* checkpoints, and only those.
 - Errors name the file: a file where a directory is expected, a full disk.
+- A Hugging Face model's ``config.json`` travels with the checkpoint into every export, so
+  ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` works as is.
 
 Operations that the code as found would never finish run in a thread with a deadline (a
 FIFO) or under a cap on this process's address space (``/dev/zero``), so a regression fails
@@ -483,3 +485,68 @@ def test_tools_refuse_bad_paths_with_one_line_and_leave_nothing_behind(tool_runs
     assert result.returncode == 1 and len(lines) == 1 and re.match(message, lines[0]), result.stderr[-2000:]
     leftovers = [p.name for p in tool_runs["tmp"].iterdir() if p.name not in ("with-fifo", "notes.txt")]
     assert leftovers == [], f"a failed tool left {leftovers}"
+
+
+# --------------------------------------------------------------------------- 6. the Hugging Face config travels
+
+
+def tiny_llama() -> torch.nn.Module:
+    """A tiny Llama built from a config (nothing downloaded), its head tied to the embedding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config)
+
+
+def train_and_save_hf(ckpt: str, export: str) -> dict[str, torch.Tensor]:
+    """Rank function: a tiny Llama at stage 3, one optimizer step, then a sharded checkpoint
+    and a full export; returns the full state the ranks trained to."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = shardpar.wrap(tiny_llama(), stage=3, wrap_policy=(LlamaDecoderLayer,))
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    rank, world_size = C.get_rank(), C.get_world_size()
+    tokens = torch.randint(0, 96, (2 * world_size, 16), generator=torch.Generator().manual_seed(1))
+    mine = tokens[2 * rank : 2 * rank + 2]
+    model(input_ids=mine, labels=mine).loss.backward()
+    opt.step()
+    shardpar.save_checkpoint(ckpt, model, opt)
+    shardpar.save_full(export, model)
+    return model.full_state_dict()
+
+
+def hf_logits(model: torch.nn.Module) -> torch.Tensor:
+    tokens = torch.randint(0, 96, (3, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        return model.eval()(input_ids=tokens).logits
+
+
+def test_exports_of_a_hugging_face_model_load_with_from_pretrained(tmp_path: Path) -> None:
+    import transformers  # the dev extra installs it
+
+    ckpt, export = tmp_path / "ckpt" / "step-1", tmp_path / "save-full"
+    state = run(train_and_save_hf, 2, str(ckpt), str(export), timeout=240)[0]
+    expected_model = tiny_llama()
+    expected_model.load_state_dict(state)
+    expected = hf_logits(expected_model)
+
+    consolidated = tmp_path / "consolidated"
+    consolidate(ckpt, consolidated, progress=False)
+    via_reshard = tmp_path / "via-reshard"
+    reshard(ckpt, tmp_path / "resharded", world_size=3, progress=False)
+    consolidate(tmp_path / "resharded", via_reshard, progress=False)
+    for out in (consolidated, export, via_reshard):
+        assert {"config.json", "generation_config.json", "model.safetensors"} <= set(os.listdir(out)), out
+        config = json.loads((out / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+        assert type(loaded).__name__ == "LlamaForCausalLM" and loaded.lm_head.weight is loaded.model.embed_tokens.weight
+        assert torch.equal(hf_logits(loaded), expected), f"{out.name}: other logits than the trained model"
+
+    cast = tmp_path / "bf16"
+    consolidate(ckpt, cast, dtype="bf16", progress=False)
+    assert json.loads((cast / "config.json").read_text())["dtype"] == "bfloat16"
+    assert transformers.AutoModelForCausalLM.from_pretrained(cast).model.embed_tokens.weight.dtype == torch.bfloat16

@@ -40,6 +40,8 @@ MANIFEST_DIGEST = "manifest_sha256"
 """Manifest field holding the sha256 of the rest of the manifest; see :func:`manifest_digest`."""
 LATEST = "latest"
 KINDS = ("param", "frozen", "buffer")
+HF_CONFIG_KEYS = ("config", "generation_config")
+"""Keys of the manifest's ``hf_config``: the JSON of ``config.json`` and ``generation_config.json``."""
 
 MAX_MANIFEST_BYTES = 256 * 2**20
 """The largest manifest read (and written). A manifest grows with the number of pieces:
@@ -207,6 +209,8 @@ class Manifest:
     aliases: dict[str, str]
     optimizer: OptimizerRecord | None
     extra: Any
+    hf_config: dict[str, dict[str, Any]] | None = None
+    """The Hugging Face ``config.json`` (and ``generation_config.json``) of the model, if it has one."""
 
     @property
     def path(self) -> Path:
@@ -288,8 +292,15 @@ def parse_manifest(raw: Any, directory: Path) -> Manifest:
                 decode_value(value, where=f"{where}: optimizer scalar state '{key}' of '{param}'")
         optimizer = OptimizerRecord(opt_raw["class"], opt_raw["param_groups"], state, scalar)
 
+    hf_config = raw.get("hf_config")
+    _expect(hf_config is None or (isinstance(hf_config, dict) and isinstance(hf_config.get("config"), dict)
+                                  and set(hf_config) <= set(HF_CONFIG_KEYS)
+                                  and all(isinstance(v, dict) for v in hf_config.values())),
+            f"{where}: 'hf_config' must be null or an object with a 'config' object and optionally a "
+            "'generation_config' object")
+
     return Manifest(directory, raw, version, raw["stage"], raw["world_size"], files, tensors,
-                    dict(aliases), optimizer, raw.get("extra"))
+                    dict(aliases), optimizer, raw.get("extra"), hf_config)
 
 def manifest_digest(raw: dict[str, Any]) -> str:
     """sha256 (hex) of the manifest without its ``manifest_sha256`` field, serialised
@@ -528,6 +539,7 @@ def assemble_manifest(
     *, stage: int, world_size: int, model: list[tuple[str, str, str, list[int]]], aliases: dict[str, str],
     files: list[FileRecord], items: dict[str, list[StoredItem]], optimizer: dict[str, Any] | None,
     extra: Any, layout: Any = None, torch_version: str | None = None,
+    hf_config: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The manifest JSON object from what every file holds; validated before it is returned.
 
@@ -572,6 +584,7 @@ def assemble_manifest(
         "layout": layout,
         "optimizer": None if optimizer is None else {**optimizer, "state": state},
         "extra": extra,
+        "hf_config": hf_config,
     }
     parse_manifest(json.loads(to_json_text(manifest, "the manifest")), Path("."))  # self-check
     return manifest

@@ -37,6 +37,7 @@ from .io import (
     parse_size,
     remove_stale_temps,
 )
+from .hf_config import config_files, floating_dtype
 
 
 def _bar(total: int, desc: str, enabled: bool) -> tqdm:
@@ -49,7 +50,8 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str
                 dtype: str | torch.dtype | None = None, progress: bool = True) -> list[str]:
     """Sharded checkpoint -> Hugging Face layout (``model.safetensors`` or numbered shards +
     index), model tensors only, tied weights once; ``dtype`` casts floating-point tensors.
-    ``out_dir`` appears whole or not at all (a failure leaves
+    The model's ``config.json`` (and ``generation_config.json``) go beside the weights when
+    the checkpoint carries them. ``out_dir`` appears whole or not at all (a failure leaves
     it exactly as it was); files in it that are not part of an export are kept."""
     manifest = read_manifest(ckpt_dir)
     max_bytes = parse_size(max_shard_size)
@@ -62,8 +64,9 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str
 
     entries = list(manifest.tensors.values())
     layout = [(e.name, out_dtype(e), e.shape) for e in entries]
+    json_files = config_files(manifest.hf_config, floating_dtype([stored for _, stored, _ in layout]))
     with CheckpointReader(manifest) as reader, _bar(sum(e.nbytes for e in entries), "consolidate", progress) as bar:
-        writer = HFLayoutWriter(Path(out_dir), layout, max_bytes)
+        writer = HFLayoutWriter(Path(out_dir), layout, max_bytes, json_files)
         try:
             for entry in entries:
                 for chunk in reader.iter_range(entry, 0, entry.numel):
@@ -173,7 +176,7 @@ def _write_resharded(manifest: Manifest, plan: list[list[tuple[tuple[str, ...], 
         model=[(e.name, e.kind, dtype_name(e.dtype), list(e.shape)) for e in manifest.tensors.values()],
         aliases=manifest.aliases, files=files, items=items, optimizer=optimizer, extra=manifest.extra,
         layout={"even_split": {"world_size": world_size, "resharded_from": manifest.world_size}},
-        torch_version=manifest.raw.get("torch_version"),
+        torch_version=manifest.raw.get("torch_version"), hf_config=manifest.hf_config,
     )
     write_manifest(tmp, manifest_json)
 

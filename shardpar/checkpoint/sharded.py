@@ -68,6 +68,7 @@ from .io import (
     remove_stale_temps,
     sha256_file,
 )
+from .hf_config import config_files, floating_dtype, hf_config_of
 from ..engines.base import Engine, TensorPiece
 from ..errors import CheckpointError
 from ..module import ShardedModule
@@ -263,9 +264,10 @@ def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimize
     """Save the model (and optimizer) into the directory ``path``, every rank in parallel.
 
     Every rank calls it. Each writes ``rank-0000r-of-0000N.safetensors`` with its pieces;
-    rank 0 verifies the files and writes ``shardpar.json`` (``extra`` must be JSON); the
-    directory appears atomically (replacing an existing checkpoint only once complete) and
-    ``<parent>/latest`` names it. Returns on every rank once it is visible. The steps are those of
+    rank 0 verifies the files and writes ``shardpar.json`` (``extra`` must be JSON; a
+    Hugging Face model's config goes in too, for exports); the directory appears atomically
+    (replacing an existing checkpoint only once complete) and ``<parent>/latest`` names it.
+    Returns on every rank once it is visible. The steps are those of
     docs/checkpoint-format.md, "Writing". Rank 0 first removes abandoned temporaries of other
     checkpoints in the parent: [Note: sweeping temporaries] in :mod:`.io`.
     """
@@ -274,6 +276,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimize
     target = Path(path).absolute()
     problem: BaseException | None = None
     tmp_name = None
+    hf_config = None
     try:
         _check_optimizer(optimizer, engine)
         to_json_text(extra, "extra")
@@ -282,6 +285,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimize
         with torch.no_grad():
             items, scalar, group_names = _items_to_write(engine, optimizer)
         if rank == 0:
+            hf_config = hf_config_of(model.module)
             check_replaceable(target)
             remove_stale_temps(target)
             remove_abandoned_temps(target.parent)
@@ -314,7 +318,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimize
                     aliases=aliases, files=[r.file for r in reports], items={r.file.name: r.items for r in reports},
                     optimizer=None if optimizer is None else _optimizer_section(
                         optimizer, hyperparameters, reports, [n for n, _ in engine.named_params]),
-                    extra=extra, layout=_layout(engine),
+                    extra=extra, layout=_layout(engine), hf_config=hf_config,
                 )
                 write_manifest(tmp, manifest)
                 _crash_point(rank, "commit")
@@ -524,7 +528,9 @@ def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size
     (master copies), sent to rank 0 piece by piece in chunks of at most
     :data:`~shardpar.checkpoint.io.CHUNK_BYTES`, so no rank ever holds more than its shard
     plus one chunk; tied weights are written once, under their first name. ``dtype`` casts
-    floating-point tensors. The directory appears whole or not at all. Returns the model files written (on every rank).
+    floating-point tensors. A Hugging Face model (``model.module`` has a ``config``) gets its
+    ``config.json`` and ``generation_config.json`` beside the weights. The directory appears
+    whole or not at all. Returns the model files written (on every rank).
     """
     engine = _engine_of(model)
     rank, group = engine.rank, engine.group
@@ -560,7 +566,8 @@ def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size
     if rank == 0:
         try:
             entries = [(n, output_dtype(n, t), tuple(t.shape)) for n, _, t in model_tensors]
-            writer = HFLayoutWriter(out_dir, entries, max_bytes)
+            json_files = config_files(hf_config_of(model.module), floating_dtype([d for _, d, _ in entries]))
+            writer = HFLayoutWriter(out_dir, entries, max_bytes, json_files)
         except Exception as error:
             problem = error
     # Rank 0 keeps receiving after a write error so no sender is left blocked (the verdict
