@@ -570,7 +570,7 @@ def export_directory(out_dir: str | os.PathLike[str]) -> Path:
 def _link_or_copy(source: str | os.PathLike[str], destination: str | os.PathLike[str]) -> None:
     try:
         os.link(source, destination, follow_symlinks=False)  # same file system: no copy
-    except OSError:
+    except (OSError, NotImplementedError):  # another file system, or no linkat on this platform
         shutil.copy2(source, destination, follow_symlinks=False)
 
 def _carry_over(old_dir: Path, new_dir: Path, replaced: Callable[[str], bool]) -> None:
