@@ -11,7 +11,9 @@ import json
 import math
 import os
 import re
+import stat
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,9 @@ from .io import (
     FileView,
     dtype_name,
     parse_dtype,
+    read_regular_file,
     write_text_atomic,
+    write_text_synced,
 )
 from ..errors import CheckpointError
 
@@ -36,6 +40,21 @@ MANIFEST_DIGEST = "manifest_sha256"
 """Manifest field holding the sha256 of the rest of the manifest; see :func:`manifest_digest`."""
 LATEST = "latest"
 KINDS = ("param", "frozen", "buffer")
+HF_CONFIG_KEYS = ("config", "generation_config")
+"""Keys of the manifest's ``hf_config``: the JSON of ``config.json`` and ``generation_config.json``."""
+
+MAX_MANIFEST_BYTES = 256 * 2**20
+"""The largest manifest read (and written). A manifest grows with the number of pieces:
+about 200 bytes each (with long names and the indentation shardpar writes), and a
+checkpoint has roughly (tensors + ranks x buckets or units) x (1 + optimizer states) of
+them. 256 MiB is about a million pieces -- a thousand ranks saving a hundred stage-3 units
+with Adam state uses a third of it -- while still bounding what a damaged or hostile file
+can make a restart read. Only the manifest itself knows the number of pieces, so the bound
+is fixed rather than proportional; a save that would exceed it fails, before anything is
+made visible."""
+MAX_LATEST_BYTES = 2**20
+"""The largest ``latest`` read: it holds one directory name (at most 255 bytes on common
+file systems)."""
 
 
 # --------------------------------------------------------------------------- names
@@ -63,7 +82,9 @@ def piece_key(ref: tuple[str, ...], start: int, end: int) -> str:
 
 def check_replaceable(target: Path) -> None:
     """Refuse to replace something that is not a checkpoint (it might be anything)."""
-    if target.exists() and not (target.is_dir() and ((target / MANIFEST).is_file() or not any(target.iterdir()))):
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{target} is not a directory; refusing to replace it with a checkpoint")
+    if target.exists() and not ((target / MANIFEST).is_file() or not any(target.iterdir())):
         raise CheckpointError(
             f"{target} exists and is not a shardpar checkpoint (no {MANIFEST}); refusing to replace it"
         )
@@ -188,6 +209,8 @@ class Manifest:
     aliases: dict[str, str]
     optimizer: OptimizerRecord | None
     extra: Any
+    hf_config: dict[str, dict[str, Any]] | None = None
+    """The Hugging Face ``config.json`` (and ``generation_config.json``) of the model, if it has one."""
 
     @property
     def path(self) -> Path:
@@ -269,8 +292,15 @@ def parse_manifest(raw: Any, directory: Path) -> Manifest:
                 decode_value(value, where=f"{where}: optimizer scalar state '{key}' of '{param}'")
         optimizer = OptimizerRecord(opt_raw["class"], opt_raw["param_groups"], state, scalar)
 
+    hf_config = raw.get("hf_config")
+    _expect(hf_config is None or (isinstance(hf_config, dict) and isinstance(hf_config.get("config"), dict)
+                                  and set(hf_config) <= set(HF_CONFIG_KEYS)
+                                  and all(isinstance(v, dict) for v in hf_config.values())),
+            f"{where}: 'hf_config' must be null or an object with a 'config' object and optionally a "
+            "'generation_config' object")
+
     return Manifest(directory, raw, version, raw["stage"], raw["world_size"], files, tensors,
-                    dict(aliases), optimizer, raw.get("extra"))
+                    dict(aliases), optimizer, raw.get("extra"), hf_config)
 
 def manifest_digest(raw: dict[str, Any]) -> str:
     """sha256 (hex) of the manifest without its ``manifest_sha256`` field, serialised
@@ -295,14 +325,20 @@ def check_manifest_digest(raw: dict[str, Any], where: str) -> None:
     _expect(recorded == actual, f"{where} does not match its checksum (sha256 {actual}, '{MANIFEST_DIGEST}' says "
                                 f"{recorded!r}): the manifest was modified or is corrupted")
 
-def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
-    """Read and validate ``<directory>/shardpar.json``."""
-    directory = Path(directory)
+def check_is_directory(directory: Path, what: str) -> None:
+    """A missing directory and a file where one is expected are different mistakes; say which."""
+    if not directory.exists():
+        raise CheckpointError(f"{what} {directory} does not exist")
     if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+        raise CheckpointError(f"{what} {directory} is not a directory")
+
+def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """Read and validate ``<directory>/shardpar.json`` (at most :data:`MAX_MANIFEST_BYTES`)."""
+    directory = Path(directory)
+    check_is_directory(directory, "checkpoint directory")
     path = directory / MANIFEST
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_file(path, "manifest", MAX_MANIFEST_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise CheckpointError(f"{directory} has no manifest {MANIFEST}: not a shardpar checkpoint "
                               "(or an interrupted save)") from None
@@ -318,22 +354,38 @@ def is_valid_checkpoint(directory: Path) -> bool:
     """Cheap validity: the manifest parses and every file exists with its recorded size."""
     try:
         manifest = read_manifest(directory)
-        return all((directory / f.name).stat().st_size == f.bytes for f in manifest.files.values())
+        return all(stat.S_ISREG((info := (directory / f.name).stat()).st_mode) and info.st_size == f.bytes
+                   for f in manifest.files.values())
     except (CheckpointError, OSError):
         return False
 
+def _read_latest(root: Path) -> str | None:
+    """The name ``root/latest`` holds, or None. A pointer that is not a regular file or is
+    oversized is not something a save writes: it is ignored with a warning, as a damaged one
+    is ignored silently, so a restart still finds the newest valid checkpoint."""
+    try:
+        return read_regular_file(root / LATEST, "latest pointer", MAX_LATEST_BYTES).decode("utf-8").strip()
+    except CheckpointError as error:
+        warnings.warn(f"{error}; latest_checkpoint takes the newest valid checkpoint instead", stacklevel=3)
+    except (OSError, UnicodeDecodeError):
+        pass
+    return None
+
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The newest valid checkpoint under ``root``: the one ``root/latest`` names if valid,
-    else the valid checkpoint directory with the newest manifest (``created_unix``)."""
+    else the valid checkpoint directory with the newest manifest (``created_unix``). None
+    if ``root`` does not exist (yet); a CheckpointError if it is not a directory."""
     root = Path(root)
-    if not root.is_dir():
+    if not root.exists():
         return None
+    check_is_directory(root, "checkpoint root")
     try:
-        name = (root / LATEST).read_text(encoding="utf-8").strip()
-        check_file_name(name, "latest")
-        if is_valid_checkpoint(root / name):
-            return root / name
-    except (OSError, UnicodeDecodeError, CheckpointError):
+        name = _read_latest(root)
+        if name is not None:
+            check_file_name(name, "latest")
+            if is_valid_checkpoint(root / name):
+                return root / name
+    except CheckpointError:
         pass
     best: tuple[float, str] | None = None
     for candidate in root.iterdir():
@@ -487,6 +539,7 @@ def assemble_manifest(
     *, stage: int, world_size: int, model: list[tuple[str, str, str, list[int]]], aliases: dict[str, str],
     files: list[FileRecord], items: dict[str, list[StoredItem]], optimizer: dict[str, Any] | None,
     extra: Any, layout: Any = None, torch_version: str | None = None,
+    hf_config: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The manifest JSON object from what every file holds; validated before it is returned.
 
@@ -531,14 +584,18 @@ def assemble_manifest(
         "layout": layout,
         "optimizer": None if optimizer is None else {**optimizer, "state": state},
         "extra": extra,
+        "hf_config": hf_config,
     }
     parse_manifest(json.loads(to_json_text(manifest, "the manifest")), Path("."))  # self-check
     return manifest
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Sign and write the manifest; one a reader would refuse for its size is refused here."""
     path = directory / MANIFEST
     manifest = {**manifest, MANIFEST_DIGEST: manifest_digest(manifest)}
-    with open(path, "x", encoding="utf-8") as f:
-        f.write(to_json_text(manifest, "the manifest"))
-        f.flush()
-        os.fsync(f.fileno())
+    text = to_json_text(manifest, "the manifest")
+    size = len(text.encode("utf-8"))
+    if size > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"the manifest of {directory} would be {size} bytes, more than the "
+                              f"{MAX_MANIFEST_BYTES} bytes a reader accepts (MAX_MANIFEST_BYTES)")
+    write_text_synced(path, text)

@@ -30,6 +30,32 @@ until the new one is complete; elsewhere the old one is renamed aside first (a c
 between the two renames leaves the target absent, and :func:`latest_checkpoint` falls
 back to the newest other valid checkpoint). ``latest`` is replaced via a temporary file.
 The protocol around it (who verifies what) is in :func:`shardpar.checkpoint.save_checkpoint`.
+A Hugging Face export (:class:`HFLayoutWriter`) is committed the same way, so it too
+appears whole or not at all.
+
+[Note: only regular files are read]
+Every file of a checkpoint is opened through :func:`open_regular_file`, which refuses
+anything but a regular file *before* it could block or never end: opening a FIFO for
+reading waits for a writer forever, and a symlink to ``/dev/zero`` never reaches its end.
+It checks with ``stat`` first (so no device is even opened), then opens with
+``O_NONBLOCK`` and checks again with ``fstat`` (a swap between the two still cannot block).
+Small files read whole (the manifest, ``latest``) also have a size cap
+(:func:`read_regular_file`).
+
+[Note: sweeping temporaries]
+A save killed mid-write leaves ``.<name>.tmp-<12 hex digits>`` next to its target (and
+``write_text_atomic`` a ``.<file>.tmp-...`` file). A later save to the *same* target removes
+them at once (:func:`remove_stale_temps`; one target is never written by two saves at a
+time). When every step gets its own directory no later save has that target, so rank 0
+also removes, at the start of every save, the temporaries of *other* targets in the same
+parent (:func:`remove_abandoned_temps`), under two conditions: the name has exactly that
+pattern (:data:`TEMP_NAME`), and nothing in it was modified for :data:`ABANDONED_AFTER_S`
+(an hour). A save in progress keeps modifying its temporary while the ranks write; its
+longest quiet stretch is the read-back verification plus one agreement, bounded by the
+collective timeout (5 minutes by default). So a temporary untouched for an hour belongs to
+no running save -- unless another job saves into the *same parent* with a collective
+timeout above an hour: give such jobs a parent of their own. Symlinks are unlinked, never
+followed.
 """
 
 from __future__ import annotations
@@ -42,11 +68,13 @@ import math
 import os
 import re
 import shutil
+import stat
 import struct
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 import torch
 
@@ -125,15 +153,75 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
     finally:
         os.close(fd)
 
+def write_failure(path: Path, error: OSError) -> CheckpointError:
+    """The error for a failed write to ``path``: the OSError of a ``write`` or ``fsync`` names
+    no file, and "No space left on device" alone does not say which disk is full."""
+    if error.errno == errno.ENOSPC:
+        reason = "the disk is full (no space left on the device)"
+    elif error.errno == getattr(errno, "EDQUOT", None):
+        reason = "the disk quota is exhausted"
+    else:
+        reason = error.strerror or str(error)
+    return CheckpointError(f"cannot write {path}: {reason}")
+
+def write_text_synced(path: Path, text: str, name_in_errors: Path | None = None) -> None:
+    """Create ``path`` (it must not exist) holding ``text``, fsynced; errors name
+    ``name_in_errors`` (default ``path``)."""
+    try:
+        with open(path, "x", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as error:
+        raise write_failure(name_in_errors or path, error) from error
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``path`` through a temporary file in the same directory and one ``os.replace``."""
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = temp_sibling(path)
+    try:
+        write_text_synced(tmp, text, name_in_errors=path)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
+
+_FILE_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+               stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket"}
+
+def _check_regular(mode: int, path: Path, what: str) -> None:
+    if not stat.S_ISREG(mode):
+        kind = _FILE_KINDS.get(stat.S_IFMT(mode), "not a file")
+        raise CheckpointError(f"{what} {path} is not a regular file ({kind}); refusing to read it")
+
+def open_regular_file(path: Path, what: str) -> BinaryIO:
+    """``open(path, "rb", buffering=0)`` for a regular file only, refused before it could
+    block; see [Note: only regular files are read]. ``what`` names the file in errors
+    ("shard file"). A missing file raises FileNotFoundError."""
+    _check_regular(os.stat(path).st_mode, path, what)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        _check_regular(os.fstat(fd).st_mode, path, what)
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)  # reads of a regular file wait for the disk, as usual
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+def read_regular_file(path: Path, what: str, max_bytes: int) -> bytes:
+    """All bytes of a small regular file, refusing one larger than ``max_bytes`` before
+    reading it (and one that grows past it while being read)."""
+    with open_regular_file(path, what) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = bytearray()
+        while size <= max_bytes and len(data) <= max_bytes:
+            chunk = f.read(max_bytes + 1 - len(data))
+            if not chunk:
+                return bytes(data)
+            data += chunk
+    raise CheckpointError(f"{what} {path} is {max(size, len(data))} bytes, more than the {max_bytes} bytes "
+                          f"a {what} may have; refusing to read it")
 
 def _exchange_paths(a: Path, b: Path) -> bool:
     """Atomically swap two existing paths (Linux ``renameat2``); False where unsupported."""
@@ -150,19 +238,71 @@ def _exchange_paths(a: Path, b: Path) -> bool:
         return False
     raise OSError(err, os.strerror(err), str(b))
 
+TEMP_NAME = re.compile(r"\.(?P<target>.+)\.(?P<purpose>tmp|old)-[0-9a-f]{12}")
+"""Every temporary shardpar makes (:func:`temp_sibling`); nothing else is ever swept."""
+ABANDONED_AFTER_S = 3600.0
+"""A temporary of another target untouched this long is abandoned; see [Note: sweeping temporaries]."""
+
 def temp_sibling(target: Path, purpose: str = "tmp") -> Path:
     """A fresh hidden name next to ``target`` (same file system, so renames are atomic)."""
     return target.parent / f".{target.name}.{purpose}-{uuid.uuid4().hex[:12]}"
 
+def make_temp_dir(target: Path) -> Path:
+    """A fresh temporary directory next to ``target``, its parents created; a file where a
+    parent should be is named (mkdir's error would name only the temporary)."""
+    for ancestor in target.parents:
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise CheckpointError(f"cannot create {target}: {ancestor} is not a directory")
+            break
+    tmp = temp_sibling(target)
+    tmp.mkdir(parents=True)
+    return tmp
+
+def _temporaries(parent: Path) -> list[tuple[os.DirEntry, str]]:
+    """``(entry, target name)`` of every temporary in ``parent``."""
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:  # missing, or not a directory: nothing to sweep
+        return []
+    return [(entry, match["target"]) for entry in entries if (match := TEMP_NAME.fullmatch(entry.name))]
+
+def _remove_entry(entry: os.DirEntry) -> None:
+    """A directory with its contents; anything else (a symlink included) is unlinked."""
+    try:
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            os.unlink(entry.path)
+    except OSError:
+        pass  # gone already, or not ours to remove: leave it
+
+def _last_modified(entry: os.DirEntry) -> float:
+    """Newest mtime of a temporary and (for a directory) of its entries; +inf if it changes
+    under us (another saver is busy with it)."""
+    try:
+        newest = entry.stat(follow_symlinks=False).st_mtime
+        if entry.is_dir(follow_symlinks=False):
+            with os.scandir(entry.path) as children:
+                for child in children:
+                    newest = max(newest, child.stat(follow_symlinks=False).st_mtime)
+        return newest
+    except OSError:
+        return math.inf
+
 def remove_stale_temps(target: Path) -> None:
     """Leftovers of interrupted saves to ``target`` (never visible as checkpoints)."""
-    if target.parent.is_dir():
-        for leftover in target.parent.glob(f".{glob_escape(target.name)}.*-*"):
-            if re.fullmatch(rf"\.{re.escape(target.name)}\.(tmp|old)-[0-9a-f]{{12}}", leftover.name):
-                shutil.rmtree(leftover, ignore_errors=True)
+    for entry, name in _temporaries(target.parent):
+        if name == target.name:
+            _remove_entry(entry)
 
-def glob_escape(name: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", name)
+def remove_abandoned_temps(parent: Path, older_than_s: float = ABANDONED_AFTER_S) -> None:
+    """Temporaries of *any* target in ``parent`` that nothing modified for ``older_than_s``;
+    see [Note: sweeping temporaries]."""
+    cutoff = time.time() - older_than_s
+    for entry, _ in _temporaries(parent):
+        if _last_modified(entry) < cutoff:
+            _remove_entry(entry)
 
 def commit_directory(tmp: Path, target: Path) -> None:
     """Make the complete directory ``tmp`` visible as ``target``; see [Note: atomic commit]."""
@@ -187,7 +327,7 @@ def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> tu
     size = 0
     buffer = bytearray(_HASH_CHUNK)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
+    with open_regular_file(path, "file") as f:
         while True:
             n = f.readinto(buffer)
             if not n:
@@ -242,21 +382,31 @@ class SafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
         self.path = path
-        self._file = open(path, "xb", buffering=0)
+        try:
+            self._file = open(path, "xb", buffering=0)
+        except OSError as error:
+            raise write_failure(path, error) from error
         self._digest = hashlib.sha256()
         self._written = 0
         self._entry = 0
         self._entry_left = self._sizes[0][1] if self._sizes else 0
-        self._raw_write(struct.pack("<Q", len(raw)) + raw)
+        try:
+            self._raw_write(struct.pack("<Q", len(raw)) + raw)
+        except BaseException:
+            self._file.close()
+            raise
         self._skip_empty()
 
     def _raw_write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
         self._digest.update(view)
-        while view.nbytes:
-            n = self._file.write(view)
-            view = view[n:]
-            self._written += n
+        try:
+            while view.nbytes:
+                n = self._file.write(view)
+                view = view[n:]
+                self._written += n
+        except OSError as error:
+            raise write_failure(self.path, error) from error
 
     def _skip_empty(self) -> None:
         while self._entry < len(self._sizes) and self._entry_left == 0:
@@ -286,9 +436,13 @@ class SafetensorsWriter:
     def close(self) -> tuple[int, str]:
         if self._entry < len(self._sizes):
             raise ValueError(f"{self.path.name}: tensor {self._sizes[self._entry][0]!r} was not fully written")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())  # a full disk may only show here (delayed allocation, NFS)
+            self._file.close()
+        except OSError as error:
+            self._file.close()
+            raise write_failure(self.path, error) from error
         return self._written, self._digest.hexdigest()
 
     def abort(self) -> None:
@@ -315,7 +469,7 @@ class FileView:
                  progress: Callable[[int], None] | None = None) -> None:
         self.path = path
         try:
-            self._file = open(path, "rb", buffering=0)
+            self._file = open_regular_file(path, "shard file")
         except FileNotFoundError:
             raise CheckpointError(f"shard file {path} is missing") from None
         except OSError as error:
@@ -402,19 +556,56 @@ class FileView:
 
 # --------------------------------------------------------------------------- Hugging Face layout
 
+_EXPORT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+"""The files of a Hugging Face layout export: an export replaces every one of them."""
+
+def export_directory(out_dir: str | os.PathLike[str]) -> Path:
+    """The directory an export goes to, symlinks resolved (the exchange must swap the real
+    directory, not a link to it); a file there is refused."""
+    target = Path(os.path.realpath(out_dir))
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{out_dir} is not a directory; an export is a directory of files")
+    return target
+
+def _link_or_copy(source: str | os.PathLike[str], destination: str | os.PathLike[str]) -> None:
+    try:
+        os.link(source, destination, follow_symlinks=False)  # same file system: no copy
+    except (OSError, NotImplementedError):  # another file system, or no linkat on this platform
+        shutil.copy2(source, destination, follow_symlinks=False)
+
+def _carry_over(old_dir: Path, new_dir: Path, replaced: Callable[[str], bool]) -> None:
+    """Put what ``old_dir`` holds besides the export (a tokenizer, a README) into ``new_dir``,
+    so replacing the directory keeps it."""
+    if not old_dir.is_dir():
+        return
+    with os.scandir(old_dir) as entries:
+        for entry in entries:
+            if replaced(entry.name) or TEMP_NAME.fullmatch(entry.name):
+                continue
+            destination = new_dir / entry.name
+            if entry.is_symlink():
+                os.symlink(os.readlink(entry.path), destination)
+            elif entry.is_dir():
+                shutil.copytree(entry.path, destination, symlinks=True, copy_function=_link_or_copy)
+            else:
+                _link_or_copy(entry.path, destination)
+
 class HFLayoutWriter:
     """Writes a state dict, tensor by tensor and chunk by chunk, in the Hugging Face layout:
     ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` plus
-    ``model.safetensors.index.json`` when it exceeds ``max_shard_bytes``.
+    ``model.safetensors.index.json`` when it exceeds ``max_shard_bytes``; and ``json_files``
+    (``config.json``...) beside them.
 
     Shards are filled in the given order; a tensor larger than the limit gets a file of its
-    own. Files go through temporary names and ``os.replace``; the index is written last;
-    model files of an earlier export in ``out_dir`` that are not part of this one are removed.
+    own. Everything goes into a temporary directory next to ``out_dir``, which :meth:`close`
+    commits with one rename (see [Note: atomic commit]): the export appears whole or not at
+    all, and :meth:`abort` leaves ``out_dir`` exactly as it was. Model files of an earlier
+    export in ``out_dir`` are replaced; other files there are kept.
     """
 
     def __init__(self, out_dir: Path, entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
-                 max_shard_bytes: int) -> None:
-        self.out_dir = out_dir
+                 max_shard_bytes: int, json_files: dict[str, Any] | None = None) -> None:
+        self.out_dir = export_directory(out_dir)
         shards: list[list[tuple[str, torch.dtype, Sequence[int]]]] = []
         current: list[tuple[str, torch.dtype, Sequence[int]]] = []
         current_bytes = 0
@@ -436,21 +627,24 @@ class HFLayoutWriter:
         self._shards = shards
         self.total_size = sum(math.prod(s) * d.itemsize for _, d, s in entries)
         self.weight_map = {name: file for file, shard in zip(self.names, shards) for name, _, _ in shard}
-        out_dir.mkdir(parents=True, exist_ok=True)
+        self._json_files = dict(json_files or {})
+        remove_stale_temps(self.out_dir)  # of exports to this directory that were killed
+        self._dir = make_temp_dir(self.out_dir)
         self._index = -1
         self._writer: SafetensorsWriter | None = None
-        self._tmp: Path | None = None
-        self._next_file()
+        try:
+            self._next_file()
+        except BaseException:
+            self.abort()
+            raise
 
     def _next_file(self) -> None:
         if self._writer is not None:
             self._writer.close()
-            os.replace(self._tmp, self.out_dir / self.names[self._index])
         self._index += 1
         self._writer = None
         if self._index < len(self._shards):
-            self._tmp = temp_sibling(self.out_dir / self.names[self._index])
-            self._writer = SafetensorsWriter(self._tmp, self._shards[self._index])
+            self._writer = SafetensorsWriter(self._dir / self.names[self._index], self._shards[self._index])
             if self._writer.current_key is None and self._index + 1 < len(self._shards):
                 self._next_file()
 
@@ -462,23 +656,26 @@ class HFLayoutWriter:
             self._next_file()
 
     def close(self) -> list[str]:
-        """Finish the last file, write the index (if sharded), remove stale files."""
-        while self._writer is not None:
-            self._next_file()
-        index = self.out_dir / "model.safetensors.index.json"
-        if len(self.names) > 1:
-            write_text_atomic(index, json.dumps(
-                {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map}, indent=2) + "\n")
-        elif index.exists():
-            index.unlink()
-        for stale in self.out_dir.iterdir():
-            if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", stale.name) and stale.name not in self.names:
-                stale.unlink()
-        fsync_dir(self.out_dir)
+        """Finish the last file, write the index (if sharded) and the JSON files, commit."""
+        try:
+            while self._writer is not None:
+                self._next_file()
+            if len(self.names) > 1:
+                write_text_synced(self._dir / "model.safetensors.index.json", json.dumps(
+                    {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map}, indent=2) + "\n")
+            for name, content in self._json_files.items():
+                write_text_synced(self._dir / name, json.dumps(content, indent=2, sort_keys=True) + "\n")
+            _carry_over(self.out_dir, self._dir, lambda name: bool(_EXPORT_FILE.fullmatch(name))
+                        or name in self._json_files)
+            commit_directory(self._dir, self.out_dir)
+        except BaseException:
+            self.abort()
+            raise
         return list(self.names)
 
     def abort(self) -> None:
+        """Drop everything written so far; ``out_dir`` stays as it was."""
         if self._writer is not None:
             self._writer.abort()
-            self._tmp.unlink(missing_ok=True)
             self._writer = None
+        shutil.rmtree(self._dir, ignore_errors=True)

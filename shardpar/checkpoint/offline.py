@@ -7,7 +7,9 @@ holds a whole model, or even a whole tensor.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
+
 import torch
 from tqdm import tqdm
 
@@ -29,11 +31,13 @@ from .io import (
     SafetensorsWriter,
     commit_directory,
     dtype_name,
+    export_directory,
+    make_temp_dir,
     parse_dtype,
     parse_size,
     remove_stale_temps,
-    temp_sibling,
 )
+from .hf_config import config_files, floating_dtype
 
 
 def _bar(total: int, desc: str, enabled: bool) -> tqdm:
@@ -45,17 +49,24 @@ def _bar(total: int, desc: str, enabled: bool) -> tqdm:
 def consolidate(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], max_shard_size: int | str = "5GB",
                 dtype: str | torch.dtype | None = None, progress: bool = True) -> list[str]:
     """Sharded checkpoint -> Hugging Face layout (``model.safetensors`` or numbered shards +
-    index), model tensors only, tied weights once; ``dtype`` casts floating-point tensors."""
+    index), model tensors only, tied weights once; ``dtype`` casts floating-point tensors.
+    The model's ``config.json`` (and ``generation_config.json``) go beside the weights when
+    the checkpoint carries them. ``out_dir`` appears whole or not at all (a failure leaves
+    it exactly as it was); files in it that are not part of an export are kept."""
     manifest = read_manifest(ckpt_dir)
     max_bytes = parse_size(max_shard_size)
     cast = None if dtype is None else (dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype))
+    if export_directory(out_dir) == Path(os.path.realpath(manifest.directory)):
+        raise ValueError("the output directory must differ from the input checkpoint")
 
     def out_dtype(entry: TensorEntry) -> torch.dtype:
         return cast if cast is not None and entry.dtype.is_floating_point else entry.dtype
 
     entries = list(manifest.tensors.values())
+    layout = [(e.name, out_dtype(e), e.shape) for e in entries]
+    json_files = config_files(manifest.hf_config, floating_dtype([stored for _, stored, _ in layout]))
     with CheckpointReader(manifest) as reader, _bar(sum(e.nbytes for e in entries), "consolidate", progress) as bar:
-        writer = HFLayoutWriter(Path(out_dir), [(e.name, out_dtype(e), e.shape) for e in entries], max_bytes)
+        writer = HFLayoutWriter(Path(out_dir), layout, max_bytes, json_files)
         try:
             for entry in entries:
                 for chunk in reader.iter_range(entry, 0, entry.numel):
@@ -90,7 +101,8 @@ def reshard(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], w
     near-equal contiguous ranges of their concatenation (the layout of a single unpadded
     bucket); each optimizer state follows its parameter; buffers, and frozen parameters at
     stages 0-2, go to rank 0 as the engines do. The output is written and committed
-    atomically like a saved checkpoint (``latest`` is not touched)."""
+    atomically like a saved checkpoint (``latest`` is not touched); a failure leaves
+    ``out_dir`` as it was and no temporary behind."""
     if world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {world_size}")
     manifest = read_manifest(ckpt_dir)
@@ -119,8 +131,19 @@ def reshard(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], w
                 plan[0].append((("state", entry.name, key), state_entry, 0, entry.numel))
 
     remove_stale_temps(target)
-    tmp = temp_sibling(target)
-    tmp.mkdir(parents=True)
+    tmp = make_temp_dir(target)
+    try:
+        _write_resharded(manifest, plan, tmp, stage, world_size, progress)
+        commit_directory(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _write_resharded(manifest: Manifest, plan: list[list[tuple[tuple[str, ...], TensorEntry, int, int]]],
+                     tmp: Path, stage: int, world_size: int, progress: bool) -> None:
+    """The rank files of ``plan`` and their manifest, into the directory ``tmp``."""
     files: list[FileRecord] = []
     items: dict[str, list[StoredItem]] = {}
     total = sum((end - start) * e.dtype.itemsize for ranks in plan for _, e, start, end in ranks)
@@ -153,11 +176,9 @@ def reshard(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], w
         model=[(e.name, e.kind, dtype_name(e.dtype), list(e.shape)) for e in manifest.tensors.values()],
         aliases=manifest.aliases, files=files, items=items, optimizer=optimizer, extra=manifest.extra,
         layout={"even_split": {"world_size": world_size, "resharded_from": manifest.world_size}},
-        torch_version=manifest.raw.get("torch_version"),
+        torch_version=manifest.raw.get("torch_version"), hf_config=manifest.hf_config,
     )
     write_manifest(tmp, manifest_json)
-    commit_directory(tmp, target)
-    return target
 
 
 def verify(manifest: Manifest, progress: bool = True) -> None:

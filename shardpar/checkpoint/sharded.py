@@ -61,12 +61,14 @@ from .io import (
     SafetensorsWriter,
     commit_directory,
     dtype_name,
+    make_temp_dir,
     parse_dtype,
     parse_size,
+    remove_abandoned_temps,
     remove_stale_temps,
     sha256_file,
-    temp_sibling,
 )
+from .hf_config import config_files, floating_dtype, hf_config_of
 from ..core.pieces import TensorPiece
 from ..engines import Engine
 from ..errors import CheckpointError
@@ -255,16 +257,19 @@ def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimize
     """Save the model (and optimizer) into the directory ``path``, every rank in parallel.
 
     Every rank calls it. Each writes ``rank-0000r-of-0000N.safetensors`` with its pieces;
-    rank 0 verifies the files and writes ``shardpar.json`` (``extra`` must be JSON); the
-    directory appears atomically (replacing an existing checkpoint only once complete) and
-    ``<parent>/latest`` names it. Returns on every rank once it is visible. The steps are
-    those of docs/checkpoint-format.md, "Writing".
+    rank 0 verifies the files and writes ``shardpar.json`` (``extra`` must be JSON; a
+    Hugging Face model's config goes in too, for exports); the directory appears atomically
+    (replacing an existing checkpoint only once complete) and ``<parent>/latest`` names it.
+    Returns on every rank once it is visible. The steps are those of
+    docs/checkpoint-format.md, "Writing". Rank 0 first removes abandoned temporaries of other
+    checkpoints in the parent: [Note: sweeping temporaries] in :mod:`.io`.
     """
     engine = _engine_of(model)
     rank, world_size, group = engine.rank, engine.world_size, engine.group
     target = Path(path).absolute()
     problem: BaseException | None = None
     tmp_name = None
+    hf_config = None
     try:
         _check_optimizer(optimizer, engine)
         to_json_text(extra, "extra")
@@ -273,10 +278,11 @@ def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimize
         with torch.no_grad():
             items, scalar, group_names = _items_to_write(engine, optimizer)
         if rank == 0:
+            hf_config = hf_config_of(model.module)
             check_replaceable(target)
             remove_stale_temps(target)
-            tmp = temp_sibling(target)
-            tmp.mkdir(parents=True)
+            remove_abandoned_temps(target.parent)
+            tmp = make_temp_dir(target)
             tmp_name = tmp.name
     except Exception as error:
         problem = error
@@ -305,7 +311,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimize
                     aliases=aliases, files=[r.file for r in reports], items={r.file.name: r.items for r in reports},
                     optimizer=None if optimizer is None else _optimizer_section(
                         optimizer, hyperparameters, reports, [n for n, _ in engine.named_params]),
-                    extra=extra, layout=_layout(engine),
+                    extra=extra, layout=_layout(engine), hf_config=hf_config,
                 )
                 write_manifest(tmp, manifest)
                 _crash_point(rank, "commit")
@@ -515,7 +521,9 @@ def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size
     (master copies), sent to rank 0 piece by piece in chunks of at most
     :data:`~shardpar.checkpoint.io.CHUNK_BYTES`, so no rank ever holds more than its shard
     plus one chunk; tied weights are written once, under their first name. ``dtype`` casts
-    floating-point tensors. Returns the files written (on every rank).
+    floating-point tensors. A Hugging Face model (``model.module`` has a ``config``) gets its
+    ``config.json`` and ``generation_config.json`` beside the weights. The directory appears
+    whole or not at all. Returns the model files written (on every rank).
     """
     engine = _engine_of(model)
     rank, group = engine.rank, engine.group
@@ -551,7 +559,8 @@ def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size
     if rank == 0:
         try:
             entries = [(n, output_dtype(n, t), tuple(t.shape)) for n, _, t in model_tensors]
-            writer = HFLayoutWriter(out_dir, entries, max_bytes)
+            json_files = config_files(hf_config_of(model.module), floating_dtype([d for _, d, _ in entries]))
+            writer = HFLayoutWriter(out_dir, entries, max_bytes, json_files)
         except Exception as error:
             problem = error
     # Rank 0 keeps receiving after a write error so no sender is left blocked (the verdict
