@@ -176,8 +176,11 @@ def _read_bytes(file: BinaryIO, offset: int, n: int, where: str) -> bytes:
     return bytes(buffer)
 
 def _writable_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous, non-empty CPU tensor as a writable view (no copy)."""
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+    """The bytes of a contiguous, non-empty CPU tensor as a writable view (no copy). torch calls
+    a one-element view with any stride contiguous (``dest[::2]`` of two elements), so the
+    strides are set to 1 explicitly; ``as_strided`` keeps the storage offset."""
+    dense = tensor.as_strided((tensor.numel(),), (1,))
+    return memoryview(dense.view(torch.uint8).numpy()).cast("B")
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """``json.loads`` hook: a repeated key is an error (``json`` would keep the last one)."""
@@ -427,7 +430,8 @@ class HFCheckpoint:
 
     def check_shape(self, name: str, expected: Sequence[int]) -> None:
         """CheckpointError naming the tensor, both shapes and the file unless tensor ``name``
-        is stored with shape ``expected``."""
+        is stored with shape ``expected`` (or naming the tensor if it is not stored)."""
+        self.entry(name)
         self.check_shapes({name: expected})
 
     def check_shapes(self, expected: Mapping[str, Sequence[int]]) -> None:
