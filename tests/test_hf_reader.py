@@ -204,8 +204,9 @@ def test_hypothesis_ranges_equal_oracle(saved, data) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5])
 @pytest.mark.parametrize("layout", ["llama-sharded-fp32", "llama-sharded-bf16"])
 def test_zero3_shards_of_every_rank_reassemble_the_oracle(saved, layout, world_size, monkeypatch) -> None:
-    """Each rank reads its 1/N piece of every flattened parameter (padded to a multiple of
-    N, as ZeRO-3 shards it) in one read_ranges call, at most two files open at once."""
+    """Each rank reads its 1/N piece of every flattened parameter (ceil(numel / N) elements,
+    the last piece clipped) in one read_ranges call, in shuffled order, with at most two
+    files open at once; the pieces of all ranks together equal the oracle."""
     reference = oracle(saved[layout])
     rebuilt = {name: torch.empty(t.numel(), dtype=torch.float32) for name, t in reference.items()}
     with open_hf_checkpoint(saved[layout], max_open=2) as ckpt:
@@ -254,8 +255,9 @@ def test_reads_exactly_the_requested_bytes(single, trace, dtype) -> None:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/io is Linux's byte count")
 def test_os_counts_only_the_requested_bytes(saved) -> None:
-    """The kernel's count of bytes this process read, around one read_range: exactly the
-    requested bytes (so nothing bypasses the traced reads, e.g. an mmap or a whole-file read)."""
+    """The kernel's count of bytes this process got from read calls, around one read_range:
+    exactly the requested bytes, so no read bypasses the traced ones (a whole-file or
+    whole-tensor read would show here)."""
     directory = saved["llama-sharded-bf16"]
     name = "model.embed_tokens.weight"
     with open_hf_checkpoint(directory, chunk_bytes=256) as ckpt:
@@ -348,11 +350,13 @@ def test_caller_errors(single, tmp_path) -> None:
         ckpt.read_range("model.norm.weight", 0, 4, torch.empty(4))
 
 
-def test_parameter_destination_is_filled_in_place(single) -> None:
+@pytest.mark.parametrize("layout", ["llama-single-fp32", "llama-single-bf16"])  # read in place; cast
+def test_parameter_destination_is_filled_in_place(saved, layout) -> None:
     param = torch.nn.Parameter(torch.zeros(32))
-    with open_hf_checkpoint(single) as ckpt:
+    with open_hf_checkpoint(saved[layout]) as ckpt:
         ckpt.read_range("model.norm.weight", 0, 32, param)
-    assert torch.equal(param.detach(), load_file(single / "model.safetensors")["model.norm.weight"])
+    stored = load_file(saved[layout] / "model.safetensors")["model.norm.weight"]
+    assert torch.equal(param.detach(), stored.float()) and param.requires_grad
 
 
 # --------------------------------------------------------------------------- bad input
@@ -643,23 +647,38 @@ def reports(directory: Path, build: Callable[[], transformers.PreTrainedModel]) 
 
 
 EMBED = "model.embed_tokens.weight"
+
+
+def drop_one_add_two(t: dict[str, torch.Tensor]) -> None:
+    del t["model.layers.0.mlp.up_proj.weight"]
+    t.update({"extra.weight": torch.ones(2), "model.layers.1.foo.bias": torch.ones(2)})
+
+
+def store_buffers(t: dict[str, torch.Tensor]) -> None:
+    # the first two are excused by transformers' inv_freq pattern, the third is not
+    t.update({"model.rotary_emb.inv_freq": torch.ones(4), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4),
+              "model.rotary_emb.original_inv_freq": torch.ones(4)})
+
+
+def gpt2_old_mask_no_embedding(t: dict[str, torch.Tensor]) -> None:
+    del t["transformer.wte.weight"]  # lm_head.weight is tied to it and not stored either
+    t["transformer.h.0.attn.bias"] = torch.ones(1)  # excused by GPT-2's _keys_to_ignore_on_load_unexpected
+
+
 KEY_CASES = {
     # case: (source checkpoint, model, change to the stored tensors, transformers' (missing, unexpected))
-    "one removed, two extra": ("llama", llama, lambda t: (t.pop("model.layers.0.mlp.up_proj.weight"),
-                                                 t.update({"extra.weight": torch.ones(2),
-                                                           "model.layers.1.foo.bias": torch.ones(2)})),
+    "one removed, two extra": ("llama", llama, drop_one_add_two,
                                ({"model.layers.0.mlp.up_proj.weight"}, {"extra.weight", "model.layers.1.foo.bias"})),
-    "tied: only lm_head stored": ("llama", llama, lambda t: t.update({"lm_head.weight": t.pop(EMBED)}), (set(), set())),
-    "tied: both stored, equal": ("llama", llama, lambda t: t.update({"lm_head.weight": t[EMBED].clone()}), (set(), set())),
+    "tied: only lm_head stored": ("llama", llama, lambda t: t.update({"lm_head.weight": t.pop(EMBED)}),
+                                  (set(), set())),
+    "tied: both stored, equal": ("llama", llama, lambda t: t.update({"lm_head.weight": t[EMBED].clone()}),
+                                 (set(), set())),
     "tied: neither stored": ("llama", llama, lambda t: t.pop(EMBED), ({EMBED, "lm_head.weight"}, set())),
     "untied: lm_head removed": ("untied", lambda: llama(tied=False), lambda t: t.pop("lm_head.weight"),
                                 ({"lm_head.weight"}, set())),
-    "non-persistent buffers stored": ("llama", llama, lambda t: t.update({
-        "model.rotary_emb.inv_freq": torch.ones(4), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4),
-        "model.rotary_emb.original_inv_freq": torch.ones(4)}), (set(), {"model.rotary_emb.original_inv_freq"})),
-    "gpt2: old mask buffer stored, tied embedding removed": (
-        "gpt2", gpt2, lambda t: (t.pop("transformer.wte.weight"), t.update({"transformer.h.0.attn.bias": torch.ones(1)})),
-        ({"transformer.wte.weight", "lm_head.weight"}, set())),
+    "non-persistent buffers stored": ("llama", llama, store_buffers, (set(), {"model.rotary_emb.original_inv_freq"})),
+    "gpt2: old mask stored, tied embedding removed": ("gpt2", gpt2, gpt2_old_mask_no_embedding,
+                                                      ({"transformer.wte.weight", "lm_head.weight"}, set())),
 }
 
 
@@ -702,3 +721,5 @@ def test_tied_groups_of_three_and_chains() -> None:
     assert match_keys(["d"], model, aliases) == (["a", "b", "c"], [])
     assert match_keys(["a", "x", "d"], model, aliases, ignore_unexpected=[r"^y"]) == ([], ["x"])
     assert match_keys(["a", "x"], model, aliases, ignore_missing=[r"^d$"], ignore_unexpected=[r"x"]) == ([], [])
+    # model keys without their aliases (shardpar's stored names): a stored alias is still expected
+    assert match_keys(["b", "d"], ["a", "d"], {"b": "a"}) == ([], [])

@@ -247,7 +247,8 @@ def _check_tiling(tensors: Iterable[StoredTensor], data_start: int, data_size: i
     for tensor in sorted(tensors, key=lambda t: (t.offset, t.nbytes)):
         begin = tensor.offset - data_start
         if begin != position:
-            problem = "overlaps the tensor before it" if begin < position else f"leaves bytes [{position}, {begin}) unused"
+            problem = ("overlaps the tensor before it" if begin < position
+                       else f"leaves bytes [{position}, {begin}) unused")
             raise CheckpointError(f"{where}: the data of tensor {tensor.name!r} starts at byte {begin} and {problem} "
                                   "(tensors must tile the data area)")
         position = begin + tensor.nbytes
