@@ -124,6 +124,12 @@ def parse_dtype(name: Any, where: str = "") -> torch.dtype:
         raise CheckpointError(f"{where}unknown dtype {name!r} (known: {', '.join(_DTYPES)})")
     return _DTYPES[key][0]
 
+def parse_safetensors_dtype(name: Any, where: str = "") -> torch.dtype:
+    """The torch dtype of a safetensors header's dtype code (``"BF16"`` -> ``torch.bfloat16``)."""
+    if not isinstance(name, str) or name not in _FROM_ST:
+        raise CheckpointError(f"{where}unknown dtype {name!r} (known: {', '.join(_FROM_ST)})")
+    return _FROM_ST[name]
+
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
