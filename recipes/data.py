@@ -94,10 +94,14 @@ def _docstrings(module_name: str) -> list[str]:
             docs.append(inspect.getdoc(obj))
         elif inspect.isclass(obj):
             docs.append(inspect.getdoc(obj))
+            # Methods defined here too: a library imported earlier may have added its own to a
+            # standard class (transformers adds logging.Logger.warning_advice), and the corpus
+            # must not depend on what the process imported before.
             docs.extend(
                 inspect.getdoc(member)
                 for member_name, member in sorted(vars(obj).items())
                 if not member_name.startswith("_") and inspect.isfunction(member)
+                and member.__module__ == module.__name__
             )
     return [d for d in docs if d]
 

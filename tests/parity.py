@@ -243,6 +243,7 @@ def describe(model: Any) -> dict[str, Any]:
         "numel": sum(layout.numel for layout in layouts),
         "shard_numel": sum(layout.shard_numel for layout in layouts),
         "bucket_numels": [b.range.size for layout in layouts for b in layout.buckets],
+        "bucket_names": [list(b.names) for layout in layouts for b in layout.buckets],
         "bucket_payloads": [
             sum(layout.slots[name].range.size for name in b.names) for layout in layouts for b in layout.buckets
         ],

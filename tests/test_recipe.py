@@ -392,3 +392,26 @@ def test_memory_budget_no_stage_fits_is_one_error_line(runs: Runs) -> None:
 @pytest.mark.parametrize("name", list(BAD_INPUT))
 def test_bad_input_is_one_error_line(runs: Runs, name: str) -> None:
     one_error_line(runs.get(f"bad-{name}"), BAD_INPUT[name][1])
+
+
+def test_the_corpus_does_not_depend_on_what_was_imported_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library imported before the recipe may add methods to standard classes (transformers
+    adds ``logging.Logger.warning_advice``); the training text, and so every run's data, must
+    stay the same."""
+    import logging
+
+    from recipes import data
+
+    data.build_corpus.cache_clear()
+    pristine = data.build_corpus()
+
+    def warning_advice(self, *args, **kwargs) -> None:
+        """A method another library added to logging.Logger."""
+
+    warning_advice.__module__ = "some.library"
+    monkeypatch.setattr(logging.Logger, "warning_advice", warning_advice, raising=False)
+    data.build_corpus.cache_clear()
+    try:
+        assert data.build_corpus() == pristine
+    finally:
+        data.build_corpus.cache_clear()

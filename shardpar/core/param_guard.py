@@ -49,6 +49,9 @@ _METADATA = frozenset(
 )
 
 
+_VIEWS = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+"""Tensor properties that return views of the values (read later, outside any guard)."""
+
 _ALLOWED: set[str] = set()
 """Operations let through for now (see :func:`allow`)."""
 
@@ -82,6 +85,8 @@ class GuardedParameter(nn.Parameter):
             param = args[0]
             return (f"Parameter(shape={tuple(param.shape)}, dtype={param.dtype}, requires_grad={param.requires_grad}, "
                     f"values not on this rank right now: {param._shardpar_guard})")
+        if name in ("__get__", "__set__") and getattr(getattr(func, "__self__", None), "__name__", "") in _VIEWS:
+            name = func.__self__.__name__  # a view that reads the values later: guarded like an operation
         if name not in _METADATA and name not in _ALLOWED:
             leaves, _ = tree_flatten((args, kwargs))
             for leaf in leaves:

@@ -123,28 +123,37 @@ class ReduceStrategy(Protocol):
 class LaunchOrder:
     """See [Note: launch order]."""
 
-    def __init__(self, buckets: int) -> None:
-        self.order = list(range(buckets))
+    def __init__(self, bucket_names: Sequence[Sequence[str]]) -> None:
+        self.bucket_names = [list(names) for names in bucket_names]
+        self.order = list(range(len(self.bucket_names)))
         self.agreed = False
-        self._first_use: dict[int, int] = {}
+        self._first_use: dict[str, int] = {}
         self._recording = True
 
     @property
     def recording(self) -> bool:
         return self._recording and not self.agreed
 
-    def saw(self, positions: Iterable[int]) -> None:
-        """Buckets whose parameters a module about to run uses (first forward only)."""
-        for position in positions:
-            self._first_use.setdefault(position, len(self._first_use))
+    def saw(self, names: Iterable[str]) -> None:
+        """Parameters a module about to run uses (first forward only)."""
+        for name in names:
+            self._first_use.setdefault(name, len(self._first_use))
 
     def stop_recording(self) -> None:
         self._recording = False
 
     def proposal(self) -> list[int]:
-        """Latest first use first; buckets forward never used last, in layout order."""
-        used = sorted(self._first_use, key=lambda position: -self._first_use[position])
-        return used + [position for position in self.order if position not in self._first_use]
+        """A bucket completes when its earliest-used parameter's gradient does: latest such
+        first use first. A bucket with a parameter forward never used completes only at the
+        end of backward: those last, in layout order."""
+        if not self._first_use:
+            return list(self.order)
+        completes: dict[int, int] = {}
+        for position, names in enumerate(self.bucket_names):
+            if all(name in self._first_use for name in names):
+                completes[position] = min(self._first_use[name] for name in names)
+        used = sorted(completes, key=lambda position: -completes[position])
+        return used + [position for position in self.order if position not in completes]
 
     def agree(self, group: Any) -> None:
         proposals = C.all_gather_objects(("launch order", self.proposal()), group=group)
@@ -178,7 +187,7 @@ class GradientReducer:
         self.comm = comm
         self.group = group
         self.on_bucket_complete = on_bucket_complete
-        self.launch_order = LaunchOrder(len(self.buckets))
+        self.launch_order = LaunchOrder([bucket.names for bucket in self.buckets])
         self.device = spaces[0].device
         self.used = torch.zeros(len(self.names), dtype=torch.int32, device=self.device)
         """Flags of the parameters that got a gradient on this rank since ``zero_grad``."""

@@ -250,23 +250,15 @@ class ReplicatedStorage:
     def layouts(self) -> list[BufferLayout]:
         return [b.layout for b in self.buffers]
 
-    def use_modules(self, tree_lift: Callable[[str], str]) -> dict[str, list[int]]:
-        """Hook module name -> bucket positions of the parameters it (or its compiled subtree)
-        registers; positions count buckets over all buffers in layout order."""
-        position = {}
-        index = 0
-        for buf in self.buffers:
-            for bucket in buf.layout.buckets:
-                for name in bucket.names:
-                    position[name] = index
-                index += 1
+    def use_modules(self, tree_lift: Callable[[str], str]) -> dict[str, list[str]]:
+        """Hook module name -> the trainable parameters it (or its compiled subtree) registers."""
         canonical = self.inventory.name_of
-        uses: dict[str, list[int]] = {}
+        uses: dict[str, list[str]] = {}
         for module_name, sub in self.module.named_modules(remove_duplicate=False):
             for _, param in sub.named_parameters(recurse=False, remove_duplicate=False):
                 name = canonical.get(param)
-                if name in position:
+                if name in self.buffer_of:
                     hook = tree_lift(module_name)
-                    if position[name] not in uses.setdefault(hook, []):
-                        uses[hook].append(position[name])
+                    if name not in uses.setdefault(hook, []):
+                        uses[hook].append(name)
         return uses

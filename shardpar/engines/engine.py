@@ -19,7 +19,9 @@ hook did (a backward through part of the model).
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+import atexit
+import gc
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -36,6 +38,17 @@ from ..core.replicated import ReplicatedStorage
 from ..core.sharded import FromLiveModule, ShardedStorage
 from ..core.training_state import Phase, TrainingState
 from ..core.units import ROOT, _ModuleTree
+
+def _collect_cycles_before_exit() -> None:
+    """[Note: collecting at exit] Training leaves reference cycles behind that hold autograd
+    hooks (the per-use backward hooks of stage 3, closures over the engine). Left to the
+    interpreter's finalisation they are destroyed after torch's own state, which can abort the
+    process ("terminate called without an active exception") after a run that succeeded.
+    Collecting them at exit, while everything is alive, frees them in a healthy state."""
+    gc.collect()
+
+
+atexit.register(_collect_cycles_before_exit)
 
 WRAPPED_MARK = "_shardpar_wrapped"
 """Set on the module an engine manages, so that wrapping it (or a model containing it) again
@@ -126,10 +139,10 @@ class Engine:
         """Stages 0-2: the modules that register parameters (lifted out of compiled regions)
         record first use (launch order) and complete lazy gathers (stages 1-2)."""
         modules = self._tree.modules
-        for hook_name, positions in self.storage.use_modules(self._tree.lift).items():
-            buckets = [self.reducer.buckets[p] for p in positions]
+        for hook_name, names in self.storage.use_modules(self._tree.lift).items():
+            positions = sorted({self.reducer.bucket_of[name].position for name in names})
             groups = [self.storage.groups[p] for p in positions] if self.storage.groups else []
-            hook = _disabled(lambda module, args, buckets=buckets, groups=groups: self._on_module_use(buckets, groups))
+            hook = _disabled(lambda module, args, names=names, groups=groups: self._on_module_use(names, groups))
             handle = modules[hook_name].register_forward_pre_hook(hook, prepend=True)
             (self._handles if groups else self._use_handles).append(handle)
 
@@ -247,15 +260,15 @@ class Engine:
             for handle in handles:
                 handle.wait()
 
-    def _on_module_use(self, buckets: list[GradBucket], groups: list) -> None:
+    def _on_module_use(self, names: list[str], groups: list) -> None:
         if self.reducer.launch_order.recording and torch.is_grad_enabled() and not self.state.is_recompute():
-            self.reducer.launch_order.saw(b.position for b in buckets)
+            self.reducer.launch_order.saw(names)
         for group in groups:
             group.wait_unsharded()
 
     def _on_unit_use(self, unit: Unit) -> None:
         if self.reducer.launch_order.recording and torch.is_grad_enabled():
-            self.reducer.launch_order.saw(self._bucket_of_group[f].position for f in unit.trainable)
+            self.reducer.launch_order.saw(name for flat in unit.trainable for name in flat.params)
 
     # ------------------------------------------------------------------ backward
 
@@ -499,8 +512,3 @@ class Engine:
         self._use_handles.clear()
         self.module.__dict__.pop("zero_grad", None)
         self.module.__dict__.pop(WRAPPED_MARK, None)
-
-    def iter_frozen_and_buffers(self) -> Iterator[torch.Tensor]:
-        for _, p in self.frozen:
-            yield p.data
-        yield from self.module.buffers()

@@ -1,0 +1,668 @@
+"""The patterns real training scripts use, at every stage, against plain torch and torch DDP.
+
+- activation checkpointing (reentrant and not, early stop on and off, per block and around a
+  region; Hugging Face's ``gradient_checkpointing_enable``): same losses and parameters as
+  without it, and the same collectives (kind, count and bytes) in every step;
+- ``torch.compile`` of each block before wrapping, and of the whole wrapped model;
+- parameters no rank uses (a branch never taken) keep ``.grad = None`` and get no optimizer
+  state, as in plain torch; parameters some ranks use get DDP's average (torch DDP with
+  ``find_unused_parameters=True`` is the oracle, with weight decay on every group);
+- ``no_sync()`` accumulates in the reduce dtype at every stage; at stage 3 every micro-batch's
+  backward reshards (peak gathered bytes no higher than a synchronised step's);
+- stage 2-3 staging stays bounded when forward runs modules in the reverse of their
+  registration order;
+- stage 3: a unit's parameter read outside its forward is an error naming it and its unit; a
+  unit order that differs between ranks at a later step is an error on every rank naming the
+  ranks and units (also when the units differ in size, where gloo used to abort).
+
+Each harness call runs many cases on the same ranks; results are cached per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+import shardpar
+from shardpar.comm import collectives as C
+from shardpar.core.reduce_strategies import StagedReduceScatter
+from tests.harness import run_ranks
+
+STAGES = (0, 1, 2, 3)
+STEPS = 3
+VOCAB, DIM, SEQ, BATCH = 32, 16, 6, 4
+TOL = 1e-5
+
+
+# --------------------------------------------------------------------------- models
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = DIM, norm: bool = True) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim) if norm else nn.Identity()
+        self.fc = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc(self.ln(x))))
+
+
+class CheckpointedLM(nn.Module):
+    """Tied embedding/head and three blocks; ``mode`` chooses where activation checkpointing
+    goes: "none", "block" (each block), "region" (the last two blocks together), with
+    "-reentrant" for ``use_reentrant=True``."""
+
+    def __init__(self, mode: str = "none", compiled: str | None = None, norm: bool = True) -> None:
+        super().__init__()
+        self.mode = mode
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(norm=norm) for _ in range(3))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        if compiled is not None:  # compile each block before wrapping (the documented recipe)
+            for i, block in enumerate(self.blocks):
+                self.blocks[i] = torch.compile(block, backend=compiled)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        reentrant = self.mode.endswith("-reentrant")
+        if self.mode.startswith("block"):
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=reentrant)
+        elif self.mode.startswith("region"):
+            x = self.blocks[0](x)
+
+            def region(y: torch.Tensor) -> torch.Tensor:
+                for block in self.blocks[1:]:
+                    y = block(y)
+                return y
+
+            x = checkpoint(region, x, use_reentrant=reentrant)
+        else:
+            for block in self.blocks:
+                x = block(x)
+        return self.head(x)
+
+
+def _tokens(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step * 101 + rank))
+
+
+def _lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
+
+
+def _wrap_options(stage: int, block_class: type = Block) -> dict[str, Any]:
+    return {"wrap_policy": [block_class]} if stage == 3 else {"bucket_cap_mb": 200 * 4 / 2**20}
+
+
+def _canonical(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Names without torch.compile's ``_orig_mod.`` (a compiled block is registered as a wrapper)."""
+    return {name.replace("_orig_mod.", ""): tensor for name, tensor in state.items()}
+
+
+def _train_lm(stage: int, build: Any, steps: int = STEPS, block_class: type = Block) -> dict[str, Any]:
+    """Train on this rank; per step the loss and ``comm_stats()`` (without totals)."""
+    torch.manual_seed(0)
+    module = build()
+    model = shardpar.wrap(module, stage=stage, **_wrap_options(stage, block_class))
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    rank = C.get_rank()
+    out: dict[str, Any] = {"losses": [], "comm": []}
+    for step in range(steps):
+        tokens = _tokens(step, rank)
+        model.reset_comm_stats()
+        logits = model(tokens)
+        logits = getattr(logits, "logits", logits)
+        loss = _lm_loss(logits, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["comm"].append({op: stats for op, stats in model.comm_stats().items() if op != "total"})
+        out["losses"].append(float(loss.detach()))
+    out["state"] = _canonical(model.full_state_dict())
+    model.engine.close()
+    return out
+
+
+def _assert_same_run(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    """Same losses and parameters (fp32 reordering only) and exactly the same collectives."""
+    for a, b in zip(got["losses"], want["losses"]):
+        assert abs(a - b) <= TOL * abs(b), f"{what}: losses {got['losses']} vs {want['losses']}"
+    for name, tensor in want["state"].items():
+        err = (got["state"][name] - tensor).abs().max() / tensor.abs().max().clamp_min(1e-12)
+        assert err <= TOL, f"{what}: {name} differs by {float(err):.3g} relative"
+    assert got["comm"] == want["comm"], f"{what}: collectives differ:\n{got['comm']}\nvs\n{want['comm']}"
+
+
+# --------------------------------------------------------------------------- activation checkpointing
+
+
+CHECKPOINT_MODES = ["block", "block-reentrant", "region", "region-reentrant"]
+
+
+def _checkpoint_runs() -> dict[Any, dict[str, Any]]:
+    runs = {}
+    for stage in STAGES:
+        runs[(stage, "none", True)] = _train_lm(stage, CheckpointedLM)
+        for mode in CHECKPOINT_MODES:
+            for early_stop in (True, False):
+                with set_checkpoint_early_stop(early_stop):
+                    runs[(stage, mode, early_stop)] = _train_lm(stage, functools.partial(CheckpointedLM, mode))
+    return runs
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint_runs() -> list[dict[Any, dict[str, Any]]]:
+    return run_ranks(_checkpoint_runs, 2, timeout=300)
+
+
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "no-early-stop"])
+@pytest.mark.parametrize("mode", CHECKPOINT_MODES)
+@pytest.mark.parametrize("stage", STAGES)
+def test_activation_checkpointing_changes_neither_results_nor_collectives(stage: int, mode: str, early_stop: bool) -> None:
+    for rank, runs in enumerate(checkpoint_runs()):
+        _assert_same_run(runs[(stage, mode, early_stop)], runs[(stage, "none", True)],
+                         f"stage {stage}, {mode}, early stop {early_stop}, rank {rank}")
+
+
+def test_the_unchekpointed_runs_match_plain_torch() -> None:
+    """The baseline the checkpointed runs are compared with is itself plain torch's result:
+    one process on both ranks' batches with the loss averaged over them."""
+    torch.manual_seed(0)
+    model = CheckpointedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        loss = sum(_lm_loss(model(_tokens(step, r)), _tokens(step, r)) for r in range(2)) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    expected = model.state_dict()
+    for stage in STAGES:
+        state = checkpoint_runs()[0][(stage, "none", True)]["state"]
+        for name, tensor in expected.items():
+            err = (state[name] - tensor).abs().max() / tensor.abs().max()
+            assert err <= TOL, f"stage {stage}: {name} {float(err):.3g}"
+
+
+def _hf_llama(checkpointing: bool) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()  # Hugging Face's own: reentrant checkpoint per layer
+    return model
+
+
+def _hf_runs() -> dict[Any, dict[str, Any]]:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return {(stage, checkpointing): _train_lm(stage, functools.partial(_hf_llama, checkpointing), steps=2,
+                                              block_class=LlamaDecoderLayer)
+            for stage in STAGES for checkpointing in (False, True)}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_hugging_face_gradient_checkpointing(stage: int) -> None:
+    pytest.importorskip("transformers")
+    for rank, runs in enumerate(_hf_results()):
+        _assert_same_run(runs[(stage, True)], runs[(stage, False)], f"HF Llama, stage {stage}, rank {rank}")
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_results() -> list[dict[Any, dict[str, Any]]]:
+    return run_ranks(_hf_runs, 2, timeout=300)
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+def _compile_runs() -> dict[Any, dict[str, Any]]:
+    runs = {}
+    for stage in STAGES:
+        runs[(stage, "eager")] = _train_lm(stage, CheckpointedLM)
+        runs[(stage, "blocks")] = _train_lm(stage, functools.partial(CheckpointedLM, compiled="aot_eager"))
+        runs[(stage, "whole")] = _train_whole_compiled(stage)
+    runs[(3, "blocks-inductor")] = _train_lm(3, functools.partial(CheckpointedLM, "block", compiled="inductor"))
+    return runs
+
+
+def _train_whole_compiled(stage: int) -> dict[str, Any]:
+    """``torch.compile(shardpar.wrap(model))``: the engine's hooks run eagerly (they are
+    excluded from compilation) and the code between them is compiled."""
+    torch.manual_seed(0)
+    model = shardpar.wrap(CheckpointedLM(), stage=stage, **_wrap_options(stage))
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    out: dict[str, Any] = {"losses": [], "comm": []}
+    for step in range(STEPS):
+        tokens = _tokens(step, C.get_rank())
+        model.reset_comm_stats()
+        loss = _lm_loss(compiled(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["comm"].append({op: stats for op, stats in model.comm_stats().items() if op != "total"})
+        out["losses"].append(float(loss.detach()))
+    out["state"] = _canonical(model.full_state_dict())
+    model.engine.close()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def compile_runs() -> list[dict[Any, dict[str, Any]]]:
+    return run_ranks(_compile_runs, 2, timeout=400)
+
+
+@pytest.mark.parametrize("how", ["blocks", "whole"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_torch_compile(stage: int, how: str) -> None:
+    for rank, runs in enumerate(compile_runs()):
+        _assert_same_run(runs[(stage, how)], runs[(stage, "eager")], f"compiled {how}, stage {stage}, rank {rank}")
+
+
+def test_checkpointed_blocks_compiled_with_inductor_at_stage_3() -> None:
+    """The documented recipe end to end: checkpoint per block -> compile per block (inductor) -> wrap."""
+    for rank, runs in enumerate(compile_runs()):
+        _assert_same_run(runs[(3, "blocks-inductor")], runs[(3, "eager")], f"inductor, rank {rank}")
+
+
+# --------------------------------------------------------------------------- unused parameters
+
+
+class Branches(nn.Module):
+    """``never`` is never called; ``left``/``right`` run on different ranks (rank parity)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.left = nn.Linear(8, 8)
+        self.right = nn.Linear(8, 8)
+        self.never = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, go_left: bool) -> torch.Tensor:
+        h = torch.tanh(self.stem(x))
+        h = self.left(h) if go_left else self.right(h)
+        return self.head(torch.tanh(h))
+
+
+def _branch_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7 * step + rank)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+
+
+def _unused_runs() -> dict[Any, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = C.get_rank()
+    out: dict[Any, Any] = {}
+    torch.manual_seed(0)
+    module = Branches()
+    ddp = DistributedDataParallel(module, find_unused_parameters=True)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        x, y = _branch_batch(step, rank)
+        F.mse_loss(ddp(x, go_left=rank % 2 == 0), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out["ddp"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for stage in STAGES:
+        torch.manual_seed(0)
+        module = Branches()
+        # Stage 3: no policy unit, so the branches are leftover units gathered around their own
+        # forward; the ranks take different ones, which every rank sees in the gathers' tags and
+        # recovers from by holding the leftover units (see [Note: unit order across ranks]).
+        model = shardpar.wrap(module, stage=stage, **({"min_unit_params": 10**9} if stage == 3 else {}))
+        opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        grads_none = []
+        for step in range(STEPS):
+            x, y = _branch_batch(step, rank)
+            F.mse_loss(model(x, go_left=rank % 2 == 0), y).backward()
+            grads_none.append(sorted(n for n, p in module.named_parameters() if p.grad is None))
+            opt.step()
+            opt.zero_grad()
+        state_of = {piece.name for tensors in opt.group_tensors for piece in tensors if opt.state.get(piece.tensor)}
+        out[stage] = {"state": model.full_state_dict(), "grads_none": grads_none, "with_state": state_of}
+        model.engine.close()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def unused_runs() -> list[dict[Any, Any]]:
+    return run_ranks(_unused_runs, 2, timeout=120)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_unused_parameters_behave_as_in_torch_ddp(stage: int) -> None:
+    """``never`` (no rank uses it) is left exactly as built and gets no optimizer state;
+    ``left``/``right`` (one rank each) get DDP's average; everything equals torch DDP."""
+    torch.manual_seed(0)
+    initial = Branches()
+    runs_per_rank = unused_runs()
+    for rank, runs in enumerate(runs_per_rank):
+        got, want = runs[stage]["state"], runs["ddp"]
+        for name, tensor in want.items():
+            err = (got[name] - tensor).abs().max() / tensor.abs().max()
+            assert err <= TOL, f"stage {stage}, rank {rank}: {name} differs from torch DDP by {float(err):.3g}"
+        assert torch.equal(got["never.weight"], initial.never.weight.detach())
+        assert torch.equal(got["never.bias"], initial.never.bias.detach())
+        if stage == 0:
+            # After a synchronising backward, plain torch's picture: used parameters have a
+            # gradient, the never-used ones None.
+            assert runs[stage]["grads_none"] == [["never.bias", "never.weight"]] * STEPS, runs[stage]["grads_none"]
+    # Optimizer state (over the ranks' pieces): for every parameter some rank used, none for `never`.
+    with_state = set().union(*(runs[stage]["with_state"] for runs in runs_per_rank))
+    trainable = {name for name, _ in initial.named_parameters()}
+    assert with_state == trainable - {"never.weight", "never.bias"}, sorted(with_state)
+
+
+# --------------------------------------------------------------------------- no_sync
+
+
+def _no_sync_model() -> CheckpointedLM:
+    """Without LayerNorm: bf16 LayerNorm backward kernels round differently for parameters at
+    different buffer offsets (5e-6 relative here), which would blur the comparison below."""
+    return CheckpointedLM(norm=False)
+
+
+def _no_sync_runs() -> dict[Any, Any]:
+    """bf16 compute, fp32 reduction: three micro-batches (two under no_sync), then the norm."""
+    rank = C.get_rank()
+    out = {}
+    for stage in STAGES:
+        torch.manual_seed(0)
+        model = shardpar.wrap(_no_sync_model(), stage=stage, mixed_precision="bf16", **_wrap_options(stage))
+        peaks = []
+        for micro in range(3):
+            tokens = _tokens(micro, rank)
+            with model.no_sync() if micro < 2 else contextlib.nullcontext():
+                _lm_loss(model(tokens), tokens).backward()
+            peaks.append(model.memory_stats().get("peak_params"))
+        out[stage] = {"norm": float(model.clip_grad_norm_(1e9)), "peaks": peaks, "comm": model.comm_stats()}
+        model.engine.close()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def no_sync_runs() -> list[dict[Any, Any]]:
+    return run_ranks(_no_sync_runs, 2, timeout=120)
+
+
+def _accumulated_bf16_norms() -> tuple[float, float]:
+    """Plain torch: each rank's micro-batch gradients computed in bf16, accumulated in fp32
+    (what every stage must do) and, for contrast, in bf16; the norm of the average over ranks."""
+    torch.manual_seed(0)
+    master = _no_sync_model()
+    fp32 = {n: torch.zeros_like(p) for n, p in master.named_parameters()}
+    bf16 = {n: torch.zeros_like(p) for n, p in master.named_parameters()}
+    for rank in range(2):
+        low_sum = {n: torch.zeros_like(p, dtype=torch.bfloat16) for n, p in master.named_parameters()}
+        for micro in range(3):
+            low = _no_sync_model()
+            low.load_state_dict(master.state_dict())
+            low = low.to(torch.bfloat16)
+            tokens = _tokens(micro, rank)
+            _lm_loss(low(tokens), tokens).backward()
+            for name, param in low.named_parameters():
+                fp32[name] += param.grad.float() / 2
+                low_sum[name] += param.grad
+        for name in bf16:
+            bf16[name] += low_sum[name].float() / 2
+
+    def norm(grads: dict[str, torch.Tensor]) -> float:
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])))
+
+    return norm(fp32), norm(bf16)
+
+
+def test_no_sync_accumulates_in_the_reduce_dtype_at_every_stage() -> None:
+    """Stages 2-3 used to accumulate in bf16 under no_sync. Now every stage equals fp32
+    accumulation to fp32 rounding (1e-6), while bf16 accumulation is far more than that away
+    -- so the tolerance tells the two apart."""
+    fp32, bf16 = _accumulated_bf16_norms()
+    assert abs(bf16 - fp32) > 1e-5 * fp32, "the reference cannot tell bf16 from fp32 accumulation"
+    for rank, runs in enumerate(no_sync_runs()):
+        for stage in STAGES:
+            norm = runs[stage]["norm"]
+            assert abs(norm - fp32) <= 1e-6 * fp32, (stage, rank, norm, fp32, bf16)
+            assert abs(norm - runs[0]["norm"]) <= 1e-6 * fp32, (stage, rank, norm, runs[0]["norm"])
+            # one gradient reduction for the three micro-batches
+            assert runs[stage]["comm"]["used_flags"]["calls"] == 1
+
+
+def test_no_sync_at_stage_3_reshards_after_every_micro_batch() -> None:
+    for runs in no_sync_runs():
+        peaks = runs[3]["peaks"]
+        # the peak of the two no_sync micro-batches is the synchronised one's, not the whole model
+        assert peaks[0] == peaks[1] == peaks[2], peaks
+
+
+# --------------------------------------------------------------------------- staging, execution order
+
+
+class Tower(nn.Module):
+    """Eight equal Linear layers run in registration order or in reverse."""
+
+    def __init__(self, reverse: bool) -> None:
+        super().__init__()
+        self.reverse = reverse
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in (reversed(self.layers) if self.reverse else self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+LAYER_BYTES = (32 * 32 + 32) * 4
+
+
+def _staging_runs() -> dict[Any, int]:
+    out = {}
+    for stage in (2, 3):
+        for reverse in (False, True):
+            torch.manual_seed(0)
+            options = {"bucket_cap_mb": LAYER_BYTES / 2**20} if stage == 2 else {"wrap_policy": [nn.Linear]}
+            model = shardpar.wrap(Tower(reverse), stage=stage, **options)
+            opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.1)
+            for step in range(2):
+                x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step))
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            out[(stage, reverse)] = model.memory_stats()["peak_staging"]
+            model.engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_staging_is_bounded_whatever_the_execution_order(stage: int) -> None:
+    """One bucket (or unit) per layer, 8 layers: at most max_in_flight + 1 buckets' worth of
+    staging, in registration order and in reverse order alike (was 8 of 8 in reverse)."""
+    bound = (StagedReduceScatter.max_in_flight + 1) * LAYER_BYTES
+    for runs in run_ranks(_staging_runs, 2, timeout=120):
+        assert runs[(stage, False)] <= bound and runs[(stage, True)] <= bound, (runs, bound)
+
+
+# --------------------------------------------------------------------------- stage 3: reads and order
+
+
+class Borrower(nn.Module):
+    """``b`` reads ``a``'s weight through a reference that is not a registration."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.__dict__["borrowed"] = self.a
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) + F.linear(x, self.borrowed.weight)
+
+
+def _read_outside_forward() -> list[str]:
+    messages = []
+    model = shardpar.wrap(Borrower(), stage=3, wrap_policy=[nn.Linear])
+    for attempt in (lambda: model(torch.randn(2, 8)), lambda: model.module.a.weight.sum(),
+                    lambda: model.module.b.weight * 2):
+        try:
+            attempt()
+            messages.append("no error")
+        except RuntimeError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_reading_a_sharded_parameter_names_it_and_its_unit() -> None:
+    for rank, messages in enumerate(run_ranks(_read_outside_forward, 2, timeout=60)):
+        inside, outside, other = messages
+        for message, name in ((inside, "a.weight"), (outside, "a.weight"), (other, "b.weight")):
+            unit = name.split(".")[0]
+            assert f"parameter '{name}'" in message and f"unit '{unit}'" in message, (rank, message)
+            assert "full_state_dict" in message
+
+
+class Divergent(nn.Module):
+    """From ``diverge_at`` on, rank 1 runs its blocks in reverse, or skips the last one (so
+    the next gather is a unit of another size: the final norm)."""
+
+    def __init__(self, how: str, diverge_at: int = 2) -> None:
+        super().__init__()
+        self.how, self.diverge_at, self.step = how, diverge_at, 0
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = list(self.blocks)
+        if self.step >= self.diverge_at and C.get_rank() == 1:
+            order = order[::-1] if self.how == "reverse" else order[:-1]
+        for block in order:
+            x = block(x)
+        return self.norm(x)
+
+
+def _divergent_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(2, SEQ, DIM, generator=torch.Generator().manual_seed(31 * step + rank))
+
+
+def _divergence(how: str, prefetch: int) -> tuple[str, list[dict[str, torch.Tensor]]]:
+    """Train until an error; the parameters after every completed step, and the error."""
+    torch.manual_seed(0)
+    module = Divergent(how)
+    model = shardpar.wrap(module, stage=3, wrap_policy=[Block], prefetch_units=prefetch)
+    opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.1)
+    states = []
+    for step in range(4):
+        module.step = step
+        try:
+            model(_divergent_batch(step, C.get_rank())).square().mean().backward()
+        except RuntimeError as error:
+            return f"step {step}: {error}", states
+        opt.step()
+        opt.zero_grad()
+        states.append(model.full_state_dict())
+    return "no error", states
+
+
+def _divergent_reference(how: str, steps: int) -> list[dict[str, torch.Tensor]]:
+    """Plain torch running each rank's forward (rank 1's order included), losses averaged."""
+    torch.manual_seed(0)
+    model = Divergent(how)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    states = []
+    for step in range(steps):
+        model.step = step
+        losses = []
+        for rank in range(2):
+            C_get_rank = C.get_rank
+            C.get_rank = lambda group=None, rank=rank: rank  # type: ignore[assignment]
+            try:
+                losses.append(model(_divergent_batch(step, rank)).square().mean())
+            finally:
+                C.get_rank = C_get_rank
+        (sum(losses) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return states
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("how", ["reverse", "skip"])
+def test_a_rank_dependent_unit_order_pairs_correctly_or_raises_on_every_rank(how: str, prefetch: int) -> None:
+    """From step 2 on rank 1 reverses its blocks or skips one. Every step that completes must
+    equal plain torch running the same per-rank forwards (the gathers paired correctly); the
+    first that cannot raises on every rank, at a step >= 2, naming each rank's unit."""
+    results = run_ranks(_divergence, 2, how, prefetch, timeout=60)
+    messages = [message for message, _ in results]
+    for rank, message in enumerate(messages):
+        assert message.startswith(("step 2: stage 3: units ran", "step 3: stage 3: units ran")), (rank, message)
+        assert "rank 0: unit 'blocks." in message and "rank 1: unit '" in message, message
+    assert messages[0].split(":", 1)[1] == messages[1].split(":", 1)[1], "every rank names the same units"
+    completed = results[0][1]
+    assert len(completed) >= 2
+    for step, (state, expected) in enumerate(zip(completed, _divergent_reference(how, len(completed)))):
+        for name, tensor in expected.items():
+            err = (state[name] - tensor).abs().max() / tensor.abs().max()
+            assert err <= TOL, f"{how}, prefetch {prefetch}: step {step} completed with {name} off by {float(err):.3g}"
+
+
+# --------------------------------------------------------------------------- reads after step (stages 1-2)
+
+
+def _reads_after_step(stage: int) -> dict[str, Any]:
+    """Right after ``step()`` a bucket's all-gather is in flight (completed by the first module
+    that uses it); reading a parameter through any public route must wait for it."""
+    from shardpar.core.flat_param import ShardState
+
+    torch.manual_seed(0)
+    module = CheckpointedLM()
+    model = shardpar.wrap(module, stage=stage, **_wrap_options(stage))
+    opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.5)
+    tokens = _tokens(0, C.get_rank())
+    _lm_loss(model(tokens), tokens).backward()
+    opt.step()
+    groups = model.engine.storage.groups
+    pending_after_step = [g.state is ShardState.GATHERING for g in groups]
+    weight = module.blocks[1].fc.weight
+    reads = {
+        "T": weight.T.clone().T,  # a view: must not be taken before the values are there
+        "data": weight.data.clone(),
+        "sum": weight.sum().item(),
+        "state_dict": module.state_dict()["blocks.1.fc2.weight"].clone(),
+    }
+    complete_after_reads = all(g.state is ShardState.UNSHARDED for g in groups)
+    full = model.full_state_dict()
+    model.engine.close()
+    return {"pending": pending_after_step, "complete": complete_after_reads, "reads": reads, "full": full}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_read_right_after_step_sees_the_updated_values(stage: int) -> None:
+    for result in run_ranks(_reads_after_step, 2, stage, timeout=60):
+        assert all(result["pending"]), "the post-step all-gathers should still be in flight right after step()"
+        assert result["complete"], "reading the parameters should have completed their gathers"
+        reads, full = result["reads"], result["full"]
+        assert torch.equal(reads["T"], full["blocks.1.fc.weight"])
+        assert torch.equal(reads["data"], full["blocks.1.fc.weight"])
+        assert reads["sum"] == pytest.approx(float(full["blocks.1.fc.weight"].sum()), rel=1e-6)
+        assert torch.equal(reads["state_dict"], full["blocks.1.fc2.weight"])
+
+
+def test_a_view_of_a_sharded_parameter_is_refused_too() -> None:
+    model = shardpar.wrap(CheckpointedLM(), stage=3, wrap_policy=[Block])
+    for view in (lambda w: w.T, lambda w: w.data, lambda w: w.mT):
+        with pytest.raises(RuntimeError, match=r"parameter 'blocks.0.fc.weight' of stage-3 unit 'blocks.0'"):
+            view(model.module.blocks[0].fc.weight)
+    model.engine.close()
