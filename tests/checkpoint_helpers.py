@@ -58,9 +58,9 @@ def full_optimizer_state(opt: Any) -> dict[str, Any]:
     every rank, assembled from every rank's pieces: what the optimizer state *means*,
     independent of stage and world size."""
     mine = []
-    for tensors in opt.group_tensors:
+    for tensors in opt.pieces():
         for piece in tensors:
-            for key, value in opt.inner.state.get(piece.tensor, {}).items():
+            for key, value in opt.state_of(piece).items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == piece.tensor.numel():
                     mine.append((piece.name, key, piece.param_range, value.detach().reshape(-1).clone()))
                 else:

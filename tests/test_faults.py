@@ -454,8 +454,7 @@ def _assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tens
 
 
 def _optimizer_snapshot(opt: Any) -> list[dict[str, torch.Tensor]]:
-    return [{k: v.clone() for k, v in opt.inner.state[t.tensor].items()} if t.tensor in opt.inner.state else {}
-            for tensors in opt.group_tensors for t in tensors]
+    return [{k: v.clone() for k, v in opt.state_of(t).items()} for tensors in opt.pieces() for t in tensors]
 
 
 def _step_without_backward(stage: int) -> None:
@@ -464,7 +463,8 @@ def _step_without_backward(stage: int) -> None:
     before = model.full_state_dict()
     opt.step()  # no backward yet: like torch when every .grad is None, nothing happens
     _assert_same(model.full_state_dict(), before, "step() before any backward")
-    assert not opt.inner.state, "step() before any backward created optimizer state"
+    assert not any(opt.state_of(t) for tensors in opt.pieces() for t in tensors), (
+        "step() before any backward created optimizer state")
     _train_step(module, model, opt, 0)
     after = model.full_state_dict()
     state = _optimizer_snapshot(opt)

@@ -15,7 +15,8 @@ own exception, the others a CheckpointError naming that rank) or every rank goes
 
 [Note: optimizer state in pieces]
 The wrapped optimizer updates, per param group, a list of ``TensorPiece(name, tensor,
-param_range)`` (``ShardedOptimizer.group_tensors``): whole parameters on every rank at
+param_range)`` (``ShardedOptimizer.pieces()``; their state through ``state_of`` and
+``load_state_pieces``, never the inner optimizer): whole parameters on every rank at
 stage 0, this rank's pieces at stages 1-3. A state tensor of such a tensor with the same
 number of elements (and at least one dimension, unless the parameter itself is 0-d) is
 *elementwise* (``exp_avg``): it is stored like a parameter, each rank writing the slices
@@ -115,10 +116,6 @@ def _check_optimizer(optimizer: Any, engine: Engine) -> None:
         raise TypeError("optimizer must be the shardpar.optimizer(...) built over this model")
 
 
-def _class_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 # --------------------------------------------------------------------------- model inventory
 
 
@@ -178,10 +175,10 @@ def _items_to_write(
     scalar: dict[str, dict[str, Any]] = {}
     group_names: list[list[str]] = []
     if optimizer is not None:
-        for index, tensors in enumerate(optimizer.group_tensors):
+        for index, tensors in enumerate(optimizer.pieces()):
             group_names.append([t.name for t in tensors])
             for owner in tensors:
-                for key, value in optimizer.inner.state.get(owner.tensor, {}).items():
+                for key, value in optimizer.state_of(owner).items():
                     where = f"optimizer state '{key}' of parameter '{owner.name}'"
                     if not _is_elementwise(key, value, owner.tensor):
                         scalar.setdefault(owner.name, {})[key] = encode_value(value, where)
@@ -216,8 +213,8 @@ def _write_rank_file(
 
 def _hyperparameters(optimizer: ShardedOptimizer) -> list[dict[str, Any]]:
     """Every param group's options but ``params``, as JSON (TypeError if one is not)."""
-    return [{k: encode_value(v, f"param group {index} option '{k}'") for k, v in group.items() if k != "params"}
-            for index, group in enumerate(optimizer.inner.param_groups)]
+    return [{k: encode_value(v, f"param group {index} option '{k}'") for k, v in group.items()}
+            for index, group in enumerate(optimizer.group_options())]
 
 
 def _optimizer_section(optimizer: ShardedOptimizer, hyperparameters: list[dict[str, Any]], reports: list[tuple],
@@ -232,7 +229,7 @@ def _optimizer_section(optimizer: ShardedOptimizer, hyperparameters: list[dict[s
     for report in reports:  # lowest rank first; equal on every rank holding a piece
         for name, values in report.scalar_state.items():
             scalar.setdefault(name, values)
-    return {"class": _class_name(optimizer.optimizer_class), "param_groups": groups,
+    return {"class": optimizer.class_name, "param_groups": groups,
             "scalar_state": {n: scalar[n] for n in sorted(scalar, key=position.__getitem__)}}
 
 
@@ -372,15 +369,15 @@ def _check_optimizer_matches(manifest: Manifest, optimizer: ShardedOptimizer) ->
     record = manifest.optimizer
     if record is None:
         raise CheckpointError(f"checkpoint {manifest.directory} has no optimizer state (saved without an optimizer)")
-    expected = _class_name(optimizer.optimizer_class)
+    expected = optimizer.class_name
     if record.class_name != expected:
         raise CheckpointError(f"checkpoint {manifest.directory} holds state of optimizer {record.class_name}, "
                               f"not of {expected}")
-    if len(record.param_groups) != len(optimizer.group_tensors):
+    if len(record.param_groups) != len(optimizer.pieces()):
         raise CheckpointError(f"checkpoint {manifest.directory} has {len(record.param_groups)} optimizer param "
-                              f"groups, the optimizer {len(optimizer.group_tensors)}")
+                              f"groups, the optimizer {len(optimizer.pieces())}")
     group_of = {n: i for i, g in enumerate(record.param_groups) for n in g["params"]}
-    for index, tensors in enumerate(optimizer.group_tensors):
+    for index, tensors in enumerate(optimizer.pieces()):
         for piece in tensors:
             if group_of.get(piece.name, index) != index:
                 raise CheckpointError(f"parameter '{piece.name}' is in optimizer param group {index}, but in group "
@@ -393,12 +390,13 @@ def _state_device(group: dict[str, Any], owner: torch.Tensor) -> torch.device:
 
 
 def _plan_optimizer(reader: CheckpointReader, manifest: Manifest, optimizer: ShardedOptimizer):
-    """Fresh state tensors for this rank's optimizer tensors, and the reads that fill them."""
+    """Fresh state for every piece this rank's optimizer updates (``states[g][i]`` for
+    ``optimizer.pieces()[g][i]``), and the reads that fill its tensors."""
     record = manifest.optimizer
-    new_state: dict[torch.Tensor, dict[str, Any]] = {}
+    states: list[list[dict[str, Any]]] = []
     reads = []
-    for index, tensors in enumerate(optimizer.group_tensors):
-        group = optimizer.inner.param_groups[index]
+    for tensors, group in zip(optimizer.pieces(), optimizer.group_options()):
+        states.append([])
         for owner in tensors:
             state: dict[str, Any] = {}
             start, end = owner.param_range
@@ -411,22 +409,8 @@ def _plan_optimizer(reader: CheckpointReader, manifest: Manifest, optimizer: Sha
                 tensor = torch.empty(owner.tensor.shape, dtype=dtype, device=owner.tensor.device)
                 reads += reader.plan(entry, start, end, tensor.view(-1))
                 state[key] = tensor
-            if state:
-                new_state[owner.tensor] = state
-    return new_state, reads
-
-
-def _restore_hyperparameters(manifest: Manifest, optimizer: ShardedOptimizer) -> None:
-    for group, saved in zip(optimizer.inner.param_groups, manifest.optimizer.param_groups):
-        for key, value in saved["hyperparameters"].items():
-            value = decode_value(value)
-            current = group.get(key)
-            if isinstance(current, torch.Tensor) and not isinstance(value, list):
-                current.fill_(value.item() if isinstance(value, torch.Tensor) else value)
-            elif isinstance(current, tuple) and isinstance(value, list):
-                group[key] = tuple(value)
-            else:
-                group[key] = value
+            states[-1].append(state)
+    return states, reads
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: ShardedModule,
@@ -468,9 +452,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: ShardedModule,
                         target = torch.empty(tensor.numel(), dtype=tensor.dtype)
                         staged.append((tensor, target))
                     reads += reader.plan(source[name], 0, tensor.numel(), target)
-            new_state: dict[torch.Tensor, dict[str, Any]] = {}
+            new_states: list[list[dict[str, Any]]] = []
             if optimizer is not None:
-                new_state, optimizer_reads = _plan_optimizer(reader, manifest, optimizer)
+                new_states, optimizer_reads = _plan_optimizer(reader, manifest, optimizer)
                 reads += optimizer_reads
             reader.verify_files(read.file for read in reads)  # every checksum before any byte is copied
         except Exception as error:
@@ -489,8 +473,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: ShardedModule,
             reader.close()
     engine.after_load()
     if optimizer is not None:
-        optimizer.inner.state = defaultdict(dict, new_state)
-        _restore_hyperparameters(manifest, optimizer)
+        options = [{k: decode_value(v) for k, v in saved["hyperparameters"].items()}
+                   for saved in manifest.optimizer.param_groups]
+        optimizer.load_state_pieces(new_states, options)
     return manifest.extra
 
 

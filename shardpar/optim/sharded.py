@@ -9,7 +9,7 @@ that group's tensors, so ``param_groups`` stays in the user's order and
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Iterable
 
 import torch
@@ -149,6 +149,48 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "shardpar optimizers are built once over the wrapped model; pass every param group "
             "to shardpar.optimizer(...)"
         )
+
+    # ------------------------------------------------------------------ state as pieces
+    # [Note: optimizer state as pieces] Checkpoints store optimizer state per parameter piece
+    # (see checkpoint/sharded.py), never by reaching into the inner optimizer: these methods
+    # are the whole interface between the two.
+
+    @property
+    def class_name(self) -> str:
+        """The wrapped optimizer class, qualified (``torch.optim.adamw.AdamW``)."""
+        return f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}"
+
+    def pieces(self) -> list[list[TensorPiece]]:
+        """Per param group, the pieces of parameters this rank's optimizer updates."""
+        return self.group_tensors
+
+    def state_of(self, piece: TensorPiece) -> dict[str, Any]:
+        """The inner optimizer's state of one piece (empty before its first step)."""
+        return dict(self.inner.state.get(piece.tensor, {}))
+
+    def group_options(self) -> list[dict[str, Any]]:
+        """Every param group's options but ``params`` (lr, betas, weight_decay, ...)."""
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.inner.param_groups]
+
+    def load_state_pieces(self, states: list[list[dict[str, Any]]], options: list[dict[str, Any]]) -> None:
+        """Replace the state: ``states[g][i]`` is for ``pieces()[g][i]`` (empty: no state),
+        ``options[g]`` the options of group ``g``. Tensor-valued options are filled in place
+        (a scheduler may hold them), tuples stay tuples."""
+        new_state = defaultdict(dict)
+        for tensors, group_states in zip(self.group_tensors, states):
+            for piece, state in zip(tensors, group_states):
+                if state:
+                    new_state[piece.tensor] = state
+        self.inner.state = new_state
+        for group, saved in zip(self.inner.param_groups, options):
+            for key, value in saved.items():
+                current = group.get(key)
+                if isinstance(current, torch.Tensor) and not isinstance(value, list):
+                    current.fill_(value.item() if isinstance(value, torch.Tensor) else value)
+                elif isinstance(current, tuple) and isinstance(value, list):
+                    group[key] = tuple(value)
+                else:
+                    group[key] = value
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors held on this rank."""
