@@ -94,6 +94,17 @@ class ShardedModule(nn.Module):
         finally:
             self.engine.require_grad_sync = previous
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's switch, which scripts such as nanoGPT set for gradient accumulation:
+        False makes the next backward passes accumulate without any collective, like
+        :meth:`no_sync`; True makes the next one reduce everything accumulated."""
+        return self.engine.require_grad_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.engine.require_grad_sync = value
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero this rank's gradients wherever the stage keeps them (``set_to_none`` is
         accepted for compatibility: the gradient buffers persist, they are zeroed)."""

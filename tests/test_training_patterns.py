@@ -69,7 +69,10 @@ class CheckpointedLM(nn.Module):
         self.head.weight = self.emb.weight
         if compiled is not None:  # compile each block before wrapping (the documented recipe)
             for i, block in enumerate(self.blocks):
-                self.blocks[i] = torch.compile(block, backend=compiled)
+                if compiled.startswith("inplace:"):  # nn.Module.compile: names unchanged
+                    block.compile(backend=compiled.split(":", 1)[1])
+                else:
+                    self.blocks[i] = torch.compile(block, backend=compiled)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.emb(tokens)
@@ -232,6 +235,7 @@ def _compile_runs() -> dict[Any, dict[str, Any]]:
     for stage in STAGES:
         runs[(stage, "eager")] = _train_lm(stage, CheckpointedLM)
         runs[(stage, "blocks")] = _train_lm(stage, functools.partial(CheckpointedLM, compiled="aot_eager"))
+        runs[(stage, "blocks-in-place")] = _train_lm(stage, functools.partial(CheckpointedLM, compiled="inplace:aot_eager"))
         runs[(stage, "whole")] = _train_whole_compiled(stage)
     runs[(3, "blocks-inductor")] = _train_lm(3, functools.partial(CheckpointedLM, "block", compiled="inductor"))
     return runs
@@ -264,7 +268,7 @@ def compile_runs() -> list[dict[Any, dict[str, Any]]]:
     return run_ranks(_compile_runs, 2, timeout=400)
 
 
-@pytest.mark.parametrize("how", ["blocks", "whole"])
+@pytest.mark.parametrize("how", ["blocks", "blocks-in-place", "whole"])
 @pytest.mark.parametrize("stage", STAGES)
 def test_torch_compile(stage: int, how: str) -> None:
     for rank, runs in enumerate(compile_runs()):

@@ -1,7 +1,7 @@
 """What a shardpar checkpoint is: the manifest (``shardpar.json``) that says where every
 piece of every tensor lives, its validation, ``latest``, and reading any range of any tensor
 from whichever files hold it. Specified in ``docs/checkpoint-format.md``; the files
-themselves are written and read by :mod:`shardpar.checkpoint_io`.
+themselves are written and read by :mod:`shardpar.checkpoint.io`.
 """
 
 from __future__ import annotations

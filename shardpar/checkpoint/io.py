@@ -1,6 +1,6 @@
 """The files of a checkpoint or an export, written and read without any process group:
 streaming safetensors files, ranged reads, checksums, atomic commits, the Hugging Face
-layout. What the files mean (the manifest) is :mod:`shardpar.checkpoint_format`; the
+layout. What the files mean (the manifest) is :mod:`shardpar.checkpoint.format`; the
 format is specified in ``docs/checkpoint-format.md``.
 
 [Note: streaming safetensors]

@@ -4,8 +4,8 @@
 directory visible atomically; ``load_checkpoint`` reads, on each rank, exactly the ranges
 that rank needs, whatever world size and stage the checkpoint was written at;
 ``save_full`` writes the Hugging Face layout from rank 0, one tensor at a time. What is
-on disk is :mod:`shardpar.checkpoint_format`; reading and writing files is
-:mod:`shardpar.checkpoint_io`.
+on disk is :mod:`shardpar.checkpoint.format`; reading and writing files is
+:mod:`shardpar.checkpoint.io`.
 
 [Note: every rank agrees before it moves on]
 A rank that fails alone (a full disk, a corrupted file only it reads) must not leave the
