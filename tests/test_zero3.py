@@ -79,10 +79,12 @@ class Run:
 
     def wrap_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"reshard_after_forward": self.reshard}
+        # min_unit_params=1: every parameter outside the blocks is a unit of its own, gathered
+        # around the modules that use it (by default this small model's would join the root).
         if self.policy == "classes":
-            options["wrap_policy"] = [Block]
+            options.update(wrap_policy=[Block], min_unit_params=1)
         elif self.policy == "callable":
-            options["wrap_policy"] = _is_block
+            options.update(wrap_policy=_is_block, min_unit_params=1)
         elif self.policy.startswith("size:"):
             options["wrap_policy"] = None
             options["min_unit_params"] = int(self.policy[len("size:") :])
@@ -648,9 +650,9 @@ def test_bad_wrap_policy_raises_on_every_rank() -> None:
             assert message.startswith("ValueError: ") and BAD_POLICIES[name] in message, (rank, name, message)
 
 
-def _rank_dependent_order(spec: LMSpec) -> str:
+def _rank_dependent_order(spec: LMSpec, min_unit_params: int = 100_000) -> str:
     module = spec.build()
-    model = shardpar.wrap(module, stage=3, wrap_policy=[Block])
+    model = shardpar.wrap(module, stage=3, wrap_policy=[Block], min_unit_params=min_unit_params)
     x, y = _global_batch(0)
     try:
         module.loss(model(x[:2]), y[:2]).backward()
@@ -668,13 +670,16 @@ def test_rank_dependent_unit_order_raises_instead_of_hanging() -> None:
         assert "blocks.0" in message and "blocks.2" in message, message
 
 
-def test_unit_skipped_on_one_rank_raises_instead_of_crashing() -> None:
+@pytest.mark.parametrize("min_unit_params", [1, 100_000], ids=["leftovers-per-use", "leftovers-in-root"])
+def test_unit_skipped_on_one_rank_raises_instead_of_crashing(min_unit_params: int) -> None:
     """Rank 1 skips the last block in the first forward: the gathers no longer pair up across
-    ranks. Detectable on the first iteration (before the mismatched collective), so every rank
-    must raise a RuntimeError -- not hang, and not abort inside gloo on a size mismatch."""
-    messages = run_ranks(_rank_dependent_order, 2, lm(skip_on_rank=1), timeout=SHORT)
+    ranks (rank 1 is next at its final norm, or -- the leftovers held with the root -- already
+    at the start of its backward while rank 0 gathers the block). Every rank must raise a
+    RuntimeError naming the units -- not hang, and not abort inside gloo on a size mismatch."""
+    messages = run_ranks(_rank_dependent_order, 2, lm(skip_on_rank=1), min_unit_params, timeout=SHORT)
     for rank, message in enumerate(messages):
         assert message.startswith("RuntimeError: ") and "order" in message, (rank, message)
+        assert "rank 0: unit 'blocks.2'" in message, message
 
 
 # --------------------------------------------------------------------------- default policy, small threshold

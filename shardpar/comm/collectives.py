@@ -37,9 +37,10 @@ impossible to crash on, without an extra collective: every rank prefixes its sha
 as the largest shard of any unit, so a message of another unit always fits (gloo accepts a
 shorter message than posted). After the wait every rank holds every rank's tag and can
 compare; only if they agree is the payload copied out into the unit's full buffer. On gloo
-the exchange is one send and one receive per peer (the bytes each rank sends are the ring
-model's, S·(N-1)/N of the gathered tensor); other backends use their all-gather on the
-tagged buffers, which cannot survive a size mismatch (NCCL would hang until the timeout).
+the exchange is one broadcast per rank of its tagged shard (as the untagged all-gather: the
+bytes each rank sends are the ring model's, S·(N-1)/N of the gathered tensor); other
+backends use their all-gather on the tagged buffers, which cannot survive a size mismatch
+(NCCL would hang until the timeout).
 """
 
 from __future__ import annotations
@@ -351,9 +352,18 @@ TAG_BYTES = 16
 """Bytes of the tag each rank prefixes to its shard in :func:`all_gather_tagged`."""
 
 
+def tagged_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A byte buffer with room for a tag in front of ``numel`` elements of ``dtype``, and the
+    1-D view of those elements: a shard kept in one is sent by :func:`all_gather_tagged`
+    without a copy."""
+    element = torch.empty((), dtype=dtype).element_size()
+    buffer = torch.empty(TAG_BYTES + numel * element, dtype=torch.uint8, device=device)
+    return buffer, buffer[TAG_BYTES:].view(dtype)
+
+
 def all_gather_tagged(
     full: torch.Tensor,
-    shard: torch.Tensor,
+    send: torch.Tensor,
     tag: torch.Tensor,
     *,
     max_shard_bytes: int,
@@ -361,50 +371,47 @@ def all_gather_tagged(
     stats: CommStats | None = None,
     padding_numel: int = 0,
 ) -> Handle:
-    """All-gather ``shard`` (1-D) into ``full`` (1-D, N x its size) with a tag per rank; see
-    [Note: tagged all-gather]. ``tag`` is 16 bytes (two int64). Asynchronous: ``wait()``
-    returns an (N, 2) int64 tensor of every rank's tag and copies the payload into ``full``
-    only when every rank sent the tag this rank sent (otherwise ``full`` is left as it was;
-    the caller decides what a mismatch means)."""
+    """All-gather every rank's shard into ``full`` (1-D, N x the shard's elements) with a tag
+    per rank; see [Note: tagged all-gather]. ``send`` is a :func:`tagged_buffer` holding this
+    rank's shard (the tag is written into it here); ``tag`` is 16 bytes (two int64).
+    Asynchronous: ``wait()`` returns an (N, 2) int64 tensor of every rank's tag and copies the
+    payload into ``full`` only when every rank sent the tag this rank sent (otherwise ``full``
+    is left as it was; the caller decides what a mismatch means)."""
     world_size = get_world_size(group)
     rank = get_rank(group)
-    if full.numel() != shard.numel() * world_size or full.dtype != shard.dtype:
-        raise ValueError(f"all_gather_tagged: output {full.numel()} x {full.dtype} is not {world_size} x the "
-                         f"input {shard.numel()} x {shard.dtype}")
+    payload_bytes = send.numel() - TAG_BYTES
+    if full.numel() * full.element_size() != payload_bytes * world_size:
+        raise ValueError(f"all_gather_tagged: output of {full.numel()} x {full.dtype} is not {world_size} x the "
+                         f"{payload_bytes} payload bytes sent")
     tag_bytes = tag.contiguous().view(torch.uint8)
     assert tag_bytes.numel() == TAG_BYTES, "a tag is 16 bytes"
-    payload_bytes = shard.numel() * shard.element_size()
     assert payload_bytes <= max_shard_bytes, "max_shard_bytes must cover this shard"
     if stats is not None:
         element = full.element_size()
         stats.record_bytes("all_gather", (full.numel() - padding_numel) * element,
                            padding_numel * element + world_size * TAG_BYTES, world_size)
-    chunks = full.view(world_size, -1)
-    if world_size == 1:
-        if chunks[0].data_ptr() != shard.data_ptr():
-            chunks[0].copy_(shard)
-        return Handle(then=lambda: tag.detach().clone().view(1, -1))
-    send = torch.empty(TAG_BYTES + payload_bytes, dtype=torch.uint8, device=shard.device)
     send[:TAG_BYTES].copy_(tag_bytes)
-    send[TAG_BYTES:].copy_(shard.contiguous().view(torch.uint8))
+    own = send[TAG_BYTES:]
+    chunk_bytes = full.view(torch.uint8).view(world_size, -1)
+    if world_size == 1:
+        chunk_bytes[0].copy_(own)
+        return Handle(then=lambda: tag.detach().clone().view(1, -1))
     if _is_gloo(group):
-        received = torch.empty(world_size, TAG_BYTES + max_shard_bytes, dtype=torch.uint8, device=shard.device)
-        works = []
-        for peer in range(world_size):
-            if peer != rank:
-                works.append(dist.isend(send, group_dst=peer, group=group))
-                works.append(dist.irecv(received[peer], group_src=peer, group=group))
+        # One broadcast per rank of its tagged shard; every other rank receives into a buffer
+        # sized for the largest shard, so another unit's message always fits.
+        received = torch.empty(world_size, TAG_BYTES + max_shard_bytes, dtype=torch.uint8, device=send.device)
+        works = [dist.broadcast(send if src == rank else received[src], group_src=src, group=group, async_op=True)
+                 for src in range(world_size)]
     else:
-        received = torch.empty(world_size, TAG_BYTES + payload_bytes, dtype=torch.uint8, device=shard.device)
+        received = torch.empty(world_size, TAG_BYTES + payload_bytes, dtype=torch.uint8, device=send.device)
         works = [dist.all_gather_into_tensor(received.view(-1), send, group=group, async_op=True)]
 
     def copy_out() -> torch.Tensor:
         received[rank, :TAG_BYTES].copy_(tag_bytes)
         tags = received[:, :TAG_BYTES].contiguous().view(torch.int64).view(world_size, -1)
         if bool((tags == tags[rank]).all()):
-            payload = received[:, TAG_BYTES : TAG_BYTES + payload_bytes].contiguous()
-            chunks.copy_(payload.view(shard.dtype).view(world_size, -1))
-            chunks[rank].copy_(shard)
+            for src in range(world_size):
+                chunk_bytes[src].copy_(own if src == rank else received[src, TAG_BYTES : TAG_BYTES + payload_bytes])
         return tags
 
     return Handle(works, then=copy_out)

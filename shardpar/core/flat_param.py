@@ -106,6 +106,8 @@ class FlatParamGroup:
         self.trainable = trainable
         self.state = ShardState.UNSHARDED
         self.handle: C.Handle | None = None
+        self.tagged_shard: torch.Tensor | None = None
+        """Stage 3: the shard's storage as bytes, with room for a gather tag in front."""
         self.on_unsharded: Callable[["FlatParamGroup", object], None] | None = None
         """Called with the group and what the gather's handle returned (stage 3 checks tags)."""
         self._views = {name: layout.view(full, name) for name in self.params}

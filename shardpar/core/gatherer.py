@@ -184,13 +184,33 @@ class UnitGatherer:
     # ------------------------------------------------------------------ gathers
 
     def _issue(self, flat: FlatParamGroup) -> C.Handle:
-        send = flat.shard if flat.shard.dtype == flat.dtype else flat.shard.to(flat.dtype)  # gather the compute dtype
+        if flat.shard.dtype == flat.dtype and flat.tagged_shard is not None:
+            send = flat.tagged_shard  # the shard sits behind room for the tag: sent without a copy
+        else:  # mixed precision: gather the compute dtype
+            send, payload = C.tagged_buffer(flat.shard.numel(), flat.dtype, flat.device)
+            payload.copy_(flat.shard)
         tag = torch.tensor([self._sequence, self.flat_index[flat]], dtype=torch.int64, device=flat.device)
         self._sequence += 1
         return C.all_gather_tagged(flat.full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group,
                                    stats=self.comm, padding_numel=flat.layout.padding)
 
-    def _check_tags(self, flat: FlatParamGroup, tags: torch.Tensor) -> None:
+    def exchange(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (equal lengths), through the tagged gathers' own channel: a
+        rank exchanging while another gathers a unit is a mismatch both see (see the note),
+        where a collective on another group would leave each waiting for the other."""
+        size = len(values) * 4
+        device = self.flats[0].device
+        send, payload = C.tagged_buffer(len(values), torch.int32, device)
+        payload.copy_(torch.tensor(values, dtype=torch.int32))
+        full = torch.empty(len(values) * C.get_world_size(self.group), dtype=torch.int32, device=device)
+        tag = torch.tensor([self._sequence, len(self.flats)], dtype=torch.int64, device=device)
+        self._sequence += 1
+        self.max_shard_bytes = max(self.max_shard_bytes, size)
+        tags = C.all_gather_tagged(full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group).wait()
+        self._check_tags(None, tags)
+        return full.view(C.get_world_size(self.group), -1).tolist()
+
+    def _check_tags(self, flat: FlatParamGroup | None, tags: torch.Tensor) -> None:
         rows = [tuple(row) for row in tags.tolist()]
         if all(row == rows[self.rank] for row in rows):
             return
@@ -206,6 +226,8 @@ class UnitGatherer:
             index = row[1]
             if 0 <= index < len(self.flats):
                 return f"unit '{self.unit_of[self.flats[index]].name}' ({self.flats[index].label}), gather #{row[0]}"
+            if index == len(self.flats):
+                return f"the start of backward (the launch-order agreement), gather #{row[0]}"
             return f"something else (tag {row})"
 
         detail = "; ".join(f"rank {r}: {describe(row)}" for r, row in enumerate(rows))

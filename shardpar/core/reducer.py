@@ -155,9 +155,9 @@ class LaunchOrder:
         used = sorted(completes, key=lambda position: -completes[position])
         return used + [position for position in self.order if position not in completes]
 
-    def agree(self, group: Any) -> None:
-        proposals = C.all_gather_objects(("launch order", self.proposal()), group=group)
-        self.order = list(proposals[0][1])
+    def agree(self, exchange: Callable[[list[int]], list[list[int]]]) -> None:
+        """Adopt rank 0's proposal; ``exchange`` gives every rank's list (a collective)."""
+        self.order = list(exchange(self.proposal())[0])
         self.agreed = True
 
 

@@ -75,10 +75,13 @@ class ShardedStorage:
         compute = self.param_dtype if self.param_dtype is not None and master_dtype.is_floating_point else master_dtype
         layout = BufferLayout([(n, p.shape) for n, p in reversed(named)], self.world_size)  # one bucket
         full = torch.empty(layout.numel, dtype=compute, device=first.device)  # views are made while allocated
-        shard = torch.zeros(layout.shard_numel, dtype=master_dtype, device=first.device)
+        # The shard lives behind room for a gather tag, so a gather sends it without a copy.
+        tagged, shard = C.tagged_buffer(layout.shard_numel, master_dtype, first.device)
+        shard.zero_()
         label = f"{'trainable' if trainable else 'frozen'} {str(master_dtype).replace('torch.', '')}"
         flat = FlatParamGroup(label, unit, list(reversed(named)), layout, full, shard, self.rank,
                               frees_storage=True, trainable=trainable)
+        flat.tagged_shard = tagged
         values = torch.zeros(layout.numel, dtype=master_dtype, device=first.device)
         source.fill(flat, values)
         shard.copy_(layout.buckets[0].shard(self.rank).of(values))

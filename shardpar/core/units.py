@@ -15,7 +15,8 @@ the same set of hook modules form one unit, gathered around each hook module's f
 tied embedding/head therefore has two hook modules and is gathered for each of its two uses,
 exactly like a block applied twice. Only parameters registered directly on the wrapped
 module itself have the root as hook module and stay gathered for the root's whole forward
-(and backward).
+(and backward) -- and so do leftover units smaller than ``min_unit_params`` (a norm, a
+position table), which are not worth a gather of their own.
 
 ``torch.compile``: a module compiled before wrapping is an ``OptimizedModule`` around the
 original (``_orig_mod``). Hooks inside it would run inside compiled code, so anything a policy
@@ -165,6 +166,16 @@ def plan_units(root: nn.Module, policy: Any, min_params: int) -> list[UnitPlan]:
             continue
         hooks = sorted({_hook_module(tree, o, policy_units) for o in owners[param]}, key=tree.order.__getitem__)
         leftovers.setdefault(tuple(hooks), []).append(name)
+    # Leftover units below the threshold are not worth a gather of their own (each costs a
+    # collective's latency twice per step): they join the parameters the root itself uses.
+    numel = {name: p.numel() for p, name in canonical.items()}
+    held: list[str] = []
+    for hooks in list(leftovers):
+        if hooks != (ROOT,) and sum(numel[n] for n in leftovers[hooks]) < min_params:
+            held += leftovers.pop(hooks)
+    if held:
+        order = {name: i for i, name in enumerate(canonical.values())}
+        leftovers[(ROOT,)] = sorted(leftovers.get((ROOT,), []) + held, key=order.__getitem__)
     plans = [UnitPlan(u, (u,), tuple(params), True) for u, params in assigned.items() if params]
     plans += [
         UnitPlan("+".join(display_name(h) for h in hooks), hooks, tuple(params), False)

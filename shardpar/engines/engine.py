@@ -280,9 +280,16 @@ class Engine:
         self.state.final_callback_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         if self.state.backward_syncs and not self.reducer.launch_order.agreed:
-            self.reducer.launch_order.agree(self.group)
+            self.reducer.launch_order.agree(self._exchange)
         if isinstance(self.gatherer, UnitGatherer):
             self.gatherer.begin_backward()
+
+    def _exchange(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values``: over stage 3's tagged gathers (see UnitGatherer.exchange),
+        else one object all-gather."""
+        if isinstance(self.gatherer, UnitGatherer):
+            return self.gatherer.exchange(values)
+        return [list(v) for v in C.all_gather_objects(values, group=self.group)]
 
     def _on_grad_ready(self, name: str, param: nn.Parameter) -> None:
         self.ensure_backward_started()
