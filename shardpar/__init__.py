@@ -6,7 +6,7 @@ job: stage 0 is DDP, stages 1-3 are ZeRO (optimizer state, gradients, parameters
 
 from .optim import GradScaler
 from .config import MixedPrecision, ShardConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, RanksOutOfStep
 from .module import ShardedModule
 from .optim import ShardedOptimizer, optimizer
 from .planner import CommEstimate, MemoryEstimate, choose_stage, estimate_communication, estimate_memory
@@ -21,6 +21,7 @@ __all__ = [
     "estimate_communication",
     "estimate_memory",
     "CheckpointError",
+    "RanksOutOfStep",
     "MixedPrecision",
     "ShardConfig",
     "ShardedModule",

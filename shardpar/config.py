@@ -7,6 +7,7 @@ Every option is a field with a docstring-style comment; validation happens in
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
@@ -84,6 +85,20 @@ class MixedPrecision:
         )
 
 
+def _check_number(option: str, value: object, *, integer: bool = False) -> None:
+    """A numeric option given as a string (``bucket_cap_mb="25"``, straight from argparse or a
+    YAML file) would otherwise fail later in a comparison that names no option."""
+    allowed = numbers.Integral if integer else numbers.Real  # numpy scalars register as these
+    if isinstance(value, bool) or not isinstance(value, allowed):
+        kind = "an int" if integer else "a number"
+        raise TypeError(f"{option} must be {kind}, got {type(value).__name__} {value!r}")
+
+
+def _check_bool(option: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{option} must be True or False, got {type(value).__name__} {value!r}")
+
+
 MixedPrecisionOption = Union[None, str, MixedPrecision]
 WrapPolicy = Union[None, int, Sequence[type], Callable[[str, nn.Module], bool]]
 
@@ -117,6 +132,12 @@ class ShardConfig:
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3 (or 'auto' with a memory budget), got {self.stage!r}")
+        for option in ("bucket_cap_mb", "timeout_s"):
+            _check_number(option, getattr(self, option))
+        for option in ("prefetch_units", "min_unit_params"):
+            _check_number(option, getattr(self, option), integer=True)
+        for option in ("broadcast_buffers", "reshard_after_forward"):
+            _check_bool(option, getattr(self, option))
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
         if self.prefetch_units < 0:

@@ -4,3 +4,17 @@
 class CheckpointError(Exception):
     """Anything wrong with a checkpoint on disk: missing, incomplete, corrupted, or not
     matching the model/optimizer it is loaded into. The message names the file or tensor."""
+
+
+class RanksOutOfStep(RuntimeError):
+    """The ranks of a job are not at the same point: one skipped a backward or an optimizer
+    step, ran a different number of micro-batches, entered a collective phase (a checkpoint
+    save, an evaluation at stage 3) alone, died, or never arrived. Raised on every rank that
+    is still in a shardpar collective, with a message that names each rank and what it was
+    doing; ``reports`` maps each rank to its report (None: it sent none) and ``missing``
+    lists the ranks that sent none."""
+
+    def __init__(self, message: str, reports: dict | None = None, missing: list | None = None) -> None:
+        super().__init__(message)
+        self.reports = reports or {}
+        self.missing = list(missing or [])

@@ -125,7 +125,13 @@ class ShardedModule(nn.Module):
                 local = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros((), device=device)])
                 total = local.max().float()
                 if sharded:
-                    C.all_reduce(total, group=self.engine.group, op="max")
+                    # A MAX reduction may drop a NaN (max(1, nan) is 1 for gloo and others), so a
+                    # NaN in one rank's shard would leave the others with a finite norm. Reduce a
+                    # NaN flag beside the maximum and put the NaN back, as torch would return it.
+                    has_nan = torch.isnan(total)
+                    pair = torch.stack([torch.where(has_nan, torch.zeros_like(total), total), has_nan.float()])
+                    C.all_reduce(pair, group=self.engine.group, op="max")
+                    total = torch.where(pair[1] > 0, torch.full_like(pair[0], math.nan), pair[0])
             else:
                 norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads if g.numel()]
                 partial = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .comm import collectives as C
+from .checkpoint.io import is_storable
 from .config import ShardConfig
 from .core.inventory import first_difference, model_signature, module_device
 from .engines import WRAPPED_MARK, build_engine
@@ -46,7 +47,22 @@ def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[Sha
             f"known options: {', '.join(n for n in ShardConfig.option_names() if n != 'stage')}"
         )
     config = ShardConfig(stage=stage, **options)
+    _check_storable(module)
     return config, module_device(module)
+
+
+def _check_storable(module: nn.Module) -> None:
+    """Refuse at wrap, not at the first save hours later, a state-dict entry no checkpoint can
+    hold (complex128: safetensors has no such dtype). Trainable dtypes are checked by the
+    engine (real floating point only)."""
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if not is_storable(tensor.dtype):
+            kind = "parameter" if isinstance(tensor, nn.Parameter) else "buffer"
+            raise ValueError(
+                f"{kind} '{name}' has dtype {tensor.dtype}, which a safetensors checkpoint cannot store; "
+                "keep it as a real view (torch.view_as_real) or in complex64, or register it as a "
+                "non-persistent buffer"
+            )
 
 
 def _agree_across_ranks(

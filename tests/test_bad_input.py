@@ -51,6 +51,25 @@ def test_invalid_option_value_is_named(option: str, value: object) -> None:
         shardpar.wrap(_mlp(), stage=0, **{option: value})
 
 
+@pytest.mark.parametrize("option, value", [
+    ("bucket_cap_mb", "25"), ("timeout_s", "10"), ("timeout_s", None), ("prefetch_units", 1.5),
+    ("min_unit_params", "1000"), ("prefetch_units", True), ("broadcast_buffers", "no"),
+    ("reshard_after_forward", 0),
+])
+def test_option_of_the_wrong_type_is_named(option: str, value: object) -> None:
+    """A string from argparse or a config file must not end in "'>' not supported between
+    'str' and 'int'": the error names the option and the value."""
+    with pytest.raises(TypeError, match=rf"^{option} must be .*{value!r}"):
+        shardpar.wrap(_mlp(), stage=0, **{option: value})
+
+
+def test_numpy_numbers_are_accepted_as_options() -> None:
+    import numpy as np
+
+    config = shardpar.ShardConfig(bucket_cap_mb=np.float64(1.5), prefetch_units=np.int64(2))
+    assert config.bucket_cap_mb == 1.5 and config.prefetch_units == 2
+
+
 def test_params_on_two_devices_name_both_tensors() -> None:
     model = _mlp()
     model[2].weight = nn.Parameter(torch.empty(2, 8, device="meta"))

@@ -500,10 +500,10 @@ def _closed_form(stage: int, layout: dict[str, Any], p: int, r: int, buffer_byte
     ``2Ψ·r·f`` (stage 0), ``Ψ·r·f + Ψ·p·f`` (1, 2), ``Ψ·r·f + 2·Σ uses·(unit elements)·p·f`` (3:
     every unit, frozen parameters included, gathered before each use in forward and again
     before its backward), plus the buffers broadcast before forward and the used-parameter
-    flags (4 bytes per trainable tensor and two counters, all-reduced)."""
+    flags (4 bytes per trainable tensor, and three counters with their negatives, all-reduced)."""
     f = (world_size - 1) / world_size
     psi = layout["psi"]
-    sent = {"broadcast": buffer_bytes * f, "used_flags": 2 * 4 * (layout["trainable_tensors"] + 2) * f}
+    sent = {"broadcast": buffer_bytes * f, "used_flags": 2 * 4 * (layout["trainable_tensors"] + 6) * f}
     if stage == 0:
         sent["all_reduce"] = 2 * psi * r * f
     elif stage in (1, 2):

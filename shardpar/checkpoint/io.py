@@ -102,12 +102,18 @@ _DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "uint16": (torch.uint16, "U16"),
     "uint8": (torch.uint8, "U8"),
     "bool": (torch.bool, "BOOL"),
+    "complex64": (torch.complex64, "C64"),
 }
 _NAME_OF = {dtype: name for name, (dtype, _) in _DTYPES.items()}
 _FROM_ST = {st: dtype for dtype, st in _DTYPES.values()}
 
 
 # --------------------------------------------------------------------------- small helpers
+
+def is_storable(dtype: torch.dtype) -> bool:
+    """Whether a safetensors file can hold tensors of ``dtype``."""
+    return dtype in _NAME_OF
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The manifest's name of ``dtype`` (``torch.float32`` -> ``"float32"``)."""

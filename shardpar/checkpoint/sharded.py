@@ -28,17 +28,19 @@ parameter on load.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..comm import collectives as C
+from ..comm import watch
 from .format import (
     CheckpointReader,
     FileRecord,
@@ -249,6 +251,22 @@ class _RankReport:
     group_names: list[list[str]]
 
 
+def _collective_phase(name: str) -> Callable:
+    """Run a checkpoint function as a phase every rank enters together: the ranks first meet
+    through the store, so a call on some ranks only is named instead of pairing its
+    collectives with training's (see [Note: ranks out of step] in shardpar.comm.watch)."""
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(path: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+            group = _engine_of(model).group
+            with watch.operation(name):
+                watch.meet(group, name)
+                return fn(path, model, *args, **kwargs)
+        return run
+    return decorate
+
+
+@_collective_phase("save_checkpoint")
 def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimizer: ShardedOptimizer | None = None,
                     extra: Any = None) -> None:
     """Save the model (and optimizer) into the directory ``path``, every rank in parallel.
@@ -413,6 +431,7 @@ def _plan_optimizer(reader: CheckpointReader, manifest: Manifest, optimizer: Sha
     return states, reads
 
 
+@_collective_phase("load_checkpoint")
 def load_checkpoint(path: str | os.PathLike[str], model: ShardedModule,
                     optimizer: ShardedOptimizer | None = None) -> Any:
     """Load a checkpoint saved at any world size and stage; return its ``extra``.
@@ -497,6 +516,7 @@ def _chunk_ranges(start: int, end: int, element_size: int) -> Iterator[tuple[int
         yield first, min(end, first + step)
 
 
+@_collective_phase("save_full")
 def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size: int | str = "5GB",
               dtype: torch.dtype | str | None = None) -> list[str]:
     """Write the whole model in the Hugging Face layout into the directory ``path``.

@@ -47,11 +47,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from . import watch
 
 ProcessGroup = Any  # torch's ProcessGroup; kept loose so world size 1 needs no torch.distributed
 
@@ -126,18 +129,26 @@ class CommStats:
 
 class Handle:
     """An in-flight collective. ``wait()`` blocks until it is done and returns what the
-    finishing step returned (None for most ops); calling it twice is fine."""
+    finishing step returned (None for most ops); calling it twice is fine. Waits are bounded
+    and failures explained as [Note: ranks out of step] in ``shardpar.comm.watch`` says."""
 
-    def __init__(self, work: Any = None, then: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self, work: Any = None, then: Callable[[], Any] | None = None, *, op: str = "collective",
+        group: ProcessGroup | None = None,
+    ) -> None:
         """``work``: one torch work object, a list of them, or None (already done); ``then``
-        runs once after every work finished (e.g. a local sum that completes the op)."""
+        runs once after every work finished (e.g. a local sum that completes the op);
+        ``op`` and ``group`` name the collective in error reports."""
         self._works = [] if work is None else list(work) if isinstance(work, (list, tuple)) else [work]
         self._then = then
         self._result: Any = None
+        self._op = op
+        self._group = group
 
     def wait(self) -> Any:
         while self._works:
-            self._works.pop(0).wait()
+            watch.wait(self._works[0], op=self._op, group=self._group)
+            self._works.pop(0)
         if self._then is not None:
             then, self._then = self._then, None
             self._result = then()
@@ -194,11 +205,25 @@ def init_default_group(device: torch.device, timeout_s: float) -> None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = backend_for(device)
+    timeout = backend_timeout(timeout_s, backend)
     store = attempt_store(timeout)
     if store is not None:
         kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=launched_world_size())
-    dist.init_process_group(backend=backend_for(device), timeout=timeout, **kwargs)
+    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+
+
+def backend_timeout(timeout_s: float, backend: str) -> datetime.timedelta:
+    """The timeout to give a process group that shardpar's ``timeout_s`` governs.
+
+    On gloo shardpar bounds its own waits by ``timeout_s`` and then names the ranks (see
+    [Note: ranks out of step] in ``watch``); gloo's own timeout, which closes the connections
+    and says only "Application timeout", gets a margin so that it never fires first. It still
+    ends collectives shardpar does not wait on (a script's own), a moment later. NCCL's
+    watchdog is the only bound there, so it gets ``timeout_s`` itself.
+    """
+    margin = watch.GLOO_MARGIN_S if backend == dist.Backend.GLOO else 0.0
+    return datetime.timedelta(seconds=timeout_s + margin)
 
 
 def attempt_store(timeout: datetime.timedelta) -> Any:
@@ -252,8 +277,8 @@ def all_reduce(
     if world_size == 1:
         return Handle()
     reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[op])
-    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
-    return Handle(work)
+    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
+    return _finish(Handle(work, op=kind if kind != "all_reduce" else f"all_reduce ({op})", group=group), async_op)
 
 
 def _split_collective(
@@ -305,7 +330,8 @@ def reduce_scatter(
     if world_size == 1:
         return Handle()
     if not _is_gloo(group):
-        return Handle(dist.reduce_scatter_single(output, input, group=group, async_op=async_op))
+        work = dist.reduce_scatter_single(output, input, group=group, async_op=True)
+        return _finish(Handle(work, op="reduce_scatter", group=group), async_op)
     # See [Note: gloo reduce-scatter and all-gather]. The sum reads only `received`, so
     # `output` may alias `input`.
     received = torch.empty_like(input)
@@ -317,8 +343,8 @@ def reduce_scatter(
         for chunk in chunks[2:]:
             output.add_(chunk)
 
-    work = dist.all_to_all_single(received, input, group=group, async_op=async_op)
-    return _finish(Handle(work, then=sum_received), async_op)
+    work = dist.all_to_all_single(received, input, group=group, async_op=True)
+    return _finish(Handle(work, then=sum_received, op="reduce_scatter", group=group), async_op)
 
 
 def all_gather(
@@ -338,14 +364,15 @@ def all_gather(
     if world_size == 1:
         return Handle()
     if not _is_gloo(group):
-        return Handle(dist.all_gather_single(output, input, group=group, async_op=async_op))
+        work = dist.all_gather_single(output, input, group=group, async_op=True)
+        return _finish(Handle(work, op="all_gather", group=group), async_op)
     # See [Note: gloo reduce-scatter and all-gather]: every rank broadcasts its own chunk.
     chunks = output.view(world_size, -1)
     own = chunks[get_rank(group)]
     if own.data_ptr() != input.data_ptr():
         own.copy_(input)
     works = [dist.broadcast(chunk, group_src=src, group=group, async_op=True) for src, chunk in enumerate(chunks)]
-    return _finish(Handle(works), async_op)
+    return _finish(Handle(works, op="all_gather", group=group), async_op)
 
 
 TAG_BYTES = 16
@@ -414,7 +441,7 @@ def all_gather_tagged(
                 chunk_bytes[src].copy_(own if src == rank else received[src, TAG_BYTES : TAG_BYTES + payload_bytes])
         return tags
 
-    return Handle(works, then=copy_out)
+    return Handle(works, then=copy_out, op="tagged all_gather", group=group)
 
 
 _SIBLING_GROUPS: dict[Any, Any] = {}
@@ -431,7 +458,7 @@ def sibling_group(group: ProcessGroup | None, timeout_s: float) -> ProcessGroup 
     if key not in _SIBLING_GROUPS:
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         _SIBLING_GROUPS[key] = dist.new_group(
-            ranks=ranks, timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True
+            ranks=ranks, timeout=backend_timeout(timeout_s, dist.get_backend(group)), use_local_synchronization=True
         )
     return _SIBLING_GROUPS[key]
 
@@ -457,23 +484,39 @@ def broadcast(
     _record(stats, "broadcast", tensor, 0, world_size)
     if world_size == 1:
         return Handle()
-    work = dist.broadcast(tensor, group_src=src, group=group, async_op=async_op)
-    return Handle(work)
+    work = dist.broadcast(tensor, group_src=src, group=group, async_op=True)
+    return _finish(Handle(work, op=f"broadcast from rank {src}", group=group), async_op)
 
 
 def all_gather_objects(obj: Any, *, group: ProcessGroup | None = None) -> list[Any]:
-    """Every rank's ``obj`` (small, picklable metadata such as a model signature)."""
+    """Every rank's ``obj`` (small, picklable metadata such as a model signature): two
+    all-gathers (sizes, then the padded pickles) whose waits are bounded like any other."""
     world_size = get_world_size(group)
     if world_size == 1:
         return [obj]
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    device = _object_device(group)
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    sizes = torch.zeros(world_size, dtype=torch.int64, device=device)
+    all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group)
+    longest = int(sizes.max())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()].copy_(payload)
+    gathered = torch.empty(world_size * longest, dtype=torch.uint8, device=device)
+    all_gather(gathered, padded, group=group)
+    rows = gathered.view(world_size, longest).cpu()
+    return [pickle.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(world_size)]
+
+
+def _object_device(group: ProcessGroup | None) -> torch.device:
+    """Where object bytes travel: the CPU for gloo, this rank's GPU for NCCL."""
+    if _is_gloo(group):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
     if get_world_size(group) > 1:
-        dist.barrier(group=group)
+        Handle(dist.barrier(group=group, async_op=True), op="barrier", group=group).wait()
 
 
 def send(tensor: torch.Tensor, dst: int, *, group: ProcessGroup | None = None) -> None:
@@ -481,9 +524,9 @@ def send(tensor: torch.Tensor, dst: int, *, group: ProcessGroup | None = None) -
 
     Point-to-point, for moving one tensor to one rank (e.g. a full export gathering piece by
     piece on rank 0) where a collective would move it to every rank."""
-    dist.send(tensor, group_dst=dst, group=group)
+    Handle(dist.isend(tensor, group_dst=dst, group=group), op=f"send to rank {dst}", group=group).wait()
 
 
 def recv(tensor: torch.Tensor, src: int, *, group: ProcessGroup | None = None) -> None:
     """Receive into ``tensor`` what rank ``src`` (a group rank) sends with :func:`send`."""
-    dist.recv(tensor, group_src=src, group=group)
+    Handle(dist.irecv(tensor, group_src=src, group=group), op=f"recv from rank {src}", group=group).wait()

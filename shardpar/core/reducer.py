@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
+from ..errors import RanksOutOfStep
 from .layout import Bucket, BufferLayout
 from .training_state import TrainingState
 
@@ -161,10 +162,6 @@ class LaunchOrder:
         self.agreed = True
 
 
-class DivergedRanks(RuntimeError):
-    """Ranks ran a different number of synchronising backward passes."""
-
-
 class GradientReducer:
     """See [Note: gradient readiness and launch order] and [Note: used parameters]."""
 
@@ -257,29 +254,38 @@ class GradientReducer:
                     self.on_bucket_complete(bucket)
             self._launch(bucket)
         self._cursor = len(order)
-        flags = torch.cat([self.used, torch.tensor([self.state.sync_count, -self.state.sync_count],
-                                                   dtype=torch.int32, device=self.device)])
+        # Each rank's counters ride along, as themselves and negated, so that one MAX
+        # reduction yields both the highest and the lowest: see [Note: ranks out of step].
+        counters = self.state.counters()
+        flags = torch.cat([self.used, torch.tensor(counters + [-c for c in counters], dtype=torch.int32,
+                                                   device=self.device)])
         flags_handle = C.all_reduce(flags, group=self.group, async_op=True, stats=self.comm, op="max", kind="used_flags")
         while self._in_flight:
             self._finish_oldest()
         flags_handle.wait()
         self._cursor = 0
         self.last_backward_wait_s = time.perf_counter() - started
-        highest, lowest = int(flags[-2]), -int(flags[-1])
-        if highest != lowest:
+        k = len(counters)
+        tail = flags[-2 * k:].tolist()
+        if tail[:k] != [-c for c in tail[k:]]:
             self._raise_diverged()
-        self.unused = {name for name, flag in zip(self.names, flags[:-2].tolist()) if not flag}
+        self.unused = {name for name, flag in zip(self.names, flags[: -2 * k].tolist()) if not flag}
         self.strategy.release_unused(self.unused)
         self.strategy.after_sync_backward()
         self.grads_ready = True
 
     def _raise_diverged(self) -> None:
-        counts = C.all_gather_objects(self.state.sync_count, group=self.group)
-        detail = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))
-        raise DivergedRanks(
-            "ranks fell out of step: they ran different numbers of gradient-synchronising backward passes "
-            f"({detail}), so this backward's gradient collectives paired with another backward's on some rank. "
-            "Every rank must run the same forward/backward sequence (no_sync() on all ranks or none)"
+        counts = C.all_gather_objects(self.state.counters(), group=self.group)
+        differ = [name for i, name in enumerate(self.state.COUNTER_NAMES) if len({row[i] for row in counts}) > 1]
+        detail = "; ".join(
+            f"rank {rank}: " + ", ".join(f"{row[i]} {name}" for i, name in enumerate(self.state.COUNTER_NAMES))
+            for rank, row in enumerate(counts))
+        raise RanksOutOfStep(
+            f"ranks fell out of step at a synchronising backward: they differ in {' and '.join(differ)} ({detail}). "
+            "This backward's gradient collectives paired with another point of training on some rank. Every rank "
+            "must run the same sequence of forward/backward passes (no_sync() on all ranks or none, the same number "
+            "of micro-batches) and optimizer steps",
+            reports={rank: {"counters": row} for rank, row in enumerate(counts)},
         )
 
     def has_gradient(self, name: str) -> bool:

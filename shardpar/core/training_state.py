@@ -48,8 +48,25 @@ class TrainingState:
         self.sync_count = 0
         """Synchronising backward passes since wrap: carried in the used-parameter reduction so
         that a rank which skipped one is named (see the reducer)."""
+        self.step_count = 0
+        """``optimizer.step()`` calls since wrap (carried beside ``sync_count``)."""
         self.final_callback_queued = False
         """The end-of-backward callback is queued for the backward in progress."""
+
+    def counters(self) -> list[int]:
+        """What ranks in step agree on at every synchronising backward."""
+        return [self.sync_count, self.backward_count, self.step_count]
+
+    COUNTER_NAMES = ("synchronising backward passes", "backward passes in all", "optimizer steps")
+
+    def describe(self) -> str:
+        """Where this engine is, for the report of [Note: ranks out of step]."""
+        if self.phase is Phase.BACKWARD:
+            where = f"in backward pass {self.backward_count}"
+        else:
+            where = f"in a forward pass after {self.backward_count} backward passes" if self.phase is Phase.FORWARD \
+                else f"between passes after backward pass {self.backward_count}"
+        return f"{where} and {self.step_count} optimizer steps"
 
     @staticmethod
     def autograd_running() -> bool:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..comm import collectives as C
+from ..comm import watch
 from ..config import ShardConfig
 from ..core.gatherer import Unit, UnitGatherer, _grad_tensors
 from ..core.inventory import ParamInventory, check_supported_dtypes, module_device
@@ -74,6 +75,8 @@ class Engine:
         self.device = module_device(module)
         self.comm = C.CommStats()
         self.state = TrainingState()
+        watch.track(self.state)
+        watch.configure(group, config.timeout_s)
         self.inventory = ParamInventory(module)
         if not self.inventory.trainable:
             raise ValueError(
@@ -148,9 +151,12 @@ class Engine:
 
     def _install_unit_hooks(self) -> None:
         storage: ShardedStorage = self.storage
+        gather_group = C.sibling_group(self.group, self.config.timeout_s)
+        if gather_group is not None:
+            watch.configure(gather_group, self.config.timeout_s)
         storage.gatherer = UnitGatherer(
             storage.units, self.state, self.config.reshard_after_forward, self.config.prefetch_units, self.comm,
-            C.sibling_group(self.group, self.config.timeout_s), self.rank,
+            gather_group, self.rank,
             on_forward_use=self._on_unit_use, on_backward_start=self.ensure_backward_started,
         )
         self.gatherer = storage.gatherer
@@ -344,6 +350,11 @@ class Engine:
         """Whether the optimizer should update ``name`` in the coming step (plain torch skips
         a parameter whose ``.grad`` is None; see [Note: used parameters])."""
         return self.reducer.has_gradient(name)
+
+    def count_optimizer_step(self) -> None:
+        """Every ``step()`` call counts, also one with nothing to do: ranks in step call it
+        equally often (see [Note: ranks out of step] in shardpar.comm.watch)."""
+        self.state.step_count += 1
 
     def before_optimizer_step(self) -> None:
         self.storage.before_optimizer_step()

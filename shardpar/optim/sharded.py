@@ -121,6 +121,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         else:
             loss = None
+        self.engine.count_optimizer_step()
         # No backward reduced gradients since zero_grad(): as torch does when every .grad is
         # None, the step changes nothing (no weight decay, no moment update).
         if self.engine.grads_ready:

@@ -48,8 +48,9 @@ reduce-scatter S·f, all-gather S·f. Per step:
 with g = bytes of the gathered parameters (= r unless mixed precision gathers in p). A unit
 used k times per forward (a tied embedding/head: k = 2) is gathered k times as often; each
 gather also carries a 16-byte tag per rank (counted as padding). Every stage adds one
-all-reduce per step of a 4-byte flag per trainable tensor plus two counters (the reducer's
-"used_flags", [Note: used parameters] in core/reducer.py), and broadcasts buffers. Time
+all-reduce per step of a 4-byte flag per trainable tensor plus three counters and their
+negatives (the reducer's "used_flags", [Note: used parameters] in core/reducer.py; the
+counters are [Note: ranks out of step]'s), and broadcasts buffers. Time
 follows the α-β model: ``calls·latency + bytes/bandwidth``, one call per bucket or unit and
 collective. It is the communication time if nothing overlapped; the engines overlap
 gradient collectives with backward and stage 3 prefetches gathers, so the time a step
@@ -69,6 +70,7 @@ from torch import nn
 
 from ..core.inventory import group_by_dtype
 from ..core.layout import BufferLayout
+from ..core.training_state import TrainingState
 from ..core.units import ROOT, plan_units
 from ..config import MixedPrecision, MixedPrecisionOption, WrapPolicy
 
@@ -547,7 +549,7 @@ def estimate_communication(
     if buffer_dtype is not None:  # floating buffers are broadcast in the cast dtype
         broadcast_bytes += shape.float_buffer_numel * buffer_dtype.itemsize - shape.float_buffer_bytes
     broadcast = broadcast_bytes * f
-    used_flags = 2 * 4 * (shape.trainable_tensors + 2) * f
+    used_flags = 2 * 4 * (shape.trainable_tensors + 2 * len(TrainingState.COUNTER_NAMES)) * f
     calls += shape.buffer_count + 1
     sent = all_reduce + reduce_scatter + all_gather + broadcast + used_flags
     seconds = None

@@ -1,0 +1,268 @@
+"""Bounded waits on collectives, and a post-mortem that names the ranks when they fail.
+
+[Note: ranks out of step]
+A collective completes only when every rank of the group issues its counterpart. When a
+rank is gone (killed, crashed, exited early) or somewhere else (it skipped a backward, it
+is saving a checkpoint the others never started, it evaluates alone), torch's backends say
+only "Timed out waiting 300000ms for recv" or "Connection closed by peer", on some ranks,
+naming nobody. Three mechanisms replace that with an error that names ranks and places:
+
+1. Counters that ride on a collective every synchronising backward already runs (the
+   reducer's used-parameter reduction carries each rank's backward and optimizer-step
+   counts). Ranks whose collectives still pair up but who are not at the same point of
+   training (a skipped backward, a different number of micro-batches, a skipped
+   ``optimizer.step()``) see different counters and raise on every rank at once.
+2. Bounded waits (gloo): :func:`wait` waits for a collective at most ``timeout_s`` (the
+   option of :func:`shardpar.wrap`), in slices of :data:`SLICE_S`; between slices it asks
+   the process group's store whether another rank has declared an incident.
+3. The post-mortem, through the store, which still works when collectives do not: the rank
+   that times out or sees its collective fail posts a report (what it was doing, which
+   collective it waited for, why it stopped) and raises an incident flag; every rank still
+   waiting in a shardpar collective sees the flag within a slice and posts its own report.
+   Each then waits up to :data:`GRACE_S` for the others' reports and raises
+   :class:`shardpar.RanksOutOfStep` listing every rank: its report, or that it sent none
+   (dead, or busy outside shardpar's collectives).
+
+Rare collective phases that a single rank may enter by mistake (``save_checkpoint``,
+``load_checkpoint``) first meet through the store (:func:`meet`), so that no collective of
+theirs can pair with another phase's collective: mismatched gloo collectives can deliver
+wrong bytes or abort the process.
+
+NCCL works are waited on without a bound (a bounded wait would block the CPU on every
+stream wait); torch's NCCL watchdog enforces the process group's timeout there.
+
+What a rank is doing comes from the trackers registered with :func:`track` (each engine's
+training state) and from :func:`operation` (a checkpoint save or load in progress), read
+only when a report is written: nothing is paid per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import time
+import weakref
+from typing import Any, Iterator
+
+import torch.distributed as dist
+
+from ..errors import RanksOutOfStep
+
+SLICE_S = 1.0
+"""A bounded wait checks the store for other ranks' incidents this often."""
+GRACE_S = 5.0
+"""How long a rank that writes a report waits for the other ranks' reports (capped by the
+timeout itself)."""
+POLL_S = 0.05
+GLOO_MARGIN_S = 5.0
+"""How much longer than ``timeout_s`` gloo's own timeout is (see ``collectives.backend_timeout``)."""
+
+_describers: list[weakref.ref] = []
+_operations: list[str] = []
+_limits: dict[str, tuple[float, bool]] = {}
+"""Per group: (timeout_s, whether waits are bounded: gloo only)."""
+_incidents = 0
+"""Incidents this process took part in (each rank counts the same ones)."""
+_meetings: dict[tuple[str, str], int] = {}
+
+
+# --------------------------------------------------------------------------- what this rank is doing
+
+
+def track(describer: Any) -> None:
+    """Register an object whose ``describe()`` says what it is doing (an engine's training
+    state); held weakly."""
+    _describers.append(weakref.ref(describer))
+
+
+@contextlib.contextmanager
+def operation(name: str) -> Iterator[None]:
+    """Mark a collective operation in progress (``save_checkpoint``...) for reports."""
+    _operations.append(name)
+    try:
+        yield
+    finally:
+        _operations.pop()
+
+
+def doing() -> str:
+    parts = list(_operations)
+    for ref in list(_describers):
+        describer = ref()
+        if describer is None:
+            _describers.remove(ref)
+        else:
+            parts.append(describer.describe())
+    return "; ".join(parts) or "outside any shardpar model"
+
+
+# --------------------------------------------------------------------------- group identity
+
+
+def _group_key(group: Any) -> str:
+    pg = group if group is not None else dist.group.WORLD
+    return pg.group_name
+
+
+def configure(group: Any, timeout_s: float) -> None:
+    """Bound the waits on ``group``'s collectives by ``timeout_s`` (set by each engine)."""
+    if dist.is_initialized():
+        bounded = dist.get_backend(group) == dist.Backend.GLOO
+        _limits[_group_key(group)] = (float(timeout_s), bounded)
+
+
+def timeout_of(group: Any) -> float | None:
+    """The configured timeout of ``group`` (None: none configured)."""
+    limit = _limits.get(_group_key(group)) if dist.is_initialized() else None
+    return limit[0] if limit is not None else None
+
+
+def _wait_bound(group: Any) -> float | None:
+    limit = _limits.get(_group_key(group))
+    return limit[0] if limit is not None and limit[1] else None
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def _base() -> str:
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"shardpar/post-mortem/attempt-{attempt}"
+
+
+def _incident_key() -> str:
+    """One incident namespace per job attempt, shared by all groups: a rank waiting on stage
+    3's gather group must notice an incident declared on the main group."""
+    return f"{_base()}/incident-{_incidents}"
+
+
+# --------------------------------------------------------------------------- waiting
+
+
+def _error_text(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text[:300]
+
+
+def _incident_declared(store: Any) -> bool:
+    try:
+        return store.check([f"{_incident_key()}/flag"])
+    except Exception:  # an unreachable store answers nothing; the wait goes on to its deadline
+        return False
+
+
+def wait(work: Any, *, op: str, group: Any) -> None:
+    """Wait for one torch work object of ``op`` on ``group``; see [Note: ranks out of step]."""
+    timeout = _wait_bound(group)
+    try:
+        if timeout is None:
+            work.wait()
+            return
+        deadline = time.monotonic() + timeout
+        store = None
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                work.wait(datetime.timedelta(seconds=max(min(SLICE_S, remaining), 0.001)))
+                return
+            except RuntimeError as error:
+                if work.is_completed() or "timed out" not in str(error).lower():
+                    raise
+            if time.monotonic() >= deadline:
+                raise post_mortem(group, op, f"{op} did not complete within timeout_s={timeout:g}")
+            store = store if store is not None else _store()
+            if store is not None and _incident_declared(store):
+                raise post_mortem(group, op, "stopped waiting: another rank reported an incident")
+    except RanksOutOfStep:
+        raise
+    except RuntimeError as error:
+        if not dist.is_initialized():
+            raise
+        raise post_mortem(group, op, f"{op} failed: {_error_text(error)}") from error
+
+
+def meet(group: Any, name: str) -> None:
+    """Every rank of ``group`` arrives at ``name`` (a rare collective phase) before any
+    collective of it runs; through the store, bounded by the group's timeout."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    store = _store()
+    if store is None:
+        return
+    key = (_group_key(group), name)
+    count = _meetings.get(key, 0)
+    _meetings[key] = count + 1
+    base = f"{_base()}/meet/{_group_key(group)}/{name}-{count}"
+    world = dist.get_world_size(group)
+    if store.add(f"{base}/arrived", 1) == world:
+        store.set(f"{base}/all", "1")
+    timeout = timeout_of(group) or 1800.0
+    deadline = time.monotonic() + timeout
+    while not store.check([f"{base}/all"]):
+        if _incident_declared(store):
+            raise post_mortem(group, name, "stopped waiting: another rank reported an incident")
+        if time.monotonic() >= deadline:
+            raise post_mortem(group, name, f"not every rank started {name} within timeout_s={timeout:g}")
+        time.sleep(POLL_S)
+
+
+# --------------------------------------------------------------------------- the post-mortem
+
+
+def post_mortem(group: Any, op: str, cause: str) -> RanksOutOfStep:
+    """Report this rank, collect the others' reports, and return the error to raise."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    global _incidents
+    me = dist.get_rank()
+    base = _incident_key()
+    _incidents += 1
+    report = {"doing": doing(), "waiting_in": op, "cause": cause}
+    reports: dict[int, dict[str, str] | None] = {me: report}
+    store = _store()
+    store_problem = None
+    if store is not None:
+        try:
+            store.set(f"{base}/rank-{me}", json.dumps(report))
+            store.add(f"{base}/flag", 1)
+            grace = min(GRACE_S, timeout_of(group) or GRACE_S)
+            deadline = time.monotonic() + grace
+            pending = [r for r in ranks if r != me]
+            while pending:
+                arrived = [r for r in pending if store.check([f"{base}/rank-{r}"])]
+                for r in arrived:
+                    reports[r] = json.loads(store.get(f"{base}/rank-{r}"))
+                pending = [r for r in pending if r not in arrived]
+                if not pending or time.monotonic() >= deadline:
+                    break
+                time.sleep(POLL_S)
+        except Exception as error:  # the store lives on some rank or agent that may be gone
+            store_problem = _error_text(error)
+    missing = [r for r in ranks if r not in reports]
+    for r in missing:
+        reports[r] = None
+    return RanksOutOfStep(_message(me, reports, missing, store_problem), reports=reports, missing=missing)
+
+
+def _message(me: int, reports: dict[int, dict[str, str] | None], missing: list[int], store_problem: str | None) -> str:
+    own = reports[me]
+    lines = [f"ranks stopped meeting in their collectives (rank {me}: {own['cause']}). What each rank reported:"]
+    for rank in sorted(reports):
+        report = reports[rank]
+        if report is None:
+            lines.append(f"  rank {rank}: no report -- it exited or died, or it is busy outside shardpar's collectives")
+        else:
+            lines.append(f"  rank {rank}: {report['doing']}; waiting in {report['waiting_in']} ({report['cause']})")
+    if missing:
+        lines.append(f"Rank(s) {', '.join(map(str, missing))} did not report.")
+    elif len({r['doing'] for r in reports.values() if r is not None}) > 1:
+        lines.append("The ranks are at different points of training: every rank must run the same sequence of "
+                     "forward/backward passes, optimizer steps and checkpoint calls.")
+    if store_problem is not None:
+        lines.append(f"(The store that collects reports failed too: {store_problem}.)")
+    return "\n".join(lines)
