@@ -6,7 +6,7 @@ job: stage 0 is DDP, stages 1-3 are ZeRO (optimizer state, gradients, parameters
 
 from .optim import GradScaler
 from .config import MixedPrecision, ShardConfig
-from .errors import CheckpointError, RanksOutOfStep
+from .errors import CheckpointError, RanksOutOfStep, ShardedGradError
 from .module import ShardedModule
 from .optim import ShardedOptimizer, optimizer
 from .planner import CommEstimate, MemoryEstimate, choose_stage, estimate_communication, estimate_memory
@@ -22,6 +22,7 @@ __all__ = [
     "estimate_memory",
     "CheckpointError",
     "RanksOutOfStep",
+    "ShardedGradError",
     "MixedPrecision",
     "ShardConfig",
     "ShardedModule",

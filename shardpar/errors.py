@@ -18,3 +18,9 @@ class RanksOutOfStep(RuntimeError):
         super().__init__(message)
         self.reports = reports or {}
         self.missing = list(missing or [])
+
+
+class ShardedGradError(RuntimeError):
+    """Plain torch code asked for a full gradient at stages 1-3, where gradients exist only as
+    shards: a torch optimizer over ``model.parameters()``, ``torch.nn.utils.clip_grad_norm_``,
+    or a read of ``param.grad``. The message names the parameter and what to call instead."""

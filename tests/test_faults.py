@@ -41,6 +41,7 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
+from shardpar import ShardedGradError
 from shardpar.checkpoint.sharded import TEST_CRASH_ENV
 from shardpar.checkpoint.format import CheckpointReader, read_manifest
 from tests.harness import free_port, run_ranks
@@ -524,17 +525,21 @@ def _plain_optimizer_built_before_wrap(stage: int) -> None:
     assert [p for group in plain.param_groups for p in group["params"]] == list(model.parameters()), (
         "wrap replaced Parameter objects: an optimizer built before it would hold stale ones")
     before = model.full_state_dict()
+    if stage != 0:
+        # Stages 1-3 hand reduced gradients only to shardpar.optimizer (the owned slices): a
+        # plain optimizer's first step raises, naming what to build instead, and changes nothing.
+        x, y, _, _ = _batch(module, 0)
+        module.loss(model(x), y).backward()
+        with pytest.raises(ShardedGradError, match=r"holds parameter '.*' of a model wrapped by shardpar, whose gradient it cannot see: at stage"):
+            plain.step()
+        _assert_same(model.full_state_dict(), before, f"stage {stage}: a plain torch optimizer")
+        assert not plain.state, "the plain optimizer found gradients"
+        return
     for step in range(3):
         x, y, _, _ = _batch(module, step)
         module.loss(model(x), y).backward()
         plain.step()
         plain.zero_grad()
-    if stage != 0:
-        # Stages 1-3 hand reduced gradients only to shardpar.optimizer (the owned slices), so
-        # a plain optimizer sees no gradient and changes nothing: no silent corruption.
-        _assert_same(model.full_state_dict(), before, f"stage {stage}: a plain torch optimizer")
-        assert not plain.state, "the plain optimizer found gradients"
-        return
     _, reference = _build(0)
     reference_opt = shardpar.optimizer(reference, torch.optim.AdamW, lr=0.1)
     for step in range(3):
@@ -580,7 +585,7 @@ def test_wrapping_a_wrapped_model_raises_on_every_rank(stage: int) -> None:
 def test_a_torch_optimizer_built_before_wrap(stage: int) -> None:
     """Stage 0 keeps the Parameter objects and makes .grad views of the reduced gradients, so
     the plain optimizer trains exactly like shardpar.optimizer; stages 1-3 need
-    shardpar.optimizer, and a plain one is a no-op there (documented in docs/reliability.md)."""
+    shardpar.optimizer, and a plain one raises at its first step (docs/reliability.md)."""
     run_ranks(_plain_optimizer_built_before_wrap, 2, stage)
 
 

@@ -397,13 +397,15 @@ def all_gather_tagged(
     group: ProcessGroup | None = None,
     stats: CommStats | None = None,
     padding_numel: int = 0,
+    what: str = "",
 ) -> Handle:
     """All-gather every rank's shard into ``full`` (1-D, N x the shard's elements) with a tag
     per rank; see [Note: tagged all-gather]. ``send`` is a :func:`tagged_buffer` holding this
     rank's shard (the tag is written into it here); ``tag`` is 16 bytes (two int64).
     Asynchronous: ``wait()`` returns an (N, 2) int64 tensor of every rank's tag and copies the
     payload into ``full`` only when every rank sent the tag this rank sent (otherwise ``full``
-    is left as it was; the caller decides what a mismatch means)."""
+    is left as it was; the caller decides what a mismatch means). ``what`` names the payload
+    in reports (``unit 'blocks.0'``)."""
     world_size = get_world_size(group)
     rank = get_rank(group)
     payload_bytes = send.numel() - TAG_BYTES
@@ -441,7 +443,7 @@ def all_gather_tagged(
                 chunk_bytes[src].copy_(own if src == rank else received[src, TAG_BYTES : TAG_BYTES + payload_bytes])
         return tags
 
-    return Handle(works, then=copy_out, op="tagged all_gather", group=group)
+    return Handle(works, then=copy_out, op=f"tagged all_gather of {what}" if what else "tagged all_gather", group=group)
 
 
 _SIBLING_GROUPS: dict[Any, Any] = {}

@@ -168,6 +168,7 @@ class UnitGatherer:
         self.flats = [f for unit in units for f in unit.flats]
         self.flat_index = {flat: i for i, flat in enumerate(self.flats)}
         self.unit_of = {flat: unit for unit in units for flat in unit.flats}
+        self._reported_as = {flat: f"unit '{unit.name}' ({flat.label})" for flat, unit in self.unit_of.items()}
         self.max_shard_bytes = max(f.layout.shard_numel * f.full.element_size() for f in self.flats)
         for flat in self.flats:
             flat.on_unsharded = self._check_tags
@@ -192,7 +193,8 @@ class UnitGatherer:
         tag = torch.tensor([self._sequence, self.flat_index[flat]], dtype=torch.int64, device=flat.device)
         self._sequence += 1
         return C.all_gather_tagged(flat.full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group,
-                                   stats=self.comm, padding_numel=flat.layout.padding)
+                                   stats=self.comm, padding_numel=flat.layout.padding,
+                                   what=self._reported_as[flat])
 
     def exchange(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (equal lengths), through the tagged gathers' own channel: a

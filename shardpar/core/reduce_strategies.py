@@ -114,6 +114,9 @@ class AllReduceStrategy(_FullGradBuffer):
     """Stage 0."""
 
     max_in_flight: int | None = None
+    full_grads_on_params = True
+    """Whether ``param.grad`` holds the whole reduced gradient after a synchronising backward
+    (else see [Note: no full gradients at stages 1-3] in core/sharded_grads.py)."""
 
     def __init__(self, spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype, world_size: int, group, comm) -> None:
         super().__init__(spaces, reduce_dtype)
@@ -180,6 +183,7 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
     """Stage 1; see [Note: stage 1 accumulation across reductions]."""
 
     max_in_flight: int | None = None
+    full_grads_on_params = False
 
     def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm) -> None:
         _FullGradBuffer.__init__(self, spaces, reduce_dtype)
@@ -266,6 +270,7 @@ class StagedReduceScatter(_ShardedAverage):
     ``max_in_flight + 1`` released staging buffers."""
 
     max_in_flight: int | None = 2
+    full_grads_on_params = False
 
     def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm) -> None:
         self.spaces = list(spaces)

@@ -37,6 +37,7 @@ from ..core.pieces import TensorPiece
 from ..core.reducer import GradBucket, GradientReducer
 from ..core.replicated import ReplicatedStorage
 from ..core.sharded import FromLiveModule, ShardedStorage
+from ..core.sharded_grads import ShardedGradMarks, where_grads_live
 from ..core.training_state import Phase, TrainingState
 from ..core.units import ROOT, _ModuleTree
 
@@ -100,6 +101,11 @@ class Engine:
         self.reducer = GradientReducer(self.storage.spaces, self.strategy, self.state, self.comm, group,
                                        on_bucket_complete=self._on_bucket_complete)
         self.gatherer = getattr(self.storage, "gatherer", None)
+        # Where param.grad cannot be the gradient (shards; fp32 masters under mixed precision),
+        # plain torch code that reads it must fail loudly: see core/sharded_grads.py.
+        hidden = not self.strategy.full_grads_on_params or self.param_dtype is not None
+        self.grad_marks = ShardedGradMarks(self.inventory.trainable, where_grads_live(self.stage, mp is not None)) \
+            if hidden else None
         self._handles += self.reducer.register_hooks(self._on_grad_ready)
         if isinstance(self.storage, ShardedStorage):
             self._install_unit_hooks()
@@ -223,6 +229,7 @@ class Engine:
         if self.state.is_recompute():
             return
         self.check_requires_grad()
+        self._take_off_grad_marks()
         self.state.phase = Phase.FORWARD
         if torch.is_grad_enabled():
             self._broadcast_buffers()
@@ -282,6 +289,7 @@ class Engine:
         """The first hook of a backward (see [Note: end of backward])."""
         if self.state.final_callback_queued:
             return
+        self._take_off_grad_marks()  # before the first gradient accumulates into .grad
         self.state.begin_backward()
         self.state.final_callback_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -311,6 +319,8 @@ class Engine:
             with torch.no_grad():
                 if self.state.backward_syncs:
                     self.reducer.finish_backward()
+                    if self.grad_marks is not None:
+                        self.grad_marks.put_on(n for n, _ in self.inventory.trainable if self.reducer.has_gradient(n))
                 if isinstance(self.gatherer, UnitGatherer):
                     self.gatherer.finish_backward()
         finally:
@@ -335,7 +345,12 @@ class Engine:
     # ------------------------------------------------------------------ optimizer
 
     def zero_grad(self) -> None:
+        self._take_off_grad_marks()
         self.reducer.zero_grad()
+
+    def _take_off_grad_marks(self) -> None:
+        if self.grad_marks is not None:
+            self.grad_marks.take_off()
 
     def optimizer_tensors(self, names: Sequence[str]) -> list[TensorPiece]:
         """The tensors the wrapped optimizer updates for these parameters, on this rank."""

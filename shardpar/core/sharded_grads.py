@@ -1,0 +1,138 @@
+"""Plain torch code that needs full gradients fails loudly where shardpar keeps them elsewhere.
+
+[Note: no full gradients at stages 1-3]
+At stages 1-3 the reduced gradient of a parameter exists only as shards spread over the
+ranks (stage 1's full buffer holds the reduced values in this rank's slice only); at stage 0
+under mixed precision it sits in a reduce-dtype buffer that feeds fp32 master weights. DDP
+scripts read ``param.grad`` in three common ways: a torch optimizer built over
+``model.parameters()``, ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, and
+gradient logging. With ``.grad`` left None each of them silently does nothing: the loss stays
+flat and clipping returns 0. So, in those cases:
+
+- After each synchronising backward, every parameter that got a gradient (and whose
+  ``.grad`` is None) carries a :class:`ShardedGrad` as ``.grad``: a tensor of the
+  parameter's shape and dtype, without storage, on which every operation raises
+  :class:`shardpar.ShardedGradError` naming the parameter and what to call instead
+  (``model.clip_grad_norm_``, ``shardpar.optimizer``). A parameter no rank used keeps None,
+  as in torch. One placeholder per parameter and dtype, made once and reused. They are
+  removed before anything could accumulate into them: at the start of the next forward and
+  of the next backward, and by ``zero_grad``.
+- A torch optimizer step pre-hook (registered once per process) refuses, before anything
+  changes, to step a torch optimizer that holds such a parameter, naming the optimizer class
+  and the parameter. It also covers what the placeholders cannot: a step before any
+  backward, and stage-3 parameters, whose storage an optimizer would read first.
+
+The optimizer :func:`shardpar.optimizer` builds steps shard tensors or master copies, never
+these parameters, so neither mechanism touches it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..errors import ShardedGradError
+
+_FIX = (
+    "call model.clip_grad_norm_(...) instead of torch.nn.utils.clip_grad_norm_, and build the optimizer with "
+    "shardpar.optimizer(model, torch.optim.AdamW, ...) (same options and param groups) instead of "
+    "torch.optim.AdamW(model.parameters(), ...)"
+)
+
+
+def where_grads_live(stage: int, mixed_precision: bool) -> str:
+    """Why ``param.grad`` is not the gradient, for messages."""
+    if stage == 0:
+        return ("at stage 0 with mixed precision it is kept in the reduce dtype for fp32 master weights that only "
+                "shardpar's optimizer updates")
+    return f"at stage {stage} it exists only as shards spread over the ranks, never whole"
+
+
+class ShardedGrad(torch.Tensor):
+    """Stands in ``param.grad`` where shardpar keeps the gradient elsewhere: the parameter's
+    shape and dtype, no values; any operation raises."""
+
+    @staticmethod
+    def __new__(cls, param: nn.Parameter, name: str, where: str) -> "ShardedGrad":
+        grad = torch.Tensor._make_wrapper_subclass(
+            cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False)
+        grad._shardpar_name = name
+        grad._shardpar_where = where
+        return grad
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return f"ShardedGrad(parameter '{self._shardpar_name}': {self._shardpar_where}; only shardpar can read it)"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        first = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedGrad))
+        raise ShardedGradError(
+            f"the gradient of parameter '{first._shardpar_name}' was read ({func}), but {first._shardpar_where}: "
+            f"{_FIX}. See [Note: no full gradients at stages 1-3] in shardpar/core/sharded_grads.py"
+        )
+
+
+class ShardedGradMarks:
+    """The placeholders of one engine: put on after a synchronising backward wherever
+    ``.grad`` is None although the parameter got a gradient, taken off before anything
+    accumulates again."""
+
+    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], where: str) -> None:
+        self.params = dict(named_params)
+        self.where = where
+        self._made: dict[tuple[str, torch.dtype], ShardedGrad] = {}
+        self._on = False
+        refuse_torch_optimizers_over(named_params, where)
+
+    def put_on(self, names: Iterable[str]) -> None:
+        for name in names:
+            param = self.params[name]
+            if param.grad is None:
+                key = (name, param.dtype)
+                grad = self._made.get(key)
+                if grad is None or grad.shape != param.shape:
+                    grad = self._made[key] = ShardedGrad(param, name, self.where)
+                param.grad = grad
+                self._on = True
+
+    def take_off(self) -> None:
+        if not self._on:
+            return
+        for param in self.params.values():
+            if isinstance(param.grad, ShardedGrad):
+                param.grad = None
+        self._on = False
+
+
+# --------------------------------------------------------------------------- torch optimizers
+
+_OWNERS: dict[int, tuple[weakref.ref, str, str]] = {}
+"""id of a parameter whose gradient shardpar keeps elsewhere -> (the parameter, its name, where)."""
+_HOOK: Any = None
+
+
+def _refuse_sharded_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            owner = _OWNERS.get(id(param))
+            if owner is not None and owner[0]() is param:
+                cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+                raise ShardedGradError(
+                    f"{cls} holds parameter '{owner[1]}' of a model wrapped by shardpar, whose gradient it cannot "
+                    f"see: {owner[2]}. Stepping it would change nothing. Build it with "
+                    f"shardpar.optimizer(model, {cls}, ...) instead: it takes the same options and param groups"
+                )
+
+
+def refuse_torch_optimizers_over(named_params: Sequence[tuple[str, nn.Parameter]], where: str) -> None:
+    """Register parameters whose gradient a torch optimizer cannot see (see the Note)."""
+    global _HOOK
+    for name, param in named_params:
+        _OWNERS[id(param)] = (weakref.ref(param), name, where)
+        weakref.finalize(param, _OWNERS.pop, id(param), None)
+    if _HOOK is None:
+        _HOOK = register_optimizer_step_pre_hook(_refuse_sharded_params)

@@ -1,0 +1,345 @@
+"""What DDP scripts already do works on a wrapped model at every stage, or fails loudly on
+first use -- never a silent no-op.
+
+- A torch optimizer over ``model.parameters()`` (or nanoGPT's decay/no-decay groups): stage
+  0 trains like torch DDP; at stages 1-3 its first ``step()`` raises ``ShardedGradError``
+  naming the parameter and ``shardpar.optimizer``, before anything changes (also before any
+  backward). Before: the loss stayed flat and nothing warned.
+- ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``: stage 0 returns torch's norm
+  and clips; stages 1-3 raise naming ``model.clip_grad_norm_``. Before: it returned 0.
+- ``.grad`` at stages 1-3: a placeholder on every parameter that got a gradient (None where
+  plain torch has None), raising on use; gone before the next backward accumulates.
+- ``require_backward_grad_sync = False`` (nanoGPT's gradient accumulation) communicates
+  nothing and trains exactly like torch DDP doing the same.
+- ``model.module.state_dict()`` at stage 3 returns the full tensors.
+- Evaluation on rank 0 only: completes at stage 0 under ``no_grad`` (as torch DDP); at stage
+  3 every rank's gathers are needed, and the lone rank raises ``RanksOutOfStep`` within
+  ``timeout_s`` naming the rank that did not arrive and the unit it waited for.
+- Hugging Face ``generate`` at stage 3 with a different number of new tokens per rank works
+  with ``synced_gpus=True``, giving the unwrapped model's tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import shardpar
+from shardpar.comm import collectives as C
+from shardpar import ShardedGradError
+from tests.harness import RankFailure, run_ranks
+
+STAGES = [0, 1, 2, 3]
+
+
+class Net(nn.Module):
+    """Two blocks and a branch not taken (``spare``), nanoGPT-style 2-D and 1-D parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 16), nn.GELU())
+        self.head = nn.Linear(16, 4)
+        self.spare = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _wrap(module: nn.Module, stage: int, **options: Any) -> shardpar.ShardedModule:
+    return shardpar.wrap(module, stage=stage, min_unit_params=1, bucket_cap_mb=0.001, **options)
+
+
+def _nanogpt_groups(module: nn.Module) -> list[dict[str, Any]]:
+    """nanoGPT's configure_optimizers: weight decay on 2-D parameters only."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+# --------------------------------------------------------------------------- torch optimizers
+
+
+def _torch_optimizer(stage: int, when: str) -> dict[str, Any]:
+    module = _net()
+    model = _wrap(module, stage)
+    opt = torch.optim.AdamW(_nanogpt_groups(model), lr=0.1)
+    before = {k: v.clone() for k, v in model.full_state_dict().items()}
+    if when == "after backward":
+        model(_batch(0, C.get_rank())).square().mean().backward()
+    try:
+        opt.step()
+        error = None
+    except ShardedGradError as caught:
+        error = str(caught)
+    after = model.full_state_dict()
+    return {"error": error, "unchanged": all(torch.equal(after[k], v) for k, v in before.items()),
+            "state": len(opt.state)}
+
+
+@pytest.mark.parametrize("when", ["after backward", "before any backward"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_torch_optimizer_over_model_parameters_refuses_to_step_at_stages_1_to_3(stage: int, when: str) -> None:
+    for rank, result in enumerate(run_ranks(_torch_optimizer, 2, stage, when, timeout=60)):
+        assert result["error"] is not None, f"stage {stage}, rank {rank}: the torch optimizer stepped"
+        assert re.search(r"torch\.optim\.adamw\.AdamW holds parameter 'blocks\.0\.weight' of a model wrapped by "
+                         rf"shardpar, whose gradient it cannot see: at stage {stage} it exists only as shards", result["error"]), result["error"]
+        assert "shardpar.optimizer(model, torch.optim.adamw.AdamW" in result["error"]
+        assert result["unchanged"] and result["state"] == 0, f"stage {stage}, rank {rank}: something changed"
+
+
+def _torch_optimizer_like_ddp(stage: int) -> dict[str, torch.Tensor]:
+    """Stage 0 with a plain torch optimizer, against torch DDP with the same optimizer."""
+    rank = C.get_rank()
+    model = _wrap(_net(), stage)
+    ddp = DistributedDataParallel(_net(), find_unused_parameters=True)
+    ours = torch.optim.AdamW(_nanogpt_groups(model), lr=0.05)
+    theirs = torch.optim.AdamW(_nanogpt_groups(ddp.module), lr=0.05)
+    for step in range(3):
+        for net, opt in ((model, ours), (ddp, theirs)):
+            net(_batch(step, rank)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    theirs_state = ddp.module.state_dict()
+    return {k: (v, theirs_state[k]) for k, v in model.full_state_dict().items()}
+
+
+def test_a_torch_optimizer_over_model_parameters_trains_like_ddp_at_stage_0() -> None:
+    for rank, pairs in enumerate(run_ranks(_torch_optimizer_like_ddp, 2, 0, timeout=60)):
+        for name, (ours, ddp) in pairs.items():
+            torch.testing.assert_close(ours, ddp, rtol=1e-5, atol=1e-6, msg=f"rank {rank}, {name}")
+
+
+# --------------------------------------------------------------------------- clipping with torch
+
+
+def _torch_clip(stage: int) -> dict[str, Any]:
+    model = _wrap(_net(), stage)
+    model(_batch(0, C.get_rank())).square().mean().backward()
+    try:
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3))
+        error = None
+    except ShardedGradError as caught:
+        norm, error = None, str(caught)
+    return {"norm": norm, "error": error, "ours": float(model.clip_grad_norm_(1e9))}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_torch_clip_grad_norm_over_model_parameters(stage: int) -> None:
+    reference = _net()
+    (sum(reference(_batch(0, rank)).square().mean() for rank in range(2)) / 2).backward()
+    expected = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9))
+    for rank, result in enumerate(run_ranks(_torch_clip, 2, stage, timeout=60)):
+        if stage == 0:
+            assert result["norm"] == pytest.approx(expected, rel=1e-5), f"rank {rank}"
+            assert result["ours"] == pytest.approx(1e-3, rel=1e-3), "torch's clip_grad_norm_ did not clip"
+        else:
+            assert result["norm"] is None, f"stage {stage}: torch's clip_grad_norm_ returned {result['norm']}"
+            assert "exists only as shards" in result["error"] and "model.clip_grad_norm_" in result["error"]
+            assert result["ours"] == pytest.approx(expected, rel=1e-5), "the placeholders disturbed our own clipping"
+
+
+# --------------------------------------------------------------------------- .grad
+
+
+def _grads_seen(stage: int) -> dict[str, Any]:
+    model = _wrap(_net(), stage)
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=0.1)
+    rank = C.get_rank()
+    seen: dict[str, Any] = {}
+    with model.no_sync():
+        model(_batch(0, rank)).square().mean().backward()
+    seen["inside no_sync"] = {n: type(p.grad).__name__ for n, p in model.named_parameters()}
+    model(_batch(1, rank)).square().mean().backward()
+    seen["after backward"] = {n: type(p.grad).__name__ for n, p in model.named_parameters()}
+    seen["repr"] = repr(model.module.head.weight.grad)
+    model(_batch(2, rank)).square().mean().backward()  # accumulates across reductions, as torch does
+    opt.step()
+    seen["after step"] = {n: type(p.grad).__name__ for n, p in model.named_parameters()}
+    opt.zero_grad()
+    seen["after zero_grad"] = {n: type(p.grad).__name__ for n, p in model.named_parameters()}
+    seen["state"] = model.full_state_dict()
+    return seen
+
+
+def _grads_reference() -> dict[str, torch.Tensor]:
+    module = _net()
+    opt = torch.optim.AdamW(module.parameters(), lr=0.1)
+    for step in range(3):
+        (sum(module(_batch(step, rank)).square().mean() for rank in range(2)) / 2).backward()
+    opt.step()
+    return module.state_dict()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_grad_at_stages_1_to_3_is_a_placeholder_where_torch_has_a_gradient(stage: int) -> None:
+    expected = _grads_reference()
+    for rank, seen in enumerate(run_ranks(_grads_seen, 2, stage, timeout=60)):
+        used = {n: "ShardedGrad" for n in seen["after backward"] if not n.startswith("spare.")}
+        assert seen["after backward"] == {**used, "spare.weight": "NoneType", "spare.bias": "NoneType"}
+        assert seen["after step"] == seen["after backward"]
+        # Inside no_sync stage 1 accumulates in its full buffer, whose views are the local
+        # (unreduced) gradients, as torch DDP's .grad are there; stages 2-3 keep them apart.
+        local = {n: seen["inside no_sync"][n] for n in used}
+        assert set(local.values()) == ({"Tensor"} if stage == 1 else {"NoneType"}), seen["inside no_sync"]
+        assert set(seen["after zero_grad"].values()) == {"NoneType"}
+        assert "head.weight" in seen["repr"] and "exists only as shards" in seen["repr"]
+        for name, value in expected.items():
+            torch.testing.assert_close(seen["state"][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
+
+
+# --------------------------------------------------------------------------- require_backward_grad_sync
+
+
+def _accumulate_like_nanogpt(stage: int, micro_steps: int) -> dict[str, Any]:
+    """nanoGPT's loop: ``model.require_backward_grad_sync = (micro_step == last)``, on
+    shardpar and on torch DDP, same data and optimizer."""
+    rank = C.get_rank()
+    model = _wrap(_net(), stage)
+    ddp = DistributedDataParallel(_net(), find_unused_parameters=True)
+    ours = shardpar.optimizer(model, torch.optim.AdamW, _nanogpt_groups(model), lr=0.05)
+    theirs = torch.optim.AdamW(_nanogpt_groups(ddp.module), lr=0.05)
+    reductions_while_off = 0
+    for step in range(2):
+        for micro in range(micro_steps):
+            for net in (model, ddp):
+                net.require_backward_grad_sync = micro == micro_steps - 1
+                before = _reduce_calls(model)
+                (net(_batch(10 * step + micro, rank)).square().mean() / micro_steps).backward()
+                if net is model and micro < micro_steps - 1:
+                    reductions_while_off += _reduce_calls(model) - before
+        for opt in (ours, theirs):
+            opt.step()
+            opt.zero_grad()
+    theirs_state = ddp.module.state_dict()
+    return {"reductions_while_off": reductions_while_off,
+            "pairs": {k: (v, theirs_state[k]) for k, v in model.full_state_dict().items()}}
+
+
+def _reduce_calls(model: shardpar.ShardedModule) -> int:
+    stats = model.comm_stats()
+    return sum(stats.get(op, {}).get("calls", 0) for op in ("all_reduce", "reduce_scatter", "used_flags"))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_require_backward_grad_sync_false_accumulates_like_ddp(stage: int) -> None:
+    for rank, result in enumerate(run_ranks(_accumulate_like_nanogpt, 2, stage, 3, timeout=60)):
+        assert result["reductions_while_off"] == 0, f"stage {stage}: micro-steps with sync off communicated"
+        for name, (ours, ddp) in result["pairs"].items():
+            torch.testing.assert_close(ours, ddp, rtol=1e-5, atol=1e-6, msg=f"stage {stage}, rank {rank}: {name}")
+
+
+# --------------------------------------------------------------------------- state_dict at stage 3
+
+
+def _module_state_dict_at_stage_3() -> dict[str, Any]:
+    module = _net()
+    model = _wrap(module, 3)
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=0.1)
+    model(_batch(0, C.get_rank())).square().mean().backward()
+    opt.step()
+    return {"raw": model.module.state_dict(), "full": model.full_state_dict()}
+
+
+def test_model_module_state_dict_at_stage_3_is_the_full_state() -> None:
+    for rank, result in enumerate(run_ranks(_module_state_dict_at_stage_3, 2, timeout=60)):
+        assert result["raw"].keys() == result["full"].keys()
+        for name, value in result["raw"].items():
+            assert not value.isnan().any(), f"rank {rank}: {name} has NaN"
+            assert torch.equal(value, result["full"][name]), f"rank {rank}: {name}"
+
+
+# --------------------------------------------------------------------------- evaluation on one rank
+
+
+def _evaluate_on_rank_0_only(stage: int, what: str = "eval") -> Any:
+    model = _wrap(_net(), stage, timeout_s=3)
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=0.1)
+    rank = C.get_rank()
+    model(_batch(0, rank)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    evaluated = None
+    try:
+        if rank == 0 and what == "eval":
+            model.eval()
+            with torch.no_grad():
+                evaluated = float(model(_batch(9, 0)).square().mean())
+            model.train()
+        if rank == 0 and what == "state_dict":  # nanoGPT's checkpoint, on master_process only
+            evaluated = len(model.module.state_dict())
+        dist.barrier()  # the script's own "wait for rank 0", as DDP scripts do
+        model(_batch(1, rank)).square().mean().backward()
+        opt.step()
+    except shardpar.RanksOutOfStep as error:
+        raise RuntimeError(f"RanksOutOfStep missing={error.missing}: {error}") from error
+    return evaluated, model.full_state_dict()
+
+
+def test_evaluation_on_rank_0_only_completes_at_stage_0() -> None:
+    (evaluated, state0), (nothing, state1) = run_ranks(_evaluate_on_rank_0_only, 2, 0, timeout=60)
+    assert evaluated is not None and nothing is None
+    for name, value in state0.items():
+        assert torch.equal(value, state1[name]), name
+
+
+def test_state_dict_on_rank_0_only_at_stage_3_names_the_missing_rank() -> None:
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_evaluate_on_rank_0_only, 2, 3, "state_dict", timeout=60)
+    message = failure.value.failures[0]
+    assert "RanksOutOfStep missing=[1]" in message and "rank 1: no report" in message, message[-3000:]
+
+
+def test_evaluation_on_rank_0_only_at_stage_3_names_the_missing_rank_and_the_unit() -> None:
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_evaluate_on_rank_0_only, 2, 3, timeout=60)
+    message = failure.value.failures[0]
+    assert "RanksOutOfStep missing=[1]" in message, message[-3000:]
+    # (rank 0's report may also describe models of earlier tests that this worker still holds)
+    assert re.search(r"rank 0: .*in a forward pass after 1 backward passes and 1 optimizer steps.*; waiting in "
+                     r"tagged all_gather of unit 'blocks\.0'", message), message[-3000:]
+    assert "rank 1: no report" in message
+
+
+# --------------------------------------------------------------------------- generate at stage 3
+
+
+def _generate_different_lengths(synced_gpus: bool) -> dict[str, Any]:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                     bos_token_id=0, eos_token_id=63)
+    plain = transformers.GPT2LMHeadModel(config).eval()
+    torch.manual_seed(0)
+    module = transformers.GPT2LMHeadModel(config)
+    model = shardpar.wrap(module, stage=3, min_unit_params=1, timeout_s=5)
+    model.eval()
+    rank = C.get_rank()
+    prompt = torch.tensor([[1 + rank, 2, 3]])
+    new_tokens = 3 + 4 * rank  # the ranks stop at different lengths
+    options = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ours = module.generate(prompt, synced_gpus=synced_gpus, **options)
+        expected = plain.generate(prompt, **options)
+    return {"ours": ours.tolist(), "expected": expected.tolist()}
+
+
+def test_hf_generate_at_stage_3_with_different_lengths_needs_synced_gpus() -> None:
+    for rank, result in enumerate(run_ranks(_generate_different_lengths, 2, True, timeout=90)):
+        assert result["ours"] == result["expected"], f"rank {rank}"
+        assert len(result["ours"][0]) == 3 + 3 + 4 * rank
