@@ -18,6 +18,7 @@ without replaying or skipping data: the batch depends on the step, not on who re
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import importlib
@@ -25,6 +26,7 @@ import inspect
 import unicodedata
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -85,7 +87,11 @@ def _docstrings(module_name: str) -> list[str]:
         warnings.simplefilter("ignore")  # a deprecated module is still good text
         module = importlib.import_module(module_name)
     docs = [inspect.getdoc(module)]
-    for name in sorted(vars(module)):
+    replaced = _functions_replaced_at_run_time(module)
+    for name in sorted(set(vars(module)) | set(replaced)):
+        if name in replaced:  # the module's own function, whatever replaced it in this process
+            docs.append(replaced[name])
+            continue
         obj = vars(module)[name]
         # Only objects defined here: re-exports would repeat another module's text.
         if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
@@ -104,6 +110,25 @@ def _docstrings(module_name: str) -> list[str]:
                 and member.__module__ == module.__name__
             )
     return [d for d in docs if d]
+
+
+def _functions_replaced_at_run_time(module: Any) -> dict[str, str]:
+    """Docstrings, from the source, of public functions the module defines but that another
+    module replaced in this process (``logging.captureWarnings`` replaces
+    ``warnings.showwarning``): the corpus must not depend on what ran before."""
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    out = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+            current = getattr(module, node.name, None)
+            if getattr(current, "__module__", module.__name__) != module.__name__:
+                doc = ast.get_docstring(node)
+                if doc:
+                    out[node.name] = doc
+    return out
 
 
 @functools.lru_cache(maxsize=1)

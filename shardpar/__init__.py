@@ -12,6 +12,7 @@ from .optim import ShardedOptimizer, optimizer
 from .planner import CommEstimate, MemoryEstimate, choose_stage, estimate_communication, estimate_memory
 from .wrap import wrap
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_full
+from .checkpoint.pretrained import load_pretrained
 
 __all__ = [
     "GradScaler",
@@ -29,6 +30,7 @@ __all__ = [
     "ShardedOptimizer",
     "optimizer",
     "wrap",
+    "load_pretrained",
     "save_checkpoint",
     "load_checkpoint",
     "save_full",

@@ -10,6 +10,7 @@ from torch import nn
 from .comm import collectives as C
 from .checkpoint.io import is_storable
 from .config import ShardConfig
+from .core.deferred_init import DeferredInit, InitFn, materialise_whole, target_device
 from .core.inventory import first_difference, model_signature, module_device
 from .engines import WRAPPED_MARK, build_engine
 from .module import ShardedModule
@@ -89,7 +90,8 @@ def _agree_across_ranks(
             )
 
 
-def wrap(module: nn.Module, stage: int = 0, *, process_group: Any = None, **options: Any) -> ShardedModule:
+def wrap(module: nn.Module, stage: int = 0, *, process_group: Any = None, init_fn: InitFn | None = None,
+         **options: Any) -> ShardedModule:
     """Train ``module`` data-parallel at ZeRO ``stage`` (0-3) on every rank of the job.
 
     Works without torchrun (world size 1); under torchrun it creates the default process
@@ -97,15 +99,36 @@ def wrap(module: nn.Module, stage: int = 0, *, process_group: Any = None, **opti
     fields of :class:`shardpar.ShardConfig` (``bucket_cap_mb``, ``mixed_precision``, ...).
     ``stage="auto"`` with ``memory_budget=`` (bytes per rank or e.g. ``"24GB"``) lets the
     planner pick the lowest stage whose estimate fits.
+
+    A module built under ``torch.device("meta")`` is initialised here, one unit at a time at
+    stage 3 (the full model never exists on a rank), as ``model.apply(init_fn)`` would on CPU
+    (``init_fn=None``: each submodule's ``reset_parameters()``); see [Note: deferred
+    initialisation] in ``shardpar/core/deferred_init.py``.
     """
     problem: Exception | None = None
     config: ShardConfig | None = None
     device = torch.device("cpu")
+    deferred = False
     try:
         config, device = _build_config(module, stage, options)
+        deferred = device.type == "meta"
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be a callable taking a module, got {type(init_fn).__name__}")
+        if init_fn is not None and not deferred:
+            raise ValueError(
+                f"init_fn initialises a model built on the meta device (under `with torch.device('meta'):`), but this "
+                f"model's parameters are on {device}; drop init_fn, or build the model on the meta device"
+            )
+        if deferred:
+            device = target_device()
     except (TypeError, ValueError) as error:
         problem = error
     C.init_default_group(device, config.timeout_s if config is not None else ShardConfig.timeout_s)
     _agree_across_ranks(problem, module, config, process_group)
-    engine = build_engine(module, config, process_group)
+    deferred_init = None
+    if deferred and config.stage == 3:
+        deferred_init = DeferredInit(init_fn, device)
+    elif deferred:
+        materialise_whole(module, init_fn, process_group)  # stages 0-2 keep every parameter anyway
+    engine = build_engine(module, config, process_group, deferred_init)
     return ShardedModule(module, engine)

@@ -497,3 +497,18 @@ def test_docs_tables_are_the_tools_output(capsys: pytest.CaptureFixture[str]) ->
     for argv, pasted in blocks:
         assert _tool().main(shlex.split(argv)) == 0
         assert capsys.readouterr().out == pasted, f"docs/planner.md is stale for: {argv}"
+
+
+def test_start_up_peak_closed_form() -> None:
+    """Stage 3: built in full a rank holds the whole model, its shards so far and the unit being
+    sharded; from the
+    meta device its final params and grads plus the largest unit (Ψ/10 when only a count is
+    given). Stages 0-2 hold every parameter either way."""
+    psi, n = 10**8, 8
+    e3 = estimate_memory(psi, n, 3)
+    unit = 4 * psi // 10
+    assert e3.startup_meta == e3.params + e3.grads + unit
+    assert e3.startup_built == 4 * psi + unit + e3.params
+    for stage in (0, 1, 2):
+        e = estimate_memory(psi, n, stage)
+        assert e.startup_built == e.startup_meta == e.params + e.grads

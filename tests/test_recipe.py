@@ -415,3 +415,25 @@ def test_the_corpus_does_not_depend_on_what_was_imported_before(monkeypatch: pyt
         assert data.build_corpus() == pristine
     finally:
         data.build_corpus.cache_clear()
+
+
+def test_the_corpus_does_not_depend_on_logging_capturing_warnings() -> None:
+    """The recipes call ``logging.captureWarnings(True)``, which replaces
+    ``warnings.showwarning`` with logging's function: its docstring must stay in the text, so a
+    plain process (a test, a notebook) gets the batches the recipes train on."""
+    import logging
+    import warnings
+
+    from recipes import data
+
+    data.build_corpus.cache_clear()
+    logging.captureWarnings(False)
+    pristine = data.build_corpus()
+    data.build_corpus.cache_clear()
+    logging.captureWarnings(True)
+    try:
+        assert warnings.showwarning.__module__ == "logging"
+        assert data.build_corpus() == pristine
+    finally:
+        logging.captureWarnings(False)
+        data.build_corpus.cache_clear()

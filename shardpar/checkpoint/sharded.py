@@ -102,6 +102,31 @@ def _agree(problem: BaseException | None, what: str, group: Any, payload: Any = 
     return [p for _, p in gathered]
 
 
+def buffer_target(tensor: torch.Tensor, staged: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Where a buffer's values are read to: the buffer itself, or (not contiguous) a stand-in
+    recorded in ``staged`` and copied back by :func:`read_on_every_rank`."""
+    if tensor.is_contiguous():
+        return tensor.data.view(-1)
+    target = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    staged.append((tensor, target))
+    return target
+
+
+def read_on_every_rank(run_reads: Callable[[], None], staged: list[tuple[torch.Tensor, torch.Tensor]], what: str,
+                       group: Any) -> None:
+    """Run the planned reads, copy staged buffers back, and agree on the outcome (a failure on
+    any rank raises on every rank; the model may then be partially loaded)."""
+    problem: BaseException | None = None
+    try:
+        with torch.no_grad():
+            run_reads()
+            for tensor, values in staged:
+                tensor.copy_(values.view(tensor.shape))
+    except Exception as error:
+        problem = error
+    _agree(problem, f"{what} (reading)", group)
+
+
 def _crash_point(rank: int, phase: str) -> None:
     if os.environ.get(TEST_CRASH_ENV) == f"{rank}:{phase}":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -462,15 +487,10 @@ def load_checkpoint(path: str | os.PathLike[str], model: ShardedModule,
             reads = []
             for piece in engine.load_pieces():
                 reads += reader.plan(source[piece.name], *piece.param_range, piece.tensor)
-            staged = []  # buffers that cannot be read into in place
+            staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # buffers that cannot be read into in place
             for name, kind, tensor in model_tensors:
                 if kind == "buffer":
-                    if tensor.is_contiguous():
-                        target = tensor.data.view(-1)
-                    else:
-                        target = torch.empty(tensor.numel(), dtype=tensor.dtype)
-                        staged.append((tensor, target))
-                    reads += reader.plan(source[name], 0, tensor.numel(), target)
+                    reads += reader.plan(source[name], 0, tensor.numel(), buffer_target(tensor, staged))
             new_states: list[list[dict[str, Any]]] = []
             if optimizer is not None:
                 new_states, optimizer_reads = _plan_optimizer(reader, manifest, optimizer)
@@ -479,14 +499,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: ShardedModule,
         except Exception as error:
             problem = error
         _agree(problem, "load_checkpoint", group)
-        try:
-            with torch.no_grad():
-                reader.run(reads)
-                for tensor, values in staged:
-                    tensor.copy_(values.view(tensor.shape))
-        except Exception as error:
-            problem = error
-        _agree(problem, "load_checkpoint (reading)", group)
+        read_on_every_rank(lambda: reader.run(reads), staged, "load_checkpoint", group)
     finally:
         if reader is not None:
             reader.close()

@@ -18,28 +18,84 @@ from ..comm import collectives as C
 from .flat_param import FlatParamGroup
 from .gatherer import Unit, UnitGatherer
 from .inventory import ParamInventory, group_by_dtype
+from .deferred_init import InitWalk
 from .layout import BufferLayout
 from .pieces import TensorPiece
 from .units import UnitPlan, plan_units
 
 
 class ValueSource(Protocol):
-    def fill(self, flat: FlatParamGroup, full: torch.Tensor) -> None:
-        """Write the group's values into ``full`` (1-D, master dtype, laid out by
-        ``flat.layout``) on this rank; only this rank's slice of it is kept."""
+    device: torch.device
+    """Where the shards live."""
+
+    def build_order(self, plans: Sequence[UnitPlan]) -> list[int]:
+        """The order in which to build the units (indices into ``plans``)."""
+
+    def fill(self, flat: FlatParamGroup, shard: torch.Tensor) -> None:
+        """Write this rank's shard of the group's values into ``shard`` (1-D, master dtype,
+        ``flat.layout``'s slice for this rank, zeroed)."""
 
 
 class FromLiveModule:
     """The parameters' current values on rank 0 (every rank built the model; rank 0's win)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, device: torch.device) -> None:
         self.group = group
+        self.device = device
 
-    def fill(self, flat: FlatParamGroup, full: torch.Tensor) -> None:
+    def build_order(self, plans: Sequence[UnitPlan]) -> list[int]:
+        return list(range(len(plans)))
+
+    def fill(self, flat: FlatParamGroup, shard: torch.Tensor) -> None:
+        values = torch.zeros(flat.layout.numel, dtype=shard.dtype, device=shard.device)
         with torch.no_grad():
             for name, param in flat.params.items():
-                flat.layout.view(full, name).copy_(param.data)
-            C.broadcast(full, 0, group=self.group)
+                flat.layout.view(values, name).copy_(param.data)
+            C.broadcast(values, 0, group=self.group)
+            shard.copy_(flat.bucket.shard(flat.rank).of(values))
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+class FromInit:
+    """Values computed by replaying the initialisation, unit by unit, on every rank
+    ([Note: deferred initialisation] in deferred_init.py): no broadcast, no full model."""
+
+    def __init__(self, module: nn.Module, walk: InitWalk, device: torch.device) -> None:
+        self.module = module
+        self.walk = walk
+        self.device = device
+        self._complete_at: dict[str, int] = {}
+
+    def build_order(self, plans: Sequence[UnitPlan]) -> list[int]:
+        """Units in the order the walk completes them: a unit is complete once every module
+        holding one of its parameters, the unit's own module and its parent have been visited
+        (inits commonly set a child's weight: Hugging Face GPT-2's attention scales its
+        ``c_proj``). A parent that is a container (``ModuleList``...) or the root is not
+        waited for: that would hold every sibling unit at once."""
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        last = len(self.walk.visits) - 1
+        for plan in plans:
+            if plan.from_policy and plan.name in modules:
+                waits = [self.walk.last_visit_of(modules[plan.name])]
+                parent = modules[plan.name.rpartition(".")[0]] if "." in plan.name else None
+                if parent is not None and not isinstance(parent, _CONTAINERS):
+                    waits.append(self.walk.last_visit_of(parent))
+            else:
+                waits = [last]
+            waits += [i for name in plan.params for i in self.walk.visits_holding(params[name])]
+            self._complete_at[plan.name] = max(waits)
+        return sorted(range(len(plans)), key=lambda i: self._complete_at[plans[i].name])
+
+    def fill(self, flat: FlatParamGroup, shard: torch.Tensor) -> None:
+        self.walk.advance_to(self._complete_at[flat.unit])
+        self.walk.check_initialised(list(flat.params.items()))
+        with torch.no_grad():  # only this rank's pieces: no full-size buffer on the device
+            for piece in flat.layout.pieces(flat.rank):
+                values = flat.params[piece.name].data.reshape(-1)[piece.param_range.start:piece.param_range.end]
+                piece.local_range.of(shard).copy_(values)
 
 
 class ShardedStorage:
@@ -54,15 +110,18 @@ class ShardedStorage:
         mp = config.mixed_precision
         self.param_dtype = mp.param_dtype if mp is not None else None
         self.plans: list[UnitPlan] = plan_units(module, config.wrap_policy, config.min_unit_params)
-        self.units: list[Unit] = []
-        for index, plan in enumerate(self.plans):
+        built: dict[int, list[FlatParamGroup]] = {}
+        for index in source.build_order(self.plans):
+            plan = self.plans[index]
             named = [(name, inventory.by_name[name]) for name in plan.params]
             flats = []
             for trainable in (True, False):
                 members = [(n, p) for n, p in named if p.requires_grad == trainable]
                 for dtype_group in group_by_dtype(members) if members else []:
                     flats.append(self._born_sharded(plan.name, dtype_group, trainable, source))
-            self.units.append(Unit(index, plan.name, plan.hook_modules, flats, plan.from_policy))
+            built[index] = flats
+        self.units: list[Unit] = [Unit(index, plan.name, plan.hook_modules, built[index], plan.from_policy)
+                                  for index, plan in enumerate(self.plans)]
         # The reducer's layout order: gradients come last unit first.
         self.trainable_groups = [f for unit in reversed(self.units) for f in unit.trainable]
         self.groups = [f for unit in self.units for f in unit.flats]
@@ -74,18 +133,17 @@ class ShardedStorage:
         master_dtype = first.dtype
         compute = self.param_dtype if self.param_dtype is not None and master_dtype.is_floating_point else master_dtype
         layout = BufferLayout([(n, p.shape) for n, p in reversed(named)], self.world_size)  # one bucket
-        full = torch.empty(layout.numel, dtype=compute, device=first.device)  # views are made while allocated
+        device = source.device
+        full = torch.empty(layout.numel, dtype=compute, device=device)  # views are made while allocated
         # The shard lives behind room for a gather tag, so a gather sends it without a copy.
-        tagged, shard = C.tagged_buffer(layout.shard_numel, master_dtype, first.device)
+        tagged, shard = C.tagged_buffer(layout.shard_numel, master_dtype, device)
         shard.zero_()
         label = f"{'trainable' if trainable else 'frozen'} {str(master_dtype).replace('torch.', '')}"
         flat = FlatParamGroup(label, unit, list(reversed(named)), layout, full, shard, self.rank,
                               frees_storage=True, trainable=trainable)
         flat.tagged_shard = tagged
-        values = torch.zeros(layout.numel, dtype=master_dtype, device=first.device)
-        source.fill(flat, values)
-        shard.copy_(layout.buckets[0].shard(self.rank).of(values))
-        del values
+        full.untyped_storage().resize_(0)  # the views exist; the first gather allocates it again
+        source.fill(flat, shard)
         flat.reshard()
         return flat
 

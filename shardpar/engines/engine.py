@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map
 from ..comm import collectives as C
 from ..comm import watch
 from ..config import ShardConfig
+from ..core.deferred_init import DeferredInit
 from ..core.gatherer import Unit, UnitGatherer, _grad_tensors
 from ..core.inventory import ParamInventory, check_supported_dtypes, module_device
 from ..core.param_guard import allow
@@ -65,7 +66,8 @@ def _disabled(fn):
 class Engine:
     """Training machinery of one wrapped module at one stage (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, config: ShardConfig, group: Any, row: Any) -> None:
+    def __init__(self, module: nn.Module, config: ShardConfig, group: Any, row: Any,
+                 deferred_init: DeferredInit | None = None) -> None:
         self.module = module
         self.config = config
         self.group = group
@@ -73,7 +75,9 @@ class Engine:
         self.stage = row.stage
         self.world_size = C.get_world_size(group)
         self.rank = C.get_rank(group)
-        self.device = module_device(module)
+        self.deferred_init = deferred_init
+        """Set when the module was built on the meta device (stage 3; see core/deferred_init.py)."""
+        self.device = deferred_init.device if deferred_init is not None else module_device(module)
         self.comm = C.CommStats()
         self.state = TrainingState()
         watch.track(self.state)

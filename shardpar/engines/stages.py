@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.reduce_strategies import AllReduceStrategy, ReduceScatterInPlace, StagedReduceScatter
 from ..core.replicated import ReplicatedStorage
-from ..core.sharded import FromLiveModule, ShardedStorage
+from ..core.deferred_init import InitWalk
+from ..core.sharded import FromInit, FromLiveModule, ShardedStorage
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -34,9 +35,17 @@ def _replicated(sharded_master: bool) -> Callable[["Engine"], ReplicatedStorage]
 
 
 def _sharded_units(engine: "Engine") -> ShardedStorage:
+    deferred = engine.deferred_init
+    if deferred is None:
+        storage = ShardedStorage(engine.module, engine.inventory, engine.config, engine.world_size, engine.rank,
+                                 FromLiveModule(engine.group, engine.device))
+        engine.broadcast_from_rank0(list(engine.module.buffers()))
+        return storage
+    # Born sharded from an initialisation every rank replays alike: nothing to broadcast.
+    walk = InitWalk(engine.module, deferred.init_fn, engine.group)
     storage = ShardedStorage(engine.module, engine.inventory, engine.config, engine.world_size, engine.rank,
-                             FromLiveModule(engine.group))
-    engine.broadcast_from_rank0(list(engine.module.buffers()))
+                             FromInit(engine.module, walk, engine.device))
+    walk.finish(engine.device)
     return storage
 
 

@@ -327,6 +327,15 @@ class MemoryEstimate:
     bucket_cap_mb: float
     units_from_model: bool
     """True when buckets and stage-3 units were read from a module, False when assumed."""
+    startup_built: int = 0
+    """Upper bound of the bytes a rank holds while ``wrap`` starts a model built in full on it:
+    at stage 3 the whole model (stored dtype), the parameter shards and one unit's values being
+    sharded, or the final params + grads if larger; at stages 0-2 the params + grads. The
+    optimizer state comes later, at the first step."""
+    startup_meta: int = 0
+    """The same for a model built on the meta device ([Note: deferred initialisation]): at
+    stage 3 the final params + grads plus the largest unit being initialised (on CPU); at
+    stages 0-2 as ``startup_built``."""
 
     @property
     def model_state(self) -> int:
@@ -398,6 +407,12 @@ def estimate_memory(
         grads = (r * psi + (d * psi / shards if r != d else 0)) if stage < 2 else d * psi / n
         workspace = r * _largest(list(shape.buckets), STAGING_BUCKETS) if stage == 2 else 0
     parts = [round(x) for x in (params, grads, optimizer_state, workspace)]
+    startup_built = startup_meta = params + grads
+    if stage == 3:
+        largest_unit = max((d * u.trainable + u.frozen_bytes for u in shape.units), default=0)
+        startup_meta = params + grads + largest_unit
+        # Built in full: the live model, the shards made so far, and one unit's values in flight.
+        startup_built = max(d * psi + shape.frozen_bytes + largest_unit + params, params + grads)
     return MemoryEstimate(
         *parts,
         total=sum(parts),
@@ -413,6 +428,8 @@ def estimate_memory(
         mixed_precision=mp,
         bucket_cap_mb=bucket_cap_mb,
         units_from_model=shape.measured and largest_unit_params is None,
+        startup_built=round(startup_built),
+        startup_meta=round(startup_meta),
     )
 
 

@@ -1,0 +1,86 @@
+"""``shardpar.load_pretrained``: weights in the Hugging Face layout, straight into a wrapped model.
+
+Every rank opens the directory (``model.safetensors``, or ``model.safetensors.index.json``
+and its shards), validates every header, and then reads only the byte ranges of the elements
+it keeps: its shards at stage 3, whole parameters at stages 0-2 ([Note: byte-range reading]
+in ``hf.py``). Nothing is broadcast and no file is deserialised whole; values are cast to the
+parameters' dtypes chunk by chunk, so a rank's peak is its model state plus one read chunk.
+Tied weights are stored once and fill every name tied to them; missing and unexpected keys
+are reported as ``transformers`` reports them ([Note: missing and unexpected keys]).
+
+With ``shardpar.wrap`` of a meta-device model this is how a model larger than one rank starts
+from pretrained weights: the initialisation fills what the checkpoint lacks, then this
+overwrites the rest, and the full model never exists on any rank.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ..comm import watch
+from ..errors import CheckpointError
+from .hf import KeyReport, RangeRead, _tied_groups, hf_ignore_patterns, match_keys, open_hf_checkpoint
+from .sharded import _agree, _engine_of, _model_tensors, buffer_target, read_on_every_rank
+
+
+def load_pretrained(model: Any, path: str | os.PathLike[str], strict: bool = True) -> KeyReport:
+    """Load a Hugging Face safetensors checkpoint into ``model`` (a ``ShardedModule``) on every
+    rank, at any stage and world size. Returns ``missing_keys`` and ``unexpected_keys``;
+    with ``strict`` either being non-empty is a :class:`shardpar.CheckpointError` (raised
+    before anything is read). Bad files, shapes, or names in the index are
+    ``CheckpointError``\\ s naming the tensor or file, on every rank."""
+    engine = _engine_of(model)
+    group = engine.group
+    with watch.operation("load_pretrained"):
+        watch.meet(group, "load_pretrained")
+        problem: BaseException | None = None
+        checkpoint = None
+        report = KeyReport([], [])
+        reads: list[RangeRead] = []
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # buffers that cannot be read into in place
+        try:
+            try:
+                checkpoint = open_hf_checkpoint(path)
+                report, reads, staged = _plan(engine, checkpoint, strict)
+            except Exception as error:
+                problem = error
+            _agree(problem, "load_pretrained", group)
+            read_on_every_rank(lambda: checkpoint.read_ranges(reads), staged, "load_pretrained", group)
+        finally:
+            if checkpoint is not None:
+                checkpoint.close()
+        engine.after_load()
+    return report
+
+
+def _plan(engine: Any, checkpoint: Any, strict: bool) -> tuple[KeyReport, list[RangeRead], list]:
+    model_tensors, aliases = _model_tensors(engine)
+    stored = checkpoint.tensors
+    ignore_missing, ignore_unexpected = hf_ignore_patterns(engine.module)
+    report = match_keys(stored, [name for name, _, _ in model_tensors] + list(aliases), aliases,
+                        ignore_missing=ignore_missing, ignore_unexpected=ignore_unexpected)
+    if strict and (report.missing_keys or report.unexpected_keys):
+        raise CheckpointError(
+            f"{checkpoint.directory}: missing keys {report.missing_keys or 'none'}; unexpected keys "
+            f"{report.unexpected_keys or 'none'} (load_pretrained(..., strict=False) loads what matches)")
+    # Which stored tensor supplies each of the model's tensors: its own name, else any name tied to it.
+    tied = _tied_groups(aliases)
+    source: dict[str, str] = {}
+    for name, _, _ in model_tensors:
+        for candidate in [name, *sorted(tied.get(name, ()))]:
+            if candidate in stored:
+                source[name] = candidate
+                break
+    tensors = {name: tensor for name, _, tensor in model_tensors}
+    checkpoint.check_shapes({source[name]: tuple(tensors[name].shape) for name in source})
+    engine.wait_for_params()
+    reads = [RangeRead(source[piece.name], *piece.param_range, piece.tensor)
+             for piece in engine.load_pieces() if piece.name in source]
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, kind, tensor in model_tensors:
+        if kind == "buffer" and name in source:
+            reads.append(RangeRead(source[name], 0, tensor.numel(), buffer_target(tensor, staged)))
+    return report, reads, staged
