@@ -117,15 +117,20 @@ def _train_lm(stage: int, build: Any, steps: int = STEPS, block_class: type = Bl
     torch.manual_seed(0)
     module = build()
     model = shardpar.wrap(module, stage=stage, **_wrap_options(stage, block_class))
+    return _run_steps(model, model, steps)
+
+
+def _run_steps(model: Any, call: Any, steps: int) -> dict[str, Any]:
+    """``steps`` AdamW steps of ``call`` (the wrapped model, or a compiled wrapper of it); per
+    step the loss and ``comm_stats()`` (without totals), then the final state."""
     opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     rank = C.get_rank()
     out: dict[str, Any] = {"losses": [], "comm": []}
     for step in range(steps):
         tokens = _tokens(step, rank)
         model.reset_comm_stats()
-        logits = model(tokens)
-        logits = getattr(logits, "logits", logits)
-        loss = _lm_loss(logits, tokens)
+        logits = call(tokens)
+        loss = _lm_loss(getattr(logits, "logits", logits), tokens)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -246,21 +251,7 @@ def _train_whole_compiled(stage: int) -> dict[str, Any]:
     excluded from compilation) and the code between them is compiled."""
     torch.manual_seed(0)
     model = shardpar.wrap(CheckpointedLM(), stage=stage, **_wrap_options(stage))
-    compiled = torch.compile(model, backend="aot_eager")
-    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
-    out: dict[str, Any] = {"losses": [], "comm": []}
-    for step in range(STEPS):
-        tokens = _tokens(step, C.get_rank())
-        model.reset_comm_stats()
-        loss = _lm_loss(compiled(tokens), tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out["comm"].append({op: stats for op, stats in model.comm_stats().items() if op != "total"})
-        out["losses"].append(float(loss.detach()))
-    out["state"] = _canonical(model.full_state_dict())
-    model.engine.close()
-    return out
+    return _run_steps(model, torch.compile(model, backend="aot_eager"), STEPS)
 
 
 @functools.lru_cache(maxsize=None)

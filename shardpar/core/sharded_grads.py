@@ -44,8 +44,8 @@ _FIX = (
 )
 
 
-def where_grads_live(stage: int, mixed_precision: bool) -> str:
-    """Why ``param.grad`` is not the gradient, for messages."""
+def where_grads_live(stage: int) -> str:
+    """Why ``param.grad`` is not the gradient, for messages (stage 0: only under mixed precision)."""
     if stage == 0:
         return ("at stage 0 with mixed precision it is kept in the reduce dtype for fp32 master weights that only "
                 "shardpar's optimizer updates")
@@ -94,7 +94,7 @@ class ShardedGradMarks:
             if param.grad is None:
                 key = (name, param.dtype)
                 grad = self._made.get(key)
-                if grad is None or grad.shape != param.shape:
+                if grad is None:
                     grad = self._made[key] = ShardedGrad(param, name, self.where)
                 param.grad = grad
                 self._on = True

@@ -108,7 +108,7 @@ class Engine:
         # Where param.grad cannot be the gradient (shards; fp32 masters under mixed precision),
         # plain torch code that reads it must fail loudly: see core/sharded_grads.py.
         hidden = not self.strategy.full_grads_on_params or self.param_dtype is not None
-        self.grad_marks = ShardedGradMarks(self.inventory.trainable, where_grads_live(self.stage, mp is not None)) \
+        self.grad_marks = ShardedGradMarks(self.inventory.trainable, where_grads_live(self.stage)) \
             if hidden else None
         self._handles += self.reducer.register_hooks(self._on_grad_ready)
         if isinstance(self.storage, ShardedStorage):
