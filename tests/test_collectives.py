@@ -246,3 +246,63 @@ def test_size_mismatch_world_size_1() -> None:
 def test_size_mismatch_is_value_error_on_every_rank(world_size: int) -> None:
     for messages in run_ranks(_size_mismatch_messages, world_size, timeout=30):
         _assert_clear(messages, world_size)
+
+
+# --------------------------------------------------------------------------- tagged all-gather
+
+
+def _tagged_gather(numel: int, max_numel: int, tag: list[int], in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One :func:`C.all_gather_tagged` of this rank's ``_value`` (``numel`` elements) into a
+    full buffer with (``in_place``) or without room in front; returns (tags, full)."""
+    rank, n = C.get_rank(), C.get_world_size()
+    send, payload = C.tagged_buffer(numel, torch.float32, torch.device("cpu"))
+    payload.copy_(_value(rank, numel))
+    full = C.gather_target(n * numel, torch.float32, torch.device("cpu")) if in_place else torch.empty(n * numel)
+    full.fill_(-1.0)
+    if in_place:
+        torch.empty(0, dtype=torch.int64).set_(full.untyped_storage(), 0, (2,)).zero_()  # the room in front
+    tags = C.all_gather_tagged(full, send, torch.tensor(tag, dtype=torch.int64), max_shard_bytes=4 * max_numel).wait()
+    return tags, full
+
+
+def _tagged_gathers() -> list[dict]:
+    """Largest and smaller shards, with and without room in front, then two mismatches."""
+    rank, n = C.get_rank(), C.get_world_size()
+    results = []
+    for numel, max_numel, in_place in [(5, 5, True), (5, 5, False), (3, 5, True), (1, 1, True)]:
+        windows = C.in_place_windows(C.gather_target(n * numel, torch.float32, torch.device("cpu")), rank, n,
+                                     4 * numel, 4 * max_numel)
+        tags, full = _tagged_gather(numel, max_numel, [7, 11], in_place)
+        expected = torch.cat([_value(r, numel) for r in range(n)])
+        # The 16 bytes in front of the full buffer: peer 0's tag, if it was received in place.
+        front = torch.empty(0, dtype=torch.int64).set_(full.untyped_storage(), 0, (2,)).tolist() if in_place else []
+        results.append({"tags": tags.tolist(), "exact": torch.equal(full, expected),
+                        "in_place": sorted(windows) if in_place else [], "front": front})
+    # Mismatched tags, same sizes: every rank sees every rank's tag.
+    tags, _ = _tagged_gather(5, 5, [3, rank], True)
+    results.append({"tags": tags.tolist()})
+    # Mismatched sizes (another unit's shard, shorter than the largest): no abort, tags say so.
+    tags, _ = _tagged_gather(5 if rank == 0 else 2, 5, [4, 0 if rank == 0 else 9], True)
+    results.append({"tags": tags.tolist()})
+    return results
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_tagged_all_gather_in_place_and_through_the_receive_buffer(world_size: int) -> None:
+    """Closed-form payloads and tags; a largest-shard gather into a gather target receives
+    peer 0 and peer rank+1 in place (every peer at N = 2), a smaller shard none."""
+    for rank, results in enumerate(run_ranks(_tagged_gathers, world_size, timeout=60)):
+        for result in results[:4]:
+            assert result["tags"] == [[7, 11]] * world_size
+            assert result["exact"], f"rank {rank}: wrong payload in {result}"
+        expected_peers = sorted({0, rank + 1} - {rank} & set(range(world_size)))
+        assert results[0]["in_place"] == expected_peers
+        assert (results[0]["front"] == [7, 11]) == (rank != 0), "peer 0 was not received in place"
+        assert results[2]["in_place"] == [] and results[1]["in_place"] == []
+        # A one-element chunk is shorter than a tag: a window starting in this rank's chunk
+        # would overlap the one before it, so nothing is received in place.
+        assert results[3]["in_place"] == []
+        assert results[4]["tags"] == [[3, r] for r in range(world_size)]
+        assert results[5]["tags"] == [[4, 0]] + [[4, 9]] * (world_size - 1)
+        if world_size == 2:
+            assert expected_peers == [1 - rank]

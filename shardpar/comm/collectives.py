@@ -41,6 +41,18 @@ the exchange is one broadcast per rank of its tagged shard (as the untagged all-
 bytes each rank sends are the ring model's, S·(N-1)/N of the gathered tensor); other
 backends use their all-gather on the tagged buffers, which cannot survive a size mismatch
 (NCCL would hang until the timeout).
+
+The copy out is one more pass over every gathered byte, so on gloo a message is received
+straight into the full buffer where that is safe (:func:`gather_target` leaves 16 bytes of
+room in front of it): peer src's window is then ``[src·S - 16, (src+1)·S)`` of the full
+buffer's bytes, its tag landing in the 16 bytes before its chunk. That is safe only when the
+window is exactly one message long (the shard is the largest one, so a mismatched message
+still fits, and gloo's broadcast tree, which forwards the whole posted buffer at N > 2,
+forwards nothing but the message) and its first 16 bytes belong to nobody else: the room in
+front (src = 0) or this rank's own chunk (src = rank + 1, when a chunk is at least 16 bytes),
+which is written only after every tag was read. The windows of one rank are then disjoint. Every other peer still goes through
+the receive buffer. At N = 2 every peer of a largest-shard unit is received in place; on a
+mismatch the full buffer's contents are undefined (the caller raises or gathers again).
 """
 
 from __future__ import annotations
@@ -379,6 +391,26 @@ TAG_BYTES = 16
 """Bytes of the tag each rank prefixes to its shard in :func:`all_gather_tagged`."""
 
 
+def gather_target(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor of ``numel`` elements of ``dtype`` with ``TAG_BYTES`` of room in front of it
+    in its storage, so that :func:`all_gather_tagged` can receive peers' tagged messages
+    straight into it (see [Note: tagged all-gather]). Resizing its storage to
+    ``TAG_BYTES + numel * element size`` allocates it again after a ``resize_(0)``."""
+    element = torch.empty((), dtype=dtype).element_size()
+    room = TAG_BYTES // element
+    return torch.empty(room + numel, dtype=dtype, device=device)[room:]
+
+
+def _room_in_front(full: torch.Tensor) -> torch.Tensor | None:
+    """The bytes of ``full``'s storage from ``TAG_BYTES`` before ``full`` to its end, or None
+    when ``full`` has no such room (it is not a :func:`gather_target`)."""
+    start = full.storage_offset() * full.element_size() - TAG_BYTES
+    if start < 0 or not full.is_contiguous():
+        return None
+    storage_bytes = torch.empty(0, dtype=torch.uint8, device=full.device).set_(full.untyped_storage())
+    return storage_bytes[start : start + TAG_BYTES + full.numel() * full.element_size()]
+
+
 def tagged_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A byte buffer with room for a tag in front of ``numel`` elements of ``dtype``, and the
     1-D view of those elements: a shard kept in one is sent by :func:`all_gather_tagged`
@@ -402,10 +434,11 @@ def all_gather_tagged(
     """All-gather every rank's shard into ``full`` (1-D, N x the shard's elements) with a tag
     per rank; see [Note: tagged all-gather]. ``send`` is a :func:`tagged_buffer` holding this
     rank's shard (the tag is written into it here); ``tag`` is 16 bytes (two int64).
-    Asynchronous: ``wait()`` returns an (N, 2) int64 tensor of every rank's tag and copies the
-    payload into ``full`` only when every rank sent the tag this rank sent (otherwise ``full``
-    is left as it was; the caller decides what a mismatch means). ``what`` names the payload
-    in reports (``unit 'blocks.0'``)."""
+    Asynchronous: ``wait()`` returns an (N, 2) int64 tensor of every rank's tag; ``full`` holds
+    the gathered payload only when every rank sent the tag this rank sent (otherwise its
+    contents are undefined; the caller decides what a mismatch means). ``full`` made by
+    :func:`gather_target` receives peers in place where that is safe. ``what`` names the
+    payload in reports (``unit 'blocks.0'``)."""
     world_size = get_world_size(group)
     rank = get_rank(group)
     payload_bytes = send.numel() - TAG_BYTES
@@ -425,25 +458,50 @@ def all_gather_tagged(
     if world_size == 1:
         chunk_bytes[0].copy_(own)
         return Handle(then=lambda: tag.detach().clone().view(1, -1))
+    # windows[src]: where peer src's tagged message is received (None: this rank's own).
+    windows: list[torch.Tensor | None] = [None] * world_size
     if _is_gloo(group):
-        # One broadcast per rank of its tagged shard; every other rank receives into a buffer
-        # sized for the largest shard, so another unit's message always fits.
-        received = torch.empty(world_size, TAG_BYTES + max_shard_bytes, dtype=torch.uint8, device=send.device)
-        works = [dist.broadcast(send if src == rank else received[src], group_src=src, group=group, async_op=True)
+        # One broadcast per rank of its tagged shard, received in place where the note says
+        # it is safe and otherwise into a buffer sized for the largest shard, so another
+        # unit's message always fits.
+        in_place = in_place_windows(full, rank, world_size, payload_bytes, max_shard_bytes)
+        received = torch.empty(world_size - 1 - len(in_place), TAG_BYTES + max_shard_bytes, dtype=torch.uint8,
+                               device=send.device)
+        spare = iter(received)
+        for src in range(world_size):
+            if src != rank:
+                windows[src] = in_place[src] if src in in_place else next(spare)
+        works = [dist.broadcast(send if src == rank else windows[src], group_src=src, group=group, async_op=True)
                  for src in range(world_size)]
     else:
         received = torch.empty(world_size, TAG_BYTES + payload_bytes, dtype=torch.uint8, device=send.device)
         works = [dist.all_gather_into_tensor(received.view(-1), send, group=group, async_op=True)]
+        windows = [None if src == rank else row for src, row in enumerate(received)]
 
     def copy_out() -> torch.Tensor:
-        received[rank, :TAG_BYTES].copy_(tag_bytes)
-        tags = received[:, :TAG_BYTES].contiguous().view(torch.int64).view(world_size, -1)
-        if bool((tags == tags[rank]).all()):
-            for src in range(world_size):
-                chunk_bytes[src].copy_(own if src == rank else received[src, TAG_BYTES : TAG_BYTES + payload_bytes])
+        # Every tag is read before anything is written: a peer's tag may sit in this rank's chunk.
+        tags = torch.stack([tag_bytes if w is None else w[:TAG_BYTES] for w in windows]).view(torch.int64)
+        if torch.equal(tags, tags[rank].expand_as(tags)):
+            for src, window in enumerate(windows):
+                if window is not None and window.data_ptr() + TAG_BYTES != chunk_bytes[src].data_ptr():
+                    chunk_bytes[src].copy_(window[TAG_BYTES : TAG_BYTES + payload_bytes])
+            chunk_bytes[rank].copy_(own)
         return tags
 
     return Handle(works, then=copy_out, op=f"tagged all_gather of {what}" if what else "tagged all_gather", group=group)
+
+
+def in_place_windows(full: torch.Tensor, rank: int, world_size: int, payload_bytes: int,
+                     max_shard_bytes: int) -> dict[int, torch.Tensor]:
+    """The peers whose tagged message ``full`` can receive in place, each with its window (the
+    16 bytes before the peer's chunk and the chunk); see [Note: tagged all-gather]."""
+    if payload_bytes != max_shard_bytes or payload_bytes < TAG_BYTES:
+        return {}  # a window longer than its chunk, or a tag longer than a chunk, would overlap another
+    room = _room_in_front(full)
+    if room is None:
+        return {}
+    peers = [src for src in (0, rank + 1) if src != rank and src < world_size]
+    return {src: room[src * payload_bytes : (src + 1) * payload_bytes + TAG_BYTES] for src in peers}
 
 
 _SIBLING_GROUPS: dict[Any, Any] = {}

@@ -100,6 +100,9 @@ class FlatParamGroup:
         self.params = dict(named)
         self.layout = layout
         self.full = full  # 1-D, compute dtype, numel = layout.numel (padded)
+        # Stage 3's full buffers have a gather tag's room in front in their storage (see
+        # collectives.gather_target); the room is not counted in the byte figures.
+        self._storage_bytes = (full.storage_offset() + full.numel()) * full.element_size()
         self.shard = shard  # 1-D, master dtype, numel = layout.shard_numel
         self.rank = rank
         self.frees_storage = frees_storage
@@ -151,7 +154,8 @@ class FlatParamGroup:
         return self.layout.numel - self.layout.padding
 
     def allocated_full_bytes(self) -> int:
-        return self.full.untyped_storage().nbytes() if self.frees_storage else 0
+        allocated = self.frees_storage and self.full.untyped_storage().nbytes() > 0
+        return self.full_bytes if allocated else 0
 
     def own_slice(self) -> torch.Tensor:
         """This rank's slice of the full buffer (1-D, compute dtype)."""
@@ -166,7 +170,7 @@ class FlatParamGroup:
         """Begin the all-gather ``issue`` launches into the full buffer (allocated first)."""
         assert self.state is not ShardState.GATHERING, f"'{self.label}' is already gathering"
         if self.frees_storage and self.full.untyped_storage().nbytes() == 0:
-            self.full.untyped_storage().resize_(self.full_bytes)
+            self.full.untyped_storage().resize_(self._storage_bytes)
         self.handle = issue(self)
         self.state = ShardState.GATHERING
         for param in self.params.values():

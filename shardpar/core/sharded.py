@@ -134,7 +134,8 @@ class ShardedStorage:
         compute = self.param_dtype if self.param_dtype is not None and master_dtype.is_floating_point else master_dtype
         layout = BufferLayout([(n, p.shape) for n, p in reversed(named)], self.world_size)  # one bucket
         device = source.device
-        full = torch.empty(layout.numel, dtype=compute, device=device)  # views are made while allocated
+        # Views are made while allocated; the room in front lets gathers receive in place.
+        full = C.gather_target(layout.numel, compute, device)
         # The shard lives behind room for a gather tag, so a gather sends it without a copy.
         tagged, shard = C.tagged_buffer(layout.shard_numel, master_dtype, device)
         shard.zero_()
