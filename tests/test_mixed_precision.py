@@ -68,6 +68,7 @@ import torch
 
 import shardpar
 from shardpar.comm import collectives as C
+from tests.harness import run_ranks
 from tests.models import KITCHEN, TRANSFORMER, Block, ModelSpec
 from tests.parity import (
     Recipe,
@@ -828,3 +829,78 @@ def test_gpt_recipe_bf16_loss_tracks_fp32() -> None:
     assert fp32["train_loss"] < fp32["first_loss"] - 0.8, f"fp32 did not learn: {fp32}"
     for key in ("train_loss", "val_loss"):
         assert abs(bf16[key] - fp32[key]) <= 0.05 * fp32[key], (key, bf16, fp32)
+
+
+# --------------------------------------------------------------------------- fp16 averaging
+
+FP16_UNIT = 2.0**-24
+"""fp16's smallest subnormal."""
+
+
+class _ConstantGradient(torch.nn.Module):
+    """``loss = (w * c).sum()``: the gradient of ``w`` is ``c``, exactly, in the compute dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(2))
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return (self.w * c).sum()
+
+
+def _fp16_averaged_gradient(stage: int) -> list[float]:
+    """The averaged gradient the optimizer sees (SGD with lr 1 from w = 0 leaves -grad)."""
+    model = shardpar.wrap(_ConstantGradient(), stage=stage,
+                          mixed_precision=shardpar.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16))
+    opt = shardpar.optimizer(model, torch.optim.SGD, lr=1.0)
+    # Every rank: 2 subnormal units (DDP's mean is the same) and a large value whose sum over
+    # 4 ranks would overflow fp16 (65504).
+    model(torch.tensor([2 * FP16_UNIT, 30000.0], dtype=torch.float16)).backward()
+    opt.step()
+    return (-model.full_state_dict()["w"]).tolist()
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp16_reduction_divides_by_root_n_around_the_sum(world_size: int, stage: int) -> None:
+    """[Note: averaging]: ÷ the power of two at or above √N before the sum, ÷ the rest after.
+    Dividing by N first would flush the 2-unit gradient to zero at N = 4 (half a unit, rounded
+    to even); dividing after would overflow the large one. At N = 2 and 4 every step is a
+    power of two and both come back exactly; at N = 3 the sum 45000 is rounded to fp16 (to
+    44992) and the last ÷1.5 is not a power of two, so within one fp16 rounding."""
+    exact = world_size & (world_size - 1) == 0
+    for rank, grad in enumerate(run_ranks(_fp16_averaged_gradient, world_size, stage, timeout=60)):
+        if exact:
+            assert grad == [2 * FP16_UNIT, 30000.0], f"rank {rank}: {grad}"
+        else:
+            assert grad == pytest.approx([2 * FP16_UNIT, 30000.0], rel=2**-10), f"rank {rank}: {grad}"
+
+
+def test_averaging_plans() -> None:
+    """Which passes each backend and dtype gets ([Note: averaging]); NCCL's in-collective
+    average is chosen here without a GPU, the plan being a pure function."""
+    from shardpar.core.reduce_strategies import Averaging, averaging
+
+    assert averaging(torch.float32, 1, True, True) == Averaging()
+    assert averaging(torch.float32, 4, True, True) == Averaging(op="avg")  # NCCL: no pass
+    assert averaging(torch.bfloat16, 4, True, False) == Averaging(op="avg")
+    assert averaging(torch.float32, 4, False, True) == Averaging(before=0.25)  # gloo, all-reduce
+    assert averaging(torch.float32, 4, False, False) == Averaging(after=0.25)  # gloo, reduce-scatter
+    for backend_averages in (False, True):  # fp16 is split on every backend
+        assert averaging(torch.float16, 4, backend_averages, True) == Averaging(before=0.5, after=0.5)
+        assert averaging(torch.float16, 2, backend_averages, False) == Averaging(before=0.5, after=1.0)
+        assert averaging(torch.float16, 8, backend_averages, False) == Averaging(before=0.25, after=0.5)
+        assert averaging(torch.float16, 3, backend_averages, False) == Averaging(before=0.5, after=2 / 3)
+
+
+def _average_on_gloo() -> str:
+    try:
+        C.all_reduce(torch.ones(2), op="avg")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_average_op_is_refused_where_the_backend_has_none() -> None:
+    for message in run_ranks(_average_on_gloo, 2, timeout=30):
+        assert "gloo backend has no average" in message

@@ -74,7 +74,14 @@ ProcessGroup = Any  # torch's ProcessGroup; kept loose so world size 1 needs no 
 # "used_flags" is the all-reduce that tells every rank which parameters got a gradient on
 # some rank (see the reducer), counted apart from gradient traffic.
 _SEND_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "used_flags": 2}
-_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "avg": "AVG"}
+"""``avg`` only where :func:`backend_averages` says the backend has it."""
+
+
+def backend_averages(group: ProcessGroup | None) -> bool:
+    """Whether the backend divides by N inside the collective (``ReduceOp.AVG``): NCCL does,
+    gloo does not (there the caller divides in a pass of its own)."""
+    return get_world_size(group) > 1 and dist.get_backend(group) == dist.Backend.NCCL
 
 
 @dataclass
@@ -280,14 +287,16 @@ def all_reduce(
     op: str = "sum",
     kind: str = "all_reduce",
 ) -> Handle:
-    """Sum (or max, min) ``tensor`` across ranks, in place. ``kind`` is the key its bytes are
-    counted under in ``stats``."""
+    """Sum (or max, min, or average where :func:`backend_averages`) ``tensor`` across ranks, in
+    place. ``kind`` is the key its bytes are counted under in ``stats``."""
     if op not in _REDUCE_OPS:
         raise ValueError(f"all_reduce: op must be one of {', '.join(_REDUCE_OPS)}, got {op!r}")
     world_size = get_world_size(group)
     _record(stats, kind, tensor, padding_numel, world_size)
     if world_size == 1:
         return Handle()
+    if op == "avg" and not backend_averages(group):
+        raise ValueError(f"all_reduce: the {dist.get_backend(group)} backend has no average; sum and divide")
     reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[op])
     work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
     return _finish(Handle(work, op=kind if kind != "all_reduce" else f"all_reduce ({op})", group=group), async_op)
@@ -333,16 +342,23 @@ def reduce_scatter(
     async_op: bool = False,
     stats: CommStats | None = None,
     padding_numel: int = 0,
+    op: str = "sum",
 ) -> Handle:
     """Sum ``input`` (1-D, numel = N·output.numel()) across ranks; rank r receives slice r.
+    ``op="avg"`` averages instead, on backends that have it (:func:`backend_averages`).
 
     ``output`` may be rank r's own slice of ``input`` (an in-place reduce-scatter).
     """
+    if op not in ("sum", "avg"):
+        raise ValueError(f"reduce_scatter: op must be 'sum' or 'avg', got {op!r}")
     world_size = _split_collective("reduce_scatter", output, input, group, stats, padding_numel)
     if world_size == 1:
         return Handle()
+    if op == "avg" and not backend_averages(group):
+        raise ValueError(f"reduce_scatter: the {dist.get_backend(group)} backend has no average; sum and divide")
     if not _is_gloo(group):
-        work = dist.reduce_scatter_single(output, input, group=group, async_op=True)
+        reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[op])
+        work = dist.reduce_scatter_single(output, input, op=reduce_op, group=group, async_op=True)
         return _finish(Handle(work, op="reduce_scatter", group=group), async_op)
     # See [Note: gloo reduce-scatter and all-gather]. The sum reads only `received`, so
     # `output` may alias `input`.

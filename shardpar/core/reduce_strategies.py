@@ -8,11 +8,19 @@
   into a staging buffer from a bounded pool, reduce-scattered out of it into this rank's
   gradient shard, and the staging buffer goes back to the pool.
 
-[Note: averaging after the reduce-scatter]
-Stage 0 divides the whole bucket by N before its all-reduce. A reduce-scatter leaves only
-the owned 1/N needed afterwards, so stages 1-3 divide that slice after the collective
-((N-1)/N of a pass over every bucket saved), except for an fp16 reduce dtype, whose sum of
-N unscaled gradients could overflow: it is divided first.
+[Note: averaging]
+Every strategy turns the sum over N ranks into DDP's mean, with as few passes as it can
+(:func:`averaging` picks the factors per bucket):
+
+- A backend that averages inside the collective (NCCL's ``ReduceOp.AVG``) does it all: no
+  pass of ours.
+- Otherwise (gloo) stage 0 divides the whole bucket before its all-reduce, and stages 1-3
+  divide only the owned 1/N after the reduce-scatter ((N-1)/N of a pass saved).
+- An fp16 reduce dtype is split around the sum, on every backend: the bucket is divided by
+  the power of two at or above √N before (exact), and by the rest of N after. Dividing by N
+  first would flush gradients below N times fp16's smallest subnormal to zero; dividing
+  after would let a sum of N large gradients overflow. The split halves the exponent range
+  each side gives up (N = 4: ÷2, sum, ÷2).
 
 [Note: stage 1 accumulation across reductions]
 Stage 1 reduce-scatters each bucket in place, so after backward the owned slice of the full
@@ -35,6 +43,8 @@ stages (``memory_stats()["grads"]`` counts them while they exist).
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -45,6 +55,36 @@ from .layout import ShardPiece
 from .reducer import GradBucket, ParamSpace
 
 ReduceDtype = Callable[[ParamSpace], torch.dtype]
+
+
+@dataclass(frozen=True)
+class Averaging:
+    """How one bucket's sum over N ranks becomes the mean; see [Note: averaging]."""
+
+    before: float = 1.0
+    """Factor applied to the bucket before the collective (1.0: no pass)."""
+    after: float = 1.0
+    """Factor applied to the result after it (1.0: no pass)."""
+    op: str = "sum"
+    """The collective's reduction: ``avg`` where the backend divides by N itself."""
+
+
+def averaging(dtype: torch.dtype, world_size: int, backend_averages: bool, divide_before: bool) -> Averaging:
+    """See [Note: averaging]; ``divide_before``: the result is the whole bucket (all-reduce),
+    so dividing before costs no more than after."""
+    if world_size == 1:
+        return Averaging()
+    if dtype == torch.float16:
+        before = 2.0 ** math.ceil(math.log2(math.sqrt(world_size)))
+        return Averaging(before=1.0 / before, after=before / world_size)
+    if backend_averages:
+        return Averaging(op="avg")
+    return Averaging(before=1.0 / world_size) if divide_before else Averaging(after=1.0 / world_size)
+
+
+def _scale(tensor: torch.Tensor, factor: float) -> None:
+    if factor != 1.0:
+        tensor.mul_(factor)
 
 
 def _nbytes(tensors) -> int:
@@ -120,18 +160,25 @@ class AllReduceStrategy(_FullGradBuffer):
 
     def __init__(self, spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype, world_size: int, group, comm) -> None:
         super().__init__(spaces, reduce_dtype)
-        self.world_size, self.group, self.comm = world_size, group, comm
+        self.reduce_dtype, self.world_size, self.group, self.comm = reduce_dtype, world_size, group, comm
         # What the optimizer reads: reduced gradients in the master dtype.
         self.master_grads = {
             s: g if g.dtype == s.master_dtype else torch.zeros_like(g, dtype=s.master_dtype) for s, g in self.data.items()
         }
 
+    def averaging(self, bucket: GradBucket) -> Averaging:
+        return averaging(self.reduce_dtype(bucket.space), self.world_size, C.backend_averages(self.group),
+                         divide_before=True)
+
     def start(self, bucket: GradBucket) -> C.Handle:
         data = bucket.spec.range.of(self.data[bucket.space])
-        data.div_(self.world_size)
-        return C.all_reduce(data, group=self.group, async_op=True, stats=self.comm, padding_numel=bucket.spec.padding)
+        plan = self.averaging(bucket)
+        _scale(data, plan.before)
+        return C.all_reduce(data, group=self.group, async_op=True, stats=self.comm, padding_numel=bucket.spec.padding,
+                            op=plan.op)
 
     def finish(self, bucket: GradBucket) -> None:
+        _scale(bucket.spec.range.of(self.data[bucket.space]), self.averaging(bucket).after)
         master = self.master_grads[bucket.space]
         if master is not self.data[bucket.space]:
             bucket.spec.range.of(master).copy_(bucket.spec.range.of(self.data[bucket.space]))
@@ -157,18 +204,17 @@ class AllReduceStrategy(_FullGradBuffer):
 
 
 class _ShardedAverage:
-    """What stages 1-3 share: which slice is this rank's, and [Note: averaging after the
-    reduce-scatter]."""
+    """What stages 1-3 share: which slice is this rank's, and [Note: averaging] after a
+    reduce-scatter."""
 
     world_size: int
     rank: int
     reduce_dtype: ReduceDtype
+    group: object
 
-    def divides_before(self, bucket: GradBucket) -> bool:
-        return self.reduce_dtype(bucket.space) == torch.float16
-
-    def scale_after(self, bucket: GradBucket) -> float:
-        return 1.0 if self.divides_before(bucket) else 1.0 / self.world_size
+    def averaging(self, bucket: GradBucket) -> Averaging:
+        return averaging(self.reduce_dtype(bucket.space), self.world_size, C.backend_averages(self.group),
+                         divide_before=False)
 
     def owned_in_space(self, spec, space_buffer: torch.Tensor) -> torch.Tensor:
         """This rank's slice of bucket ``spec`` in a buffer indexed like the whole space."""
@@ -197,16 +243,15 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
 
     def start(self, bucket: GradBucket) -> C.Handle:
         data = bucket.spec.range.of(self.data[bucket.space])
-        if self.divides_before(bucket):
-            data.div_(self.world_size)
+        plan = self.averaging(bucket)
+        _scale(data, plan.before)
         return C.reduce_scatter(self.owned_in_space(bucket.spec, self.data[bucket.space]), data, group=self.group, async_op=True,
-                                stats=self.comm, padding_numel=bucket.spec.padding)
+                                stats=self.comm, padding_numel=bucket.spec.padding, op=plan.op)
 
     def finish(self, bucket: GradBucket) -> None:
         space = bucket.space
         reduced = self.owned_in_space(bucket.spec, self.data[space])
-        if not self.divides_before(bucket):
-            reduced.div_(self.world_size)
+        _scale(reduced, self.averaging(bucket).after)
         if self._carry is not None:
             carried = space.layout.shard_of(bucket.spec, self._carry[space])
             reduced.add_(carried)
@@ -339,16 +384,16 @@ class StagedReduceScatter(_ShardedAverage):
 
     def start(self, bucket: GradBucket) -> C.Handle:
         staging = self._staging_for(bucket)
-        if self.divides_before(bucket):
-            staging.div_(self.world_size)
+        plan = self.averaging(bucket)
+        _scale(staging, plan.before)
         return C.reduce_scatter(self.owned_in_staging(bucket, staging), staging, group=self.group, async_op=True,
-                                stats=self.comm, padding_numel=bucket.spec.padding)
+                                stats=self.comm, padding_numel=bucket.spec.padding, op=plan.op)
 
     def finish(self, bucket: GradBucket) -> None:
         staging = self._staging.pop(bucket.position)
         owned = self.owned_in_staging(bucket, staging)
         shard = bucket.space.layout.shard_of(bucket.spec, self.grad_shards[bucket.space])
-        scale = self.scale_after(bucket)
+        scale = self.averaging(bucket).after
         if bucket.reduced:  # accumulating over a reduction since zero_grad
             shard.add_(owned, alpha=scale)
         elif shard.dtype == owned.dtype:
