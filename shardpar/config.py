@@ -100,6 +100,8 @@ def _check_bool(option: str, value: object) -> None:
 
 
 MixedPrecisionOption = Union[None, str, MixedPrecision]
+_DIRECTED_PREFETCH_OPTIONS = ("forward_prefetch_units", "backward_prefetch_units")
+"""Stage-3 prefetch counts for one direction; None falls back to ``prefetch_units``."""
 WrapPolicy = Union[None, int, Sequence[type], Callable[[str, nn.Module], bool]]
 
 
@@ -124,7 +126,14 @@ class ShardConfig:
     reshard_after_forward: bool = True
     """Stage 3: free gathered parameters after each unit's forward (gathered again for backward)."""
     prefetch_units: int = 1
-    """Stage 3: how many units ahead to start all-gathering (0 disables prefetch)."""
+    """Stage 3: how many units ahead to start all-gathering (0 disables prefetch), in forward
+    and in backward unless the two options below say otherwise."""
+    forward_prefetch_units: int | None = None
+    """Stage 3: units of the last forward's order gathered ahead of the one computing in
+    forward (None: ``prefetch_units``)."""
+    backward_prefetch_units: int | None = None
+    """Stage 3: units of the last backward's order (the first backward: the forward's,
+    reversed) gathered ahead of the one computing in backward (None: ``prefetch_units``)."""
     timeout_s: float = 300.0
     """Seconds a collective may wait for the other ranks before the job fails (process group
     timeout when shardpar creates the group)."""
@@ -134,19 +143,35 @@ class ShardConfig:
             raise ValueError(f"stage must be 0, 1, 2 or 3 (or 'auto' with a memory budget), got {self.stage!r}")
         for option in ("bucket_cap_mb", "timeout_s"):
             _check_number(option, getattr(self, option))
-        for option in ("prefetch_units", "min_unit_params"):
-            _check_number(option, getattr(self, option), integer=True)
+        # The per-direction counts may be None (prefetch_units applies); prefetch_units may not.
+        prefetch_counts = {"prefetch_units": self.prefetch_units}
+        prefetch_counts.update(
+            (option, getattr(self, option)) for option in _DIRECTED_PREFETCH_OPTIONS if getattr(self, option) is not None
+        )
+        for option, value in {**prefetch_counts, "min_unit_params": self.min_unit_params}.items():
+            _check_number(option, value, integer=True)
         for option in ("broadcast_buffers", "reshard_after_forward"):
             _check_bool(option, getattr(self, option))
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
-        if self.prefetch_units < 0:
-            raise ValueError(f"prefetch_units must be >= 0, got {self.prefetch_units!r}")
+        for option, value in prefetch_counts.items():
+            if value < 0:
+                raise ValueError(f"{option} must be >= 0, got {value!r}")
         if self.min_unit_params < 1:
             raise ValueError(f"min_unit_params must be >= 1, got {self.min_unit_params!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s!r}")
         object.__setattr__(self, "mixed_precision", MixedPrecision.from_option(self.mixed_precision))
+
+    @property
+    def units_to_prefetch_in_forward(self) -> int:
+        """``forward_prefetch_units``, or ``prefetch_units`` when that is None."""
+        return self.prefetch_units if self.forward_prefetch_units is None else self.forward_prefetch_units
+
+    @property
+    def units_to_prefetch_in_backward(self) -> int:
+        """``backward_prefetch_units``, or ``prefetch_units`` when that is None."""
+        return self.prefetch_units if self.backward_prefetch_units is None else self.backward_prefetch_units
 
     @classmethod
     def option_names(cls) -> list[str]:

@@ -45,7 +45,10 @@ def test_unknown_option_is_named() -> None:
         shardpar.wrap(_mlp(), stage=0, bucket_cap_gb=1)
 
 
-@pytest.mark.parametrize("option, value", [("bucket_cap_mb", 0), ("bucket_cap_mb", -1.0), ("timeout_s", 0)])
+@pytest.mark.parametrize("option, value", [
+    ("bucket_cap_mb", 0), ("bucket_cap_mb", -1.0), ("timeout_s", 0), ("prefetch_units", -1),
+    ("forward_prefetch_units", -1), ("backward_prefetch_units", -1),
+])
 def test_invalid_option_value_is_named(option: str, value: object) -> None:
     with pytest.raises(ValueError, match=option):
         shardpar.wrap(_mlp(), stage=0, **{option: value})
@@ -54,7 +57,8 @@ def test_invalid_option_value_is_named(option: str, value: object) -> None:
 @pytest.mark.parametrize("option, value", [
     ("bucket_cap_mb", "25"), ("timeout_s", "10"), ("timeout_s", None), ("prefetch_units", 1.5),
     ("min_unit_params", "1000"), ("prefetch_units", True), ("broadcast_buffers", "no"),
-    ("reshard_after_forward", 0),
+    ("reshard_after_forward", 0), ("prefetch_units", None),
+    *[(option, value) for option in ("forward_prefetch_units", "backward_prefetch_units") for value in (1.5, True, "2")],
 ])
 def test_option_of_the_wrong_type_is_named(option: str, value: object) -> None:
     """A string from argparse or a config file must not end in "'>' not supported between
@@ -66,8 +70,10 @@ def test_option_of_the_wrong_type_is_named(option: str, value: object) -> None:
 def test_numpy_numbers_are_accepted_as_options() -> None:
     import numpy as np
 
-    config = shardpar.ShardConfig(bucket_cap_mb=np.float64(1.5), prefetch_units=np.int64(2))
+    config = shardpar.ShardConfig(bucket_cap_mb=np.float64(1.5), prefetch_units=np.int64(2),
+                                  backward_prefetch_units=np.int64(0))
     assert config.bucket_cap_mb == 1.5 and config.prefetch_units == 2
+    assert config.units_to_prefetch_in_forward == 2 and config.units_to_prefetch_in_backward == 0
 
 
 def test_params_on_two_devices_name_both_tensors() -> None:

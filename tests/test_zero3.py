@@ -5,10 +5,12 @@
   and initial weights: AdamW, two param groups, LambdaLR, clipping, tied embedding/head, a
   frozen parameter per block, buffers; with and without ``reshard_after_forward``; with
   the class-list, default (size) and callable wrap policies; with a block applied twice, a
-  block never called and a parameter never used;
+  block never called and a parameter never used; with forward and backward prefetch counts
+  that differ;
 - ``named_parameters()`` yields the original Parameter objects with their original shapes;
 - eval forward and a greedy generate loop under ``no_grad`` after training;
-- bytes per step from ``comm_stats()`` and parameter memory from ``memory_stats()``;
+- bytes per step from ``comm_stats()`` and parameter memory from ``memory_stats()``, with the
+  gathered bytes after each forward and backward exactly what the prefetch counts allow;
 - ``full_state_dict()`` / ``load_state_dict()``;
 - bad wrap policies, and a rank-dependent unit order (blocks reversed, or a block skipped on
   one rank) in the first forward, fail with a clear error on every rank.
@@ -76,9 +78,16 @@ class Run:
     reshard: bool = True
     fsdp2: bool = False
     """Also train the FSDP2 oracle on the same ranks, data and initial weights."""
+    forward_prefetch: int | None = None
+    backward_prefetch: int | None = None
+    """``forward_prefetch_units`` / ``backward_prefetch_units`` (None: ``prefetch_units``, 1)."""
 
     def wrap_options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {"reshard_after_forward": self.reshard}
+        options: dict[str, Any] = {
+            "reshard_after_forward": self.reshard,
+            "forward_prefetch_units": self.forward_prefetch,
+            "backward_prefetch_units": self.backward_prefetch,
+        }
         # min_unit_params=1: every parameter outside the blocks is a unit of its own, gathered
         # around the modules that use it (by default this small model's would join the root).
         if self.policy == "classes":
@@ -134,11 +143,13 @@ def _reference(spec: LMSpec) -> dict[str, Any]:
     model = spec.build()
     opt = torch.optim.AdamW(decay_groups(model, LR), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
-    out: dict[str, Any] = {"norms": [], "lrs": []}
+    out: dict[str, Any] = {"norms": [], "lrs": [], "losses": []}
 
     def step(s: int) -> None:
         x, y = _global_batch(s)
-        model.loss(model(x), y).backward()
+        loss = model.loss(model(x), y)
+        out["losses"].append(float(loss.detach()))
+        loss.backward()
         out["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         out["lrs"].append([g["lr"] for g in opt.param_groups])
         opt.step()
@@ -190,11 +201,14 @@ def _train(run: Run) -> dict[str, Any]:
     opt = shardpar.optimizer(model, torch.optim.AdamW, decay_groups(model, LR), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
     model.reset_comm_stats()
-    out: dict[str, Any] = {"norms": [], "lrs": [], "comm": [], "params_bytes": [], "units": _unit_layouts(model)}
+    out: dict[str, Any] = {
+        "norms": [], "lrs": [], "losses": [], "comm": [], "params_bytes": [], "units": _unit_layouts(model),
+    }
 
     def step(s: int) -> None:
         x, y = _global_batch(s)
         loss = module.loss(model(_rank_slice(x, rank, world_size)), _rank_slice(y, rank, world_size))
+        out["losses"].append(float(loss.detach()))
         loss.backward()
         out["norms"].append(float(model.clip_grad_norm_(CLIP)))
         out["lrs"].append([g["lr"] for g in opt.param_groups])
@@ -311,8 +325,11 @@ def _assert_values_close(actual: list[float], expected: list[float], what: str) 
 
 
 def _check_parity(results: list[dict], spec: LMSpec, what: str) -> None:
-    """Every rank identical; equal to plain torch (weights, buffers, clip norms, lrs)."""
+    """Every rank identical; equal to plain torch (weights, buffers, clip norms, lrs, and the
+    loss: the mean of the ranks' losses on their equal slices)."""
     expected = _reference(spec)
+    mean_losses = [sum(losses) / len(results) for losses in zip(*(result["losses"] for result in results))]
+    _assert_values_close(mean_losses, expected["losses"], f"{what}: losses")
     for rank, result in enumerate(results):
         for name, tensor in results[0]["state"].items():
             assert torch.equal(result["state"][name], tensor), f"{what}: '{name}' differs between rank 0 and {rank}"
@@ -556,28 +573,36 @@ def test_peak_parameter_bytes_bound(world_size: int) -> None:
         assert result["peak_params"] <= bound, f"peak {result['peak_params']} B > {detail}"
 
 
-def _peak_without_root_params() -> tuple[int, int, list[int]]:
+def _peaks_of_blocks(widths: tuple[int, ...], **options: Any) -> tuple[list[int], int, list[int]]:
+    """Stage 3 on a sequence of MLP blocks of these hidden widths, one unit each (the root holds
+    no parameter), three AdamW steps. Returns ``peak_params`` read after each forward and each
+    backward (a peak only grows: each reading covers every phase before it), the shard bytes
+    and each unit's full bytes."""
     torch.manual_seed(0)
-    widths = (32, 48, 64, 80)  # units of different sizes, so "the two largest" is meaningful
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, w), nn.GELU(), nn.Linear(w, 16)) for w in widths])
-    wrapped = shardpar.wrap(model, stage=3, wrap_policy=[nn.Sequential])
+    wrapped = shardpar.wrap(model, stage=3, wrap_policy=[nn.Sequential], **options)
     opt = shardpar.optimizer(wrapped, torch.optim.AdamW, lr=1e-3)
+    peaks = []
     for step in range(3):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
-        wrapped(x).pow(2).mean().backward()
+        loss = wrapped(x).pow(2).mean()
+        peaks.append(wrapped.memory_stats()["peak_params"])
+        loss.backward()
+        peaks.append(wrapped.memory_stats()["peak_params"])
         opt.step()
         opt.zero_grad()
     units = wrapped.engine.storage.units
-    full = [sum(f.full_bytes for f in unit.flats) for unit in units]
-    shards = sum(f.shard.numel() * f.shard.element_size() for unit in units for f in unit.flats)
-    return wrapped.memory_stats()["peak_params"], shards, full
+    shards = sum(f.shard_bytes for unit in units for f in unit.flats)
+    return peaks, shards, [unit.full_bytes() for unit in units]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_peak_parameter_bytes_bound_with_an_empty_root(world_size: int) -> None:
     """The issue's bound exactly: with every parameter in a unit (the root holds none), the
     measured peak is <= 4Ψ/N (+ padding) + the two largest units."""
-    for peak, shards, full in run_ranks(_peak_without_root_params, world_size):
+    # units of different sizes, so "the two largest" is meaningful
+    for peaks, shards, full in run_ranks(_peaks_of_blocks, world_size, (32, 48, 64, 80)):
+        peak = peaks[-1]
         assert len(full) == 4, full
         two_largest = sum(sorted(full)[-2:])
         assert shards < peak <= shards + two_largest, (peak, shards, full)
@@ -592,6 +617,64 @@ def test_peak_parameter_bytes_do_not_grow_with_frozen_units() -> None:
     for result in results:
         bound, detail = _peak_bound(result["units"])
         assert result["peak_params"] <= bound, f"peak {result['peak_params']} B > {detail}"
+
+
+# --------------------------------------------------------------------------- prefetch counts
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "no-reshard"])
+@pytest.mark.parametrize("forward, backward", [(0, 2), (2, 0)])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_parity_and_gathers_with_separate_forward_and_backward_prefetch(
+    world_size: int, forward: int, backward: int, reshard: bool
+) -> None:
+    """Prefetch counts move gathers earlier, never change what is computed or how often a unit
+    is gathered: plain torch's losses and weights, and 2 all-gathers per use of every unit per
+    step (1 without ``reshard_after_forward``)."""
+    run = Run(reshard=reshard, forward_prefetch=forward, backward_prefetch=backward)
+    results = _results(run, world_size)
+    _check_parity(results, MAIN, f"forward prefetch {forward}, backward prefetch {backward}, reshard {reshard}, "
+                                 f"N={world_size}")
+    _check_bytes(results, world_size, gathers_per_use=2 if reshard else 1)
+
+
+EQUAL_BLOCKS = 6
+"""Blocks of equal width: more than any prefetch count below + 1, so no count is capped by the
+model's end."""
+
+PREFETCH_CASES = {
+    # wrap options -> units gathered ahead of the one computing (in forward, in backward)
+    "both 0": ({"forward_prefetch_units": 0, "backward_prefetch_units": 0}, (0, 0)),
+    "forward 2": ({"forward_prefetch_units": 2, "backward_prefetch_units": 0}, (2, 0)),
+    "backward 2": ({"forward_prefetch_units": 0, "backward_prefetch_units": 2}, (0, 2)),
+    "default prefetch_units": ({}, (1, 1)),
+    "forward 0, backward from prefetch_units": ({"prefetch_units": 3, "forward_prefetch_units": 0}, (0, 3)),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFETCH_CASES))
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gathered_bytes_follow_the_forward_and_backward_prefetch_counts(world_size: int, case: str) -> None:
+    """Equal units of B full bytes, every parameter in one (the root holds none), S shard bytes
+    in all. A unit is freed before the next one's gathers start (after its forward; in backward
+    once backward reaches its inputs), so at once the unit computing and the units prefetched
+    ahead of it are gathered: S + (1 + k_f)·B in forward and S + (1 + k_b)·B in backward. The
+    first forward has no recorded order to prefetch from, so the readings after each phase of
+    three steps are S + B·[1, 1 + k_b, 1 + max(k_f, k_b), ... ]: exact, and different for
+    (2, 0) and (0, 2), so swapped or ignored counts fail."""
+    options, (forward, backward) = PREFETCH_CASES[case]
+    assert 1 + max(forward, backward) < EQUAL_BLOCKS
+    results = run_ranks(_peaks_of_blocks, world_size, (32,) * EQUAL_BLOCKS, timeout=SHORT, **options)
+    for rank, (peaks, shards, full) in enumerate(results):
+        assert len(full) == EQUAL_BLOCKS and len(set(full)) == 1, full
+        unit = full[0]
+        both = 1 + max(forward, backward)
+        gathered_units = [1, 1 + backward] + [both] * (len(peaks) - 2)
+        expected = [shards + n * unit for n in gathered_units]
+        assert peaks == expected, (
+            f"{case}, rank {rank}: peaks {peaks} B, expected {expected} B "
+            f"(shards {shards} B + {gathered_units} units of {unit} B)"
+        )
 
 
 # --------------------------------------------------------------------------- state dict

@@ -3,13 +3,15 @@ and free with prefetch at stage 3.
 
 [Note: one step at stage 3]
 forward:  a unit's hook module is about to run -> gather the unit (or wait for its
-          prefetched gather) -> prefetch the next units of the last forward's order -> run ->
-          free it (``reshard_after_forward``, or no autograd) and hook its outputs.
+          prefetched gather) -> prefetch the next ``forward_prefetch`` units of the last
+          forward's order -> run -> free it (``reshard_after_forward``, or no autograd) and
+          hook its outputs.
 backward: a hook on a use's outputs fires before that use's backward -> gather again,
-          prefetch the next units of the last backward's order (the first backward: the
-          reverse of the forward's) -> once backward reaches the use's inputs (an identity
-          autograd function on them) the unit is freed. A trainable group is also freed the
-          moment all its gradients are final, then reduce-scattered by the reducer.
+          prefetch the next ``backward_prefetch`` units of the last backward's order (the
+          first backward: the reverse of the forward's) -> once backward reaches the use's
+          inputs (an identity autograd function on them) the unit is freed. A trainable
+          group is also freed the moment all its gradients are final, then reduce-scattered
+          by the reducer.
 recompute (activation checkpointing: a unit's forward runs again *inside* backward): the
           unit is gathered if it is not already, nothing is prefetched in forward order and
           nothing is freed after it -- the recomputed graph is about to use the storage. So
@@ -147,7 +149,8 @@ class UnitGatherer:
         units: list[Unit],
         state: TrainingState,
         reshard_after_forward: bool,
-        prefetch: int,
+        forward_prefetch: int,
+        backward_prefetch: int,
         comm: C.CommStats,
         group: Any,
         rank: int,
@@ -157,7 +160,10 @@ class UnitGatherer:
         self.units = units
         self.state = state
         self.reshard_after_forward = reshard_after_forward
-        self.prefetch = prefetch
+        self.forward_prefetch = forward_prefetch
+        """Units of the last forward's order gathered ahead of the one computing in forward."""
+        self.backward_prefetch = backward_prefetch
+        """Units of the last backward's order gathered ahead of the one computing in backward."""
         self.comm = comm
         self.group = group
         self.rank = rank
@@ -287,13 +293,13 @@ class UnitGatherer:
 
     # ------------------------------------------------------------------ prefetch
 
-    def _predict(self, current: list[Unit], history: Sequence[Unit]) -> list[Unit]:
-        """The next units the recorded order runs after the uses seen so far (nothing once the
-        present departs from the record)."""
+    def _predict(self, current: list[Unit], history: Sequence[Unit], count: int) -> list[Unit]:
+        """The next ``count`` units the recorded order runs after the uses seen so far (nothing
+        once the present departs from the record)."""
         k = len(current)
-        if self.prefetch == 0 or len(history) < k or history[k - 1] is not current[-1]:
+        if count == 0 or len(history) < k or history[k - 1] is not current[-1]:
             return []
-        return list(history[k : k + self.prefetch])
+        return list(history[k : k + count])
 
     def _prefetch(self, units: list[Unit]) -> None:
         for unit in units:
@@ -332,7 +338,7 @@ class UnitGatherer:
         self._forward_uses.append(unit)
         self.on_forward_use(unit)
         self.wait(unit)
-        self._prefetch(self._predict(self._forward_uses, self._last_forward))
+        self._prefetch(self._predict(self._forward_uses, self._last_forward, self.forward_prefetch))
         return self._hook_inputs(unit, args, kwargs)
 
     def post_forward(self, unit: Unit, output: Any) -> None:
@@ -367,7 +373,8 @@ class UnitGatherer:
         self._backward_uses.append(unit)
         self.wait(unit)
         history = self._last_backward or self._last_forward_reversed()
-        self._prefetch([u for u in self._predict(self._backward_uses, history) if not u.backward_done])
+        predicted = self._predict(self._backward_uses, history, self.backward_prefetch)
+        self._prefetch([u for u in predicted if not u.backward_done])
 
     def _last_forward_reversed(self) -> list[Unit]:
         uses = self._forward_uses or self._last_forward

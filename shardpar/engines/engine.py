@@ -165,8 +165,9 @@ class Engine:
         if gather_group is not None:
             watch.configure(gather_group, self.config.timeout_s)
         storage.gatherer = UnitGatherer(
-            storage.units, self.state, self.config.reshard_after_forward, self.config.prefetch_units, self.comm,
-            gather_group, self.rank,
+            storage.units, self.state, self.config.reshard_after_forward,
+            self.config.units_to_prefetch_in_forward, self.config.units_to_prefetch_in_backward,
+            self.comm, gather_group, self.rank,
             on_forward_use=self._on_unit_use, on_backward_start=self.ensure_backward_started,
         )
         self.gatherer = storage.gatherer

@@ -28,10 +28,12 @@ accumulating across reduced backwards (see core/reduce_strategies.py), allocator
 Stage 3 workspace: units are gathered around each use ([Note: units] in core/units.py), so
 besides the parameters the wrapped module registers itself (gathered for its whole forward
 and backward: the *held* unit) at most the unit computing and the one being prefetched are
-gathered: held + the two largest units. Gradient staging holds the held unit's + up to three
-units (2 reductions in flight + 1 collecting), as stage 2 does with buckets. Given only a
-parameter count the units are unknown: we assume units of ``largest_unit_params`` (default
-Ψ/10) and nothing held.
+gathered: held + the two largest units. Two is the default prefetch of one unit ahead; the
+planner takes no prefetch option, and with ``forward_prefetch_units``/``backward_prefetch_units``
+at k_f/k_b the engine gathers 1 + max(k_f, k_b) at its peak. Gradient staging holds the held
+unit's + up to three units (2 reductions in flight + 1 collecting), as stage 2 does with
+buckets. Given only a parameter count the units are unknown: we assume units of
+``largest_unit_params`` (default Ψ/10) and nothing held.
 
 [Note: communication model]
 Bytes one rank sends per step by the ring algorithms (see [Note: byte accounting] in
@@ -117,7 +119,8 @@ STAGING_BUCKETS = 3
 (``GradientShardEngine.max_buckets_in_flight`` + 1)."""
 
 GATHERED_UNITS = 2
-"""Stage 3 units gathered at once besides the held one: the one computing + one prefetched."""
+"""Stage 3 units gathered at once besides the held one: the one computing + one prefetched
+(the default ``prefetch_units=1``)."""
 
 ASSUMED_TENSOR_NUMEL = 1_000_000
 """Given only a parameter count, the used-flag all-reduce assumes one tensor per this many
