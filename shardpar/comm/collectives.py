@@ -50,9 +50,10 @@ window is exactly one message long (the shard is the largest one, so a mismatche
 still fits, and gloo's broadcast tree, which forwards the whole posted buffer at N > 2,
 forwards nothing but the message) and its first 16 bytes belong to nobody else: the room in
 front (src = 0) or this rank's own chunk (src = rank + 1, when a chunk is at least 16 bytes),
-which is written only after every tag was read. The windows of one rank are then disjoint. Every other peer still goes through
-the receive buffer. At N = 2 every peer of a largest-shard unit is received in place; on a
-mismatch the full buffer's contents are undefined (the caller raises or gathers again).
+which is written only after every tag was read. The windows of one rank are then disjoint.
+Every other peer still goes through the receive buffer. At N = 2 every peer of a
+largest-shard unit is received in place; on a mismatch the full buffer's contents are
+undefined (the caller raises or gathers again).
 """
 
 from __future__ import annotations
@@ -476,6 +477,7 @@ def all_gather_tagged(
         return Handle(then=lambda: tag.detach().clone().view(1, -1))
     # windows[src]: where peer src's tagged message is received (None: this rank's own).
     windows: list[torch.Tensor | None] = [None] * world_size
+    in_place: dict[int, torch.Tensor] = {}
     if _is_gloo(group):
         # One broadcast per rank of its tagged shard, received in place where the note says
         # it is safe and otherwise into a buffer sized for the largest shard, so another
@@ -499,7 +501,7 @@ def all_gather_tagged(
         tags = torch.stack([tag_bytes if w is None else w[:TAG_BYTES] for w in windows]).view(torch.int64)
         if torch.equal(tags, tags[rank].expand_as(tags)):
             for src, window in enumerate(windows):
-                if window is not None and window.data_ptr() + TAG_BYTES != chunk_bytes[src].data_ptr():
+                if window is not None and src not in in_place:
                     chunk_bytes[src].copy_(window[TAG_BYTES : TAG_BYTES + payload_bytes])
             chunk_bytes[rank].copy_(own)
         return tags

@@ -10,7 +10,7 @@
 
 [Note: averaging]
 Every strategy turns the sum over N ranks into DDP's mean, with as few passes as it can
-(:func:`averaging` picks the factors per bucket):
+(:func:`averaging` picks the factors, once per parameter space):
 
 - A backend that averages inside the collective (NCCL's ``ReduceOp.AVG``) does it all: no
   pass of ours.
@@ -80,6 +80,13 @@ def averaging(dtype: torch.dtype, world_size: int, backend_averages: bool, divid
     if backend_averages:
         return Averaging(op="avg")
     return Averaging(before=1.0 / world_size) if divide_before else Averaging(after=1.0 / world_size)
+
+
+def averaging_per_space(spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype, world_size: int, group,
+                        divide_before: bool) -> dict[ParamSpace, Averaging]:
+    """:func:`averaging` of each space, decided once: the backend and dtypes never change."""
+    backend = C.backend_averages(group)
+    return {s: averaging(reduce_dtype(s), world_size, backend, divide_before) for s in spaces}
 
 
 def _scale(tensor: torch.Tensor, factor: float) -> None:
@@ -160,25 +167,22 @@ class AllReduceStrategy(_FullGradBuffer):
 
     def __init__(self, spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype, world_size: int, group, comm) -> None:
         super().__init__(spaces, reduce_dtype)
-        self.reduce_dtype, self.world_size, self.group, self.comm = reduce_dtype, world_size, group, comm
+        self.world_size, self.group, self.comm = world_size, group, comm
+        self.averaging_of = averaging_per_space(spaces, reduce_dtype, world_size, group, divide_before=True)
         # What the optimizer reads: reduced gradients in the master dtype.
         self.master_grads = {
             s: g if g.dtype == s.master_dtype else torch.zeros_like(g, dtype=s.master_dtype) for s, g in self.data.items()
         }
 
-    def averaging(self, bucket: GradBucket) -> Averaging:
-        return averaging(self.reduce_dtype(bucket.space), self.world_size, C.backend_averages(self.group),
-                         divide_before=True)
-
     def start(self, bucket: GradBucket) -> C.Handle:
         data = bucket.spec.range.of(self.data[bucket.space])
-        plan = self.averaging(bucket)
+        plan = self.averaging_of[bucket.space]
         _scale(data, plan.before)
         return C.all_reduce(data, group=self.group, async_op=True, stats=self.comm, padding_numel=bucket.spec.padding,
                             op=plan.op)
 
     def finish(self, bucket: GradBucket) -> None:
-        _scale(bucket.spec.range.of(self.data[bucket.space]), self.averaging(bucket).after)
+        _scale(bucket.spec.range.of(self.data[bucket.space]), self.averaging_of[bucket.space].after)
         master = self.master_grads[bucket.space]
         if master is not self.data[bucket.space]:
             bucket.spec.range.of(master).copy_(bucket.spec.range.of(self.data[bucket.space]))
@@ -209,12 +213,7 @@ class _ShardedAverage:
 
     world_size: int
     rank: int
-    reduce_dtype: ReduceDtype
-    group: object
-
-    def averaging(self, bucket: GradBucket) -> Averaging:
-        return averaging(self.reduce_dtype(bucket.space), self.world_size, C.backend_averages(self.group),
-                         divide_before=False)
+    averaging_of: dict[ParamSpace, Averaging]
 
     def owned_in_space(self, spec, space_buffer: torch.Tensor) -> torch.Tensor:
         """This rank's slice of bucket ``spec`` in a buffer indexed like the whole space."""
@@ -234,6 +233,7 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
     def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm) -> None:
         _FullGradBuffer.__init__(self, spaces, reduce_dtype)
         self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = reduce_dtype, world_size, rank, group, comm
+        self.averaging_of = averaging_per_space(spaces, reduce_dtype, world_size, group, divide_before=False)
         self.master_grad_shards = {
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device)
             for s, g in self.data.items()
@@ -243,7 +243,7 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
 
     def start(self, bucket: GradBucket) -> C.Handle:
         data = bucket.spec.range.of(self.data[bucket.space])
-        plan = self.averaging(bucket)
+        plan = self.averaging_of[bucket.space]
         _scale(data, plan.before)
         return C.reduce_scatter(self.owned_in_space(bucket.spec, self.data[bucket.space]), data, group=self.group, async_op=True,
                                 stats=self.comm, padding_numel=bucket.spec.padding, op=plan.op)
@@ -251,7 +251,7 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
     def finish(self, bucket: GradBucket) -> None:
         space = bucket.space
         reduced = self.owned_in_space(bucket.spec, self.data[space])
-        _scale(reduced, self.averaging(bucket).after)
+        _scale(reduced, self.averaging_of[space].after)
         if self._carry is not None:
             carried = space.layout.shard_of(bucket.spec, self._carry[space])
             reduced.add_(carried)
@@ -320,6 +320,7 @@ class StagedReduceScatter(_ShardedAverage):
     def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm) -> None:
         self.spaces = list(spaces)
         self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = reduce_dtype, world_size, rank, group, comm
+        self.averaging_of = averaging_per_space(spaces, reduce_dtype, world_size, group, divide_before=False)
         self.grad_shards = {
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device) for s in spaces
         }  # 1-D, this rank's slice of every bucket, in bucket order (local space), master dtype
@@ -384,7 +385,7 @@ class StagedReduceScatter(_ShardedAverage):
 
     def start(self, bucket: GradBucket) -> C.Handle:
         staging = self._staging_for(bucket)
-        plan = self.averaging(bucket)
+        plan = self.averaging_of[bucket.space]
         _scale(staging, plan.before)
         return C.reduce_scatter(self.owned_in_staging(bucket, staging), staging, group=self.group, async_op=True,
                                 stats=self.comm, padding_numel=bucket.spec.padding, op=plan.op)
@@ -393,7 +394,7 @@ class StagedReduceScatter(_ShardedAverage):
         staging = self._staging.pop(bucket.position)
         owned = self.owned_in_staging(bucket, staging)
         shard = bucket.space.layout.shard_of(bucket.spec, self.grad_shards[bucket.space])
-        scale = self.averaging(bucket).after
+        scale = self.averaging_of[bucket.space].after
         if bucket.reduced:  # accumulating over a reduction since zero_grad
             shard.add_(owned, alpha=scale)
         elif shard.dtype == owned.dtype:
