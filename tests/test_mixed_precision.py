@@ -57,11 +57,12 @@ and must land on shardpar's master after step ``s``. Then:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -904,3 +905,88 @@ def _average_on_gloo() -> str:
 def test_average_op_is_refused_where_the_backend_has_none() -> None:
     for message in run_ranks(_average_on_gloo, 2, timeout=30):
         assert "gloo backend has no average" in message
+
+
+# --------------------------------------------------------------------------- host reads
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+"""Tensor methods that copy a value to the host: on an accelerator each one waits for the device."""
+
+
+@contextlib.contextmanager
+def counting_host_reads(counts: dict[str, int]) -> Iterator[None]:
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counted(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            counts[name] = counts.get(name, 0) + 1
+            return method(self, *args, **kwargs)
+        return read
+
+    for name, method in saved.items():
+        setattr(torch.Tensor, name, counted(name, method))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def host_reads_per_step(stage: int, mixed_precision: str, options: dict[str, Any]) -> tuple[list[dict], list[int], int]:
+    """Host reads inside backward + ``unscale_`` of 3 steps (fp16 runs use shardpar's
+    GradScaler), the all-gathers issued in that window, and the number of reduce buckets."""
+    rank, world_size = C.get_rank(), C.get_world_size()
+    recipe = Recipe(KITCHEN, steps=3)
+    module = KITCHEN.build()
+    model = shardpar.wrap(module, stage=stage, mixed_precision=mixed_precision, **options)
+    opt, _ = build_optimizer(recipe, model, lambda cls, params, **kw: shardpar.optimizer(model, cls, params, **kw))
+    scaler = shardpar.GradScaler(model, init_scale=2.0**12) if mixed_precision == "fp16" else None
+    reads, gathers = [], []
+    for step in range(recipe.steps):
+        x, y = global_batch(module, recipe, step)
+        loss = module.loss(model(rank_slice(x, rank, world_size)), rank_slice(y, rank, world_size))
+        counts: dict[str, int] = {}
+        before = model.comm_stats().get("all_gather", {}).get("calls", 0)
+        with counting_host_reads(counts):
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.unscale_(opt)
+        gathers.append(model.comm_stats().get("all_gather", {}).get("calls", 0) - before)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        reads.append(counts)
+    buckets = len(model.engine.reducer.buckets)
+    model.engine.close()
+    return reads, gathers, buckets
+
+
+@pytest.mark.parametrize("mixed_precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_reduction_and_overflow_check_read_the_host_once_per_backward(stage: int, mixed_precision: str) -> None:
+    """#16: no host sync per bucket. After the first step (which agrees on a launch order
+    once), a backward reads one small vector from the device (which parameters some rank
+    used, and the ranks' step counters), whatever the number of buckets; the scaler's
+    overflow verdict stays on the device until ``step()``."""
+    one = run_ranks(host_reads_per_step, 2, stage, mixed_precision, {"bucket_cap_mb": 1000.0}, timeout=120)[0]
+    many = run_ranks(host_reads_per_step, 2, stage, mixed_precision, {"bucket_cap_mb": cap_mb(100)}, timeout=120)[0]
+    assert one[2] == 1 and many[2] >= 4, (one[2], many[2])
+    for reads, _, _ in (one, many):
+        assert reads[1:] == [{"tolist": 1}] * 2, reads
+
+
+def kitchen_units(name: str, module: torch.nn.Module) -> bool:
+    return name in ("body", "out")
+
+
+@pytest.mark.parametrize("mixed_precision", ["fp16", "bf16"])
+def test_stage3_reads_the_host_once_per_backward_plus_each_gather_tag(mixed_precision: str) -> None:
+    """At stage 3 each unit gather's tags are compared on the host ([Note: tagged all-gather]);
+    the gradient reduction and the overflow check add one read per backward."""
+    reads, gathers, _ = run_ranks(host_reads_per_step, 2, 3, mixed_precision,
+                                  {"wrap_policy": kitchen_units, "prefetch_units": 0}, timeout=120)[0]
+    assert all(g >= 2 for g in gathers[1:]), gathers
+    assert reads[1:] == [{"tolist": 1 + g} for g in gathers[1:]], (reads, gathers)

@@ -266,10 +266,11 @@ class GradientReducer:
         self._cursor = 0
         self.last_backward_wait_s = time.perf_counter() - started
         k = len(counters)
-        tail = flags[-2 * k:].tolist()
+        values = flags.tolist()  # the one host read of a backward, whatever the bucket count
+        tail = values[-2 * k:]
         if tail[:k] != [-c for c in tail[k:]]:
             self._raise_diverged()
-        self.unused = {name for name, flag in zip(self.names, flags[: -2 * k].tolist()) if not flag}
+        self.unused = {name for name, flag in zip(self.names, values[: -2 * k]) if not flag}
         self.strategy.release_unused(self.unused)
         self.strategy.after_sync_backward()
         self.grads_ready = True

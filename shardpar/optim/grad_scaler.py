@@ -56,7 +56,10 @@ class GradScaler:
         self.growth_interval = growth_interval
         self._growth_tracker = 0
         self._unscaled = False
-        self._found_inf = False
+        self._found_inf_flag: torch.Tensor | None = None
+        """Set by ``unscale_``: 1 where some rank saw inf/nan, on the device until read."""
+        self._found_inf: bool | None = False
+        """``_found_inf_flag`` read on the host (None: not read yet)."""
         self.skipped_steps = 0
 
     def get_scale(self) -> float:
@@ -73,15 +76,21 @@ class GradScaler:
             raise RuntimeError("unscale_() was already called since the last update()")
         engine = self.model.engine
         grads, _ = engine.owned_grads()
-        found = torch.zeros((), dtype=torch.float32, device=engine.device)
+        found = torch.zeros(1, dtype=torch.float32, device=engine.device)
+        inv_scale = torch.full((1,), 1.0 / self._scale, dtype=torch.float32, device=engine.device)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
         with torch.no_grad():
-            for grad in grads:
-                grad.mul_(1.0 / self._scale)
-                found = torch.maximum(found, (~torch.isfinite(grad)).any().float())
+            for same_dtype in by_dtype.values():  # one fused kernel per dtype, as torch's scaler
+                torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found, inv_scale)
         # Always reduced, even when gradients are replicated: it costs 4 bytes and keeps the
-        # decision identical on every rank whatever a rank's local numerics did.
+        # decision identical on every rank whatever a rank's local numerics did. The verdict
+        # stays on the device until step() needs it: no host sync here (torch's scaler
+        # likewise reads it once, in step).
         C.all_reduce(found, group=engine.group, op="max")
-        self._found_inf = bool(found.item())
+        self._found_inf_flag = found
+        self._found_inf = None
         self._unscaled = True
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -90,7 +99,7 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if not self._unscaled:
             self.unscale_(optimizer)
-        if self._found_inf:
+        if self.found_inf:
             self.skipped_steps += 1
             return None
         return optimizer.step(*args, **kwargs)
@@ -99,7 +108,7 @@ class GradScaler:
         """Back off after an overflow, grow after ``growth_interval`` clean steps."""
         if not self.enabled:
             return
-        if self._found_inf:
+        if self.found_inf:
             self._scale *= self.backoff_factor
             self._growth_tracker = 0
         else:
@@ -108,11 +117,14 @@ class GradScaler:
                 self._scale *= self.growth_factor
                 self._growth_tracker = 0
         self._unscaled = False
+        self._found_inf_flag = None
         self._found_inf = False
 
     @property
     def found_inf(self) -> bool:
         """Whether the last ``unscale_`` saw inf/nan on any rank."""
+        if self._found_inf is None:  # read from the device once per step, then kept
+            self._found_inf = self._found_inf_flag is not None and bool(self._found_inf_flag.item())
         return self._found_inf
 
     def state_dict(self) -> dict[str, Any]:
