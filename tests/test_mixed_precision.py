@@ -978,10 +978,6 @@ def test_reduction_and_overflow_check_read_the_host_once_per_backward(stage: int
         assert reads[1:] == [{"tolist": 1}] * 2, reads
 
 
-def kitchen_units(name: str, module: torch.nn.Module) -> bool:
-    return name in ("body", "out")
-
-
 @pytest.mark.parametrize("mixed_precision", ["fp16", "bf16"])
 def test_stage3_reads_the_host_once_per_backward_plus_each_gather_tag(mixed_precision: str) -> None:
     """At stage 3 each unit gather's tags are compared on the host ([Note: tagged all-gather]);
