@@ -79,6 +79,20 @@ class _Sharded:
         return f"sharded, unit '{self.group.unit}'"
 
 
+class GatheredBytes:
+    """Bytes of full buffers allocated right now, and the most ever, over the groups that
+    report here (stage 3: every unit's groups). Kept as the buffers are allocated and freed,
+    so the peak costs nothing per gather."""
+
+    def __init__(self, now: int) -> None:
+        self.now = now
+        self.peak = now
+
+    def add(self, nbytes: int) -> None:
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+
 class FlatParamGroup:
     """See [Note: flat parameter groups]."""
 
@@ -113,7 +127,12 @@ class FlatParamGroup:
         """Stage 3: the shard's storage as bytes, with room for a gather tag in front."""
         self.on_unsharded: Callable[["FlatParamGroup", object], None] | None = None
         """Called with the group and what the gather's handle returned (stage 3 checks tags)."""
+        self.meter: GatheredBytes | None = None
+        """Told of every allocation and release of the full buffer's storage (stage 3)."""
         self._views = {name: layout.view(full, name) for name in self.params}
+        # Guards made once: a transition only switches each parameter's class and guard.
+        self._pending = _PendingGather(self)
+        self._sharded = {name: _Sharded(self, name) for name in self.params}
         self._placeholders = {
             name: storageless(p.shape, full.dtype, full.device) for name, p in self.params.items()
         } if frees_storage else {}
@@ -171,10 +190,12 @@ class FlatParamGroup:
         assert self.state is not ShardState.GATHERING, f"'{self.label}' is already gathering"
         if self.frees_storage and self.full.untyped_storage().nbytes() == 0:
             self.full.untyped_storage().resize_(self._storage_bytes)
+            if self.meter is not None:
+                self.meter.add(self.full_bytes)
         self.handle = issue(self)
         self.state = ShardState.GATHERING
         for param in self.params.values():
-            guard(param, _PendingGather(self))
+            guard(param, self._pending)
 
     def wait_unsharded(self) -> None:
         """Block until the gather is done; the parameters are views of the full buffer after."""
@@ -196,11 +217,14 @@ class FlatParamGroup:
             return
         if self.state is ShardState.GATHERING:
             self.wait_unsharded()
-        self.full.untyped_storage().resize_(0)
+        storage = self.full.untyped_storage()
+        if self.meter is not None and storage.nbytes() > 0:
+            self.meter.add(-self.full_bytes)
+        storage.resize_(0)
         self.state = ShardState.SHARDED
         for name, param in self.params.items():
             param.data = self._placeholders[name]
-            guard(param, _Sharded(self, name))
+            guard(param, self._sharded[name])
 
     def point_params_at_full(self) -> None:
         for name, param in self.params.items():

@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm import collectives as C
-from .flat_param import FlatParamGroup, ShardState
+from .flat_param import FlatParamGroup, GatheredBytes, ShardState
 from .training_state import TrainingState
 
 
@@ -135,10 +135,21 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _grad_tensors(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, dict) and not isinstance(output, torch.Tensor):
+    if isinstance(output, torch.Tensor):  # the common case, without a tree walk
+        return [output] if output.requires_grad else []
+    if isinstance(output, dict):
         output = list(output.values())
     leaves, _ = tree_flatten(output)
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def on_first_grad(tensors: list[torch.Tensor], hook: Callable[[Any], None]) -> Any:
+    """Call ``hook`` once per backward, when the first gradient of one of ``tensors`` is
+    computed (``register_multi_grad_hook(mode="any")``; for one tensor its own hook does the
+    same without the per-forward setup, which matters once per unit per step)."""
+    if len(tensors) == 1:
+        return tensors[0].register_hook(hook)
+    return torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
 
 
 class UnitGatherer:
@@ -186,7 +197,14 @@ class UnitGatherer:
         self.leftovers = [unit for unit in units if not unit.from_policy]
         self.leftovers_held = False
         """Set once ranks ran different leftover units (see [Note: unit order across ranks])."""
-        self.peak_params_bytes = self.params_bytes()
+        # Made once: a hook per unit output per forward is only registered, not built.
+        self._pre_backward_hooks = {
+            unit: torch.compiler.disable(lambda grad, unit=unit: self.pre_backward(unit)) for unit in units
+        }
+        self._shard_bytes = sum(f.shard_bytes for f in self.flats)
+        self.gathered = GatheredBytes(sum(f.allocated_full_bytes() for f in self.flats))
+        for flat in self.flats:
+            flat.meter = self.gathered
 
     # ------------------------------------------------------------------ gathers
 
@@ -277,7 +295,6 @@ class UnitGatherer:
             for flat in unit.needed():
                 if flat.state is ShardState.SHARDED:
                     flat.start_unshard(self._issue)
-        self.peak_params_bytes = max(self.peak_params_bytes, self.params_bytes())
 
     def wait(self, unit: Unit) -> None:
         self.unshard(unit)
@@ -289,7 +306,11 @@ class UnitGatherer:
             flat.reshard()
 
     def params_bytes(self) -> int:
-        return sum(f.shard_bytes + f.allocated_full_bytes() for f in self.flats)
+        return self._shard_bytes + self.gathered.now
+
+    @property
+    def peak_params_bytes(self) -> int:
+        return self._shard_bytes + self.gathered.peak
 
     # ------------------------------------------------------------------ prefetch
 
@@ -345,9 +366,7 @@ class UnitGatherer:
         if torch.is_grad_enabled():
             tensors = _grad_tensors(output)
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, torch.compiler.disable(lambda grads: self.pre_backward(unit)), mode="any"
-                )
+                on_first_grad(tensors, self._pre_backward_hooks[unit])
         if self.state.is_recompute() or (self.leftovers_held and not unit.from_policy):
             return  # the recomputed graph is about to use the storage; held leftovers follow the root
         if self.reshard_after_forward or not torch.is_grad_enabled():
@@ -356,6 +375,14 @@ class UnitGatherer:
     def _hook_inputs(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not torch.is_grad_enabled():
             return None
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # block(x): no tree walk
+            positions = [i for i, a in enumerate(args) if a.requires_grad]
+            if not positions:
+                return None
+            args = list(args)
+            for i, tensor in zip(positions, _PostBackward.apply(self, unit, *[args[i] for i in positions])):
+                args[i] = tensor
+            return tuple(args), kwargs
         leaves, spec = tree_flatten((args, kwargs))
         positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:

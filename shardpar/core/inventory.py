@@ -8,6 +8,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .param_guard import metadata_only
+
 
 def tied_names(module: nn.Module) -> dict[str, str]:
     """``alias -> canonical name`` for every parameter reachable under more than one name."""
@@ -57,9 +59,10 @@ class ParamInventory:
 
     def changed_requires_grad(self) -> str | None:
         """The first parameter whose ``requires_grad`` differs from wrap time, if any."""
-        for (name, param), before in zip(self.named, self._requires_grad):
-            if param.requires_grad != before:
-                return name
+        with metadata_only():
+            for (name, param), before in zip(self.named, self._requires_grad):
+                if param.requires_grad != before:
+                    return name
         return None
 
 

@@ -96,6 +96,14 @@ class GuardedParameter(nn.Parameter):
             return func(*args, **kwargs)
 
 
+def metadata_only() -> Any:
+    """A context in which guarded parameters are not guarded: for loops over many parameters
+    that touch only metadata and ``.grad`` (``requires_grad`` checks, putting gradients on
+    and taking them off), so each access skips a trip through ``__torch_function__``. Never
+    read values inside it."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
 def guard(param: nn.Parameter, reason: Guard) -> None:
     """Switch ``param`` to :class:`GuardedParameter` (idempotent; the guard is replaced)."""
     if type(param) is not GuardedParameter:

@@ -52,6 +52,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from .layout import ShardPiece
+from .param_guard import metadata_only
 from .reducer import GradBucket, ParamSpace
 
 ReduceDtype = Callable[[ParamSpace], torch.dtype]
@@ -413,9 +414,10 @@ class StagedReduceScatter(_ShardedAverage):
         # Nothing reduced is zeroed: the first reduction of a bucket after zero_grad
         # (`bucket.reduced` False) overwrites its gradient-shard slice.
         self._accumulated.clear()
-        for space in self.spaces:
-            for param in space.params.values():
-                param.grad = None
+        with metadata_only():
+            for space in self.spaces:
+                for param in space.params.values():
+                    param.grad = None
 
     def release_unused(self, names: set[str]) -> None:
         """The optimizer skips them (see ShardedOptimizer); nothing to release here."""

@@ -36,6 +36,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import ShardedGradError
+from .param_guard import metadata_only
 
 _FIX = (
     "call model.clip_grad_norm_(...) instead of torch.nn.utils.clip_grad_norm_, and build the optimizer with "
@@ -89,22 +90,24 @@ class ShardedGradMarks:
         refuse_torch_optimizers_over(named_params, where)
 
     def put_on(self, names: Iterable[str]) -> None:
-        for name in names:
-            param = self.params[name]
-            if param.grad is None:
-                key = (name, param.dtype)
-                grad = self._made.get(key)
-                if grad is None:
-                    grad = self._made[key] = ShardedGrad(param, name, self.where)
-                param.grad = grad
-                self._on = True
+        with metadata_only():
+            for name in names:
+                param = self.params[name]
+                if param.grad is None:
+                    key = (name, param.dtype)
+                    grad = self._made.get(key)
+                    if grad is None:
+                        grad = self._made[key] = ShardedGrad(param, name, self.where)
+                    param.grad = grad
+                    self._on = True
 
     def take_off(self) -> None:
         if not self._on:
             return
-        for param in self.params.values():
-            if isinstance(param.grad, ShardedGrad):
-                param.grad = None
+        with metadata_only():
+            for param in self.params.values():
+                if isinstance(param.grad, ShardedGrad):
+                    param.grad = None
         self._on = False
 
 

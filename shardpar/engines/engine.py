@@ -31,7 +31,7 @@ from ..comm import collectives as C
 from ..comm import watch
 from ..config import ShardConfig
 from ..core.deferred_init import DeferredInit
-from ..core.gatherer import Unit, UnitGatherer, _grad_tensors
+from ..core.gatherer import Unit, UnitGatherer, _grad_tensors, on_first_grad
 from ..core.inventory import ParamInventory, check_supported_dtypes, module_device
 from ..core.param_guard import allow
 from ..core.pieces import TensorPiece
@@ -97,6 +97,8 @@ class Engine:
         self.optimizer: Any = None
         """The ShardedOptimizer built over this engine, once there is one."""
         self._handles: list[Any] = []
+        self._backward_start_hook = _disabled(lambda grad: self.ensure_backward_started())
+        """Put on the root output once per forward; made once (see on_first_grad)."""
         self._use_handles: list[Any] = []
         self._tree = _ModuleTree(module)
 
@@ -248,8 +250,7 @@ class Engine:
         if torch.is_grad_enabled():
             tensors = _grad_tensors(output)
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, _disabled(lambda grads: self.ensure_backward_started()), mode="any")
+                on_first_grad(tensors, self._backward_start_hook)
             self.reducer.launch_order.stop_recording()
             if not self.storage_is_sharded and not self.storage.groups:
                 self._remove_use_hooks()  # stage 0 needs them for the first forward only
@@ -312,6 +313,9 @@ class Engine:
 
     def _on_grad_ready(self, name: str, param: nn.Parameter) -> None:
         self.ensure_backward_started()
+        if not torch.is_grad_enabled():  # backward without create_graph: already so, no context to enter
+            self.reducer.on_grad_ready(name, param)
+            return
         with torch.no_grad():
             self.reducer.on_grad_ready(name, param)
 
