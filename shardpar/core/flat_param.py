@@ -35,6 +35,7 @@ from torch import nn
 from ..comm import collectives as C
 from .layout import BufferLayout
 from .param_guard import guard, storageless, unguard
+from .wait_clock import WaitClock
 
 
 class ShardState(enum.Enum):
@@ -113,6 +114,8 @@ class FlatParamGroup:
         """Stage 3: the shard's storage as bytes, with room for a gather tag in front."""
         self.on_unsharded: Callable[["FlatParamGroup", object], None] | None = None
         """Called with the group and what the gather's handle returned (stage 3 checks tags)."""
+        self.wait_clock: WaitClock | None = None
+        """Set by the gatherer: times the wait for this group's gathers ([Note: exposed communication])."""
         self._views = {name: layout.view(full, name) for name in self.params}
         self._placeholders = {
             name: storageless(p.shape, full.dtype, full.device) for name, p in self.params.items()
@@ -182,7 +185,7 @@ class FlatParamGroup:
             return
         assert self.state is ShardState.GATHERING, f"'{self.label}' is {self.state.value}, not gathering"
         handle, self.handle = self.handle, None
-        result = handle.wait()
+        result = handle.wait() if self.wait_clock is None else self.wait_clock.wait(handle, gather=True)
         self.state = ShardState.UNSHARDED
         self.point_params_at_full()
         if self.on_unsharded is not None:

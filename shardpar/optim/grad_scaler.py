@@ -80,7 +80,7 @@ class GradScaler:
                 found = torch.maximum(found, (~torch.isfinite(grad)).any().float())
         # Always reduced, even when gradients are replicated: it costs 4 bytes and keeps the
         # decision identical on every rank whatever a rank's local numerics did.
-        C.all_reduce(found, group=engine.group, op="max")
+        engine.wait_clock.wait(C.all_reduce(found, group=engine.group, async_op=True, op="max"), gather=False)
         self._found_inf = bool(found.item())
         self._unscaled = True
 
