@@ -130,13 +130,15 @@ class ShardedModule(nn.Module):
                     # NaN flag beside the maximum and put the NaN back, as torch would return it.
                     has_nan = torch.isnan(total)
                     pair = torch.stack([torch.where(has_nan, torch.zeros_like(total), total), has_nan.float()])
-                    C.all_reduce(pair, group=self.engine.group, op="max")
+                    self.engine.wait_clock.wait(C.all_reduce(pair, group=self.engine.group, async_op=True, op="max"),
+                                                gather=False)
                     total = torch.where(pair[1] > 0, torch.full_like(pair[0], math.nan), pair[0])
             else:
                 norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads if g.numel()]
                 partial = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
                 if sharded:
-                    C.all_reduce(partial, group=self.engine.group)
+                    self.engine.wait_clock.wait(C.all_reduce(partial, group=self.engine.group, async_op=True),
+                                                gather=False)
                 total = partial.pow(1.0 / norm_type)
             if error_if_nonfinite and not torch.isfinite(total):
                 raise RuntimeError(

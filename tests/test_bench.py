@@ -1,7 +1,8 @@
 """tools/bench.py end to end at a tiny size under torchrun (as ``python -m torch.distributed.run``,
 which is what the ``torchrun`` script runs): it runs every configuration and
 writes its report. A smoke test only: no timing is asserted (timings are the report's job,
-and they are noise on a shared 2-core machine)."""
+and they are noise on a shared 2-core machine), only what holds whatever the machine does:
+exposed waits are where the stage has collectives to wait for, and hidden is in [0, 1]."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(ROOT / "tools" / "bench.py"),
          "--models", "mlp:tiny,gpt:tiny", "--warmup", "1", "--rounds", "1", "--steps-per-round", "2",
-         "--comm-reps", "1", "--candidate-option", "bucket_cap_mb=0.01", "--out", str(out / "bench.md"), "--png", str(out / "bench.png"),
+         "--comm-reps", "1", "--candidate-option", "bucket_cap_mb=0.01",
+         "--candidate-option", "prefetch_units=0", "--out", str(out / "bench.md"), "--png", str(out / "bench.png"),
          "--json", str(out / "bench.json")],
         timeout=240,
         env={"OMP_NUM_THREADS": "1"},
@@ -65,3 +67,55 @@ def test_bytes_and_model_state_match_the_closed_forms(report) -> None:
                 assert 0.0 <= row["hidden"] <= 1.0
         losses = [row["final_loss"] for row in result["configs"].values()]
         assert max(losses) - min(losses) < 1e-3, "configurations did not train the same model"
+
+
+PHASES = ("forward", "backward_gather", "backward", "step")
+
+
+def test_exposed_communication_is_reported_for_every_stage(report) -> None:
+    _, data, _ = report
+    for result in data["results"]:
+        for config, row in result["configs"].items():
+            if not config.startswith("stage"):
+                assert "exposed_s" not in row and "hidden" not in row, f"{config}: the peers' waits are not measured"
+                continue
+            stage = int(config.removesuffix("-cand")[-1])
+            exposed = row["exposed_s"]
+            assert set(exposed) == set(PHASES)
+            assert all(seconds >= 0 for seconds in exposed.values()), (config, exposed)
+            assert row["exposed_total_s"] >= 0
+            assert row["exposed_total_s"] <= 1.01 * row["step_s"]["max"], f"{config}: waited longer than a step"
+            assert exposed["backward"] > 0, f"{config}: every step waits for gradients"
+            if stage < 3:  # stages 0-2 gather nothing in backward; stage 0 nothing at all
+                assert exposed["backward_gather"] == 0.0
+            if stage == 0:
+                assert exposed["forward"] == 0.0 and row["gather_alone_s"] == 0.0
+            else:
+                assert row["gather_alone_s"] > 0
+            assert row["grad_alone_s"] > 0
+            assert row["comm_alone_s"] == pytest.approx(row["grad_alone_s"] + row["gather_alone_s"])
+            assert 0.0 <= row["hidden"] <= 1.0
+            expected = min(1.0, max(0.0, 1 - row["exposed_total_s"] / row["comm_alone_s"]))
+            assert row["hidden"] == pytest.approx(expected)
+        # stage3-cand runs with prefetch_units=0: every unit gather is waited for in forward
+        # and in backward, so both phases waited, whatever the machine's speed.
+        cand = result["configs"]["stage3-cand"]["exposed_s"]
+        assert cand["forward"] > 0 and cand["backward_gather"] > 0, cand
+
+
+def test_report_has_the_exposure_table_and_the_limits_section(report) -> None:
+    out, data, _ = report
+    text = (out / "bench.md").read_text().split("<!-- everything below", 1)[0]
+    assert "| config | forward ms | backward gathers ms | backward reductions ms | step ms | exposed ms" in text
+    for peer in ("ddp", "ddp+zero", "fsdp2"):
+        assert f"| {peer} | — | — | — | — | — | — | — | — | — | — |" in text
+    assert "their cells show —" in text
+    section = text.split("## What limits the ratios on ", 1)[1]
+    assert section.startswith(f"{data['machine']['nproc']} cores")
+    for model in ("mlp:tiny", "gpt:tiny"):
+        for stage in range(4):
+            assert f"| {model} | stage{stage} |" in section
+    for stage in range(4):
+        assert f"- **stage{stage}**: waiting was " in section
+    for leftover in ("{", "}", "nan", "None", "TODO"):
+        assert leftover not in section, leftover

@@ -35,6 +35,7 @@ from torch import nn
 from ..comm import collectives as C
 from .layout import BufferLayout
 from .param_guard import guard, storageless, unguard
+from .wait_clock import WaitClock
 
 
 class ShardState(enum.Enum):
@@ -129,6 +130,8 @@ class FlatParamGroup:
         """Called with the group and what the gather's handle returned (stage 3 checks tags)."""
         self.meter: GatheredBytes | None = None
         """Told of every allocation and release of the full buffer's storage (stage 3)."""
+        self.wait_clock: WaitClock | None = None
+        """Set by the gatherer: times the wait for this group's gathers ([Note: exposed communication])."""
         self._views = {name: layout.view(full, name) for name in self.params}
         # Guards made once: a transition only switches each parameter's class and guard.
         self._pending = _PendingGather(self)
@@ -203,7 +206,7 @@ class FlatParamGroup:
             return
         assert self.state is ShardState.GATHERING, f"'{self.label}' is {self.state.value}, not gathering"
         handle, self.handle = self.handle, None
-        result = handle.wait()
+        result = handle.wait() if self.wait_clock is None else self.wait_clock.wait(handle, gather=True)
         self.state = ShardState.UNSHARDED
         self.point_params_at_full()
         if self.on_unsharded is not None:

@@ -52,16 +52,19 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..comm import collectives as C
 from .flat_param import FlatParamGroup, GatheredBytes, ShardState
 from .training_state import TrainingState
+from .wait_clock import WaitClock
 
 
 class PostStepGatherer:
     """Stages 1-2: all-gather every bucket's updated slices after ``step()``; completed lazily
     (see [Note: lazy parameter gather] in replicated.py)."""
 
-    def __init__(self, groups: list[FlatParamGroup], group: Any, comm: C.CommStats) -> None:
+    def __init__(self, groups: list[FlatParamGroup], group: Any, comm: C.CommStats, wait_clock: WaitClock) -> None:
         self.groups = groups
         self.group = group
         self.comm = comm
+        for flat in groups:
+            flat.wait_clock = wait_clock
 
     def _issue(self, flat: FlatParamGroup) -> C.Handle:
         return C.all_gather(flat.full, flat.own_slice(), group=self.group, async_op=True, stats=self.comm,
@@ -167,6 +170,7 @@ class UnitGatherer:
         rank: int,
         on_forward_use: Callable[[Unit], None],
         on_backward_start: Callable[[], None],
+        wait_clock: WaitClock,
     ) -> None:
         self.units = units
         self.state = state
@@ -187,8 +191,10 @@ class UnitGatherer:
         self.unit_of = {flat: unit for unit in units for flat in unit.flats}
         self._reported_as = {flat: f"unit '{unit.name}' ({flat.label})" for flat, unit in self.unit_of.items()}
         self.max_shard_bytes = max(f.layout.shard_numel * f.full.element_size() for f in self.flats)
+        self.wait_clock = wait_clock
         for flat in self.flats:
             flat.on_unsharded = self._check_tags
+            flat.wait_clock = wait_clock
         self._sequence = 0
         self._forward_uses: list[Unit] = []
         self._last_forward: list[Unit] = []
@@ -277,7 +283,7 @@ class UnitGatherer:
         for flat in self.flats:
             if flat.state is ShardState.GATHERING and flat.handle is not None:
                 handle, flat.handle = flat.handle, None
-                handle.wait()  # paired: every rank issued as many gathers; its values are not used
+                self.wait_clock.wait(handle, gather=True)  # paired: every rank issued as many; values not used
                 flat.state = ShardState.UNSHARDED
                 flat.reshard()
         for unit in self.leftovers:

@@ -53,6 +53,7 @@ from ..comm import collectives as C
 from ..errors import RanksOutOfStep
 from .layout import Bucket, BufferLayout
 from .training_state import TrainingState
+from .wait_clock import WaitClock
 
 
 class ParamSpace(Protocol):
@@ -172,6 +173,7 @@ class GradientReducer:
         state: TrainingState,
         comm: C.CommStats,
         group: Any,
+        wait_clock: WaitClock,
         on_bucket_complete: Callable[[GradBucket], None] | None = None,
     ) -> None:
         specs = [(space, spec) for space in spaces for spec in space.layout.buckets]
@@ -183,6 +185,7 @@ class GradientReducer:
         self.state = state
         self.comm = comm
         self.group = group
+        self.wait_clock = wait_clock
         self.on_bucket_complete = on_bucket_complete
         self.launch_order = LaunchOrder([bucket.names for bucket in self.buckets])
         self.device = spaces[0].device
@@ -236,7 +239,7 @@ class GradientReducer:
 
     def _finish_oldest(self) -> None:
         bucket = self._in_flight.pop(0)
-        bucket.handle.wait()
+        self.wait_clock.wait(bucket.handle, gather=False)
         self.strategy.finish(bucket)
         bucket.reset()
 
@@ -262,7 +265,7 @@ class GradientReducer:
         flags_handle = C.all_reduce(flags, group=self.group, async_op=True, stats=self.comm, op="max", kind="used_flags")
         while self._in_flight:
             self._finish_oldest()
-        flags_handle.wait()
+        self.wait_clock.wait(flags_handle, gather=False)
         self._cursor = 0
         self.last_backward_wait_s = time.perf_counter() - started
         k = len(counters)

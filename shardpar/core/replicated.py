@@ -32,6 +32,7 @@ from .gatherer import PostStepGatherer
 from .inventory import group_by_dtype
 from .layout import BufferLayout, ShardPiece
 from .pieces import TensorPiece
+from .wait_clock import WaitClock
 
 
 class ParamBuffer:
@@ -134,13 +135,13 @@ class ReplicatedStorage:
         return ([b.data for b in self.buffers] + [b.full_master for b in self.buffers if b.full_master is not None]
                 + list(self.frozen_masters.values()) + [p.data for _, p in self.inventory.frozen])
 
-    def finish_setup(self, group: Any, comm: C.CommStats) -> None:
+    def finish_setup(self, group: Any, comm: C.CommStats, wait_clock: WaitClock) -> None:
         """After the broadcast: stages 1-2 keep only their master shard and track buckets."""
         if self.sharded_master:
             for buf in self.buffers:
                 buf.shard_master(self.rank)
             self.groups = [g for buf in self.buffers for g in buf.bucket_groups(self.rank)]
-            self.gatherer = PostStepGatherer(self.groups, group, comm)
+            self.gatherer = PostStepGatherer(self.groups, group, comm, wait_clock)
 
     @property
     def spaces(self) -> list[ParamBuffer]:

@@ -41,6 +41,7 @@ from ..core.sharded import FromLiveModule, ShardedStorage
 from ..core.sharded_grads import ShardedGradMarks, where_grads_live
 from ..core.training_state import Phase, TrainingState
 from ..core.units import ROOT, _ModuleTree
+from ..core.wait_clock import WaitClock
 
 def _collect_cycles_before_exit() -> None:
     """[Note: collecting at exit] Training leaves reference cycles behind that hold autograd
@@ -80,6 +81,8 @@ class Engine:
         self.device = deferred_init.device if deferred_init is not None else module_device(module)
         self.comm = C.CommStats()
         self.state = TrainingState()
+        self.wait_clock = WaitClock(self.state)
+        """Seconds this rank waited for collectives, per phase (see [Note: exposed communication])."""
         watch.track(self.state)
         watch.configure(group, config.timeout_s)
         self.inventory = ParamInventory(module)
@@ -105,7 +108,7 @@ class Engine:
         self.storage = row.storage(self)
         self.strategy = row.strategy(self, self.storage.spaces)
         self.reducer = GradientReducer(self.storage.spaces, self.strategy, self.state, self.comm, group,
-                                       on_bucket_complete=self._on_bucket_complete)
+                                       self.wait_clock, on_bucket_complete=self._on_bucket_complete)
         self.gatherer = getattr(self.storage, "gatherer", None)
         # Where param.grad cannot be the gradient (shards; fp32 masters under mixed precision),
         # plain torch code that reads it must fail loudly: see core/sharded_grads.py.
@@ -171,6 +174,7 @@ class Engine:
             self.config.units_to_prefetch_in_forward, self.config.units_to_prefetch_in_backward,
             self.comm, gather_group, self.rank,
             on_forward_use=self._on_unit_use, on_backward_start=self.ensure_backward_started,
+            wait_clock=self.wait_clock,
         )
         self.gatherer = storage.gatherer
         self.gatherer.retire_group = lambda: C.retire_sibling_group(self.group)
@@ -277,7 +281,7 @@ class Engine:
         with torch.no_grad():
             handles = [C.broadcast(b, 0, group=self.group, async_op=True, stats=self.comm) for b in buffers]
             for handle in handles:
-                handle.wait()
+                self.wait_clock.wait(handle, gather=False)
 
     def _on_module_use(self, names: list[str], groups: list) -> None:
         if self.reducer.launch_order.recording and torch.is_grad_enabled() and not self.state.is_recompute():

@@ -28,7 +28,7 @@ def _replicated(sharded_master: bool) -> Callable[["Engine"], ReplicatedStorage]
         storage = ReplicatedStorage(engine.module, engine.inventory, engine.config, engine.group, engine.comm,
                                     engine.world_size, engine.rank, sharded_master)
         engine.broadcast_from_rank0(storage.tensors_to_broadcast() + list(engine.module.buffers()))
-        storage.finish_setup(engine.group, engine.comm)
+        storage.finish_setup(engine.group, engine.comm, engine.wait_clock)
         return storage
 
     return build
