@@ -29,7 +29,9 @@ pages come and go with it (exact RSS). That would make the timing phase pay page
 for every activation every step, which no real run does: glibc's dynamic threshold climbs
 to 32 MiB after the first frees. So the timing phase sets 32 MiB (and trim at 64 MiB)
 explicitly, the steady state every configuration sees from its first step.
-- Bytes: ``comm_stats()`` over the timed steps / steps, against ``estimate_communication``.
+- Bytes: ``comm_stats()`` over the timed steps / steps, against ``estimate_communication``
+  (payload and, in the JSON summary, padding, with the configuration's bucket cap and
+  alignment).
 - Hidden communication: ``engine.last_backward_wait_s`` (what the end of backward waited
   for gradient collectives) against the time the same collectives take alone: one buffer
   per gradient bucket, of the bucket's size and dtype, all launched then all waited, with
@@ -614,14 +616,17 @@ def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], 
         }
         if per_rank[0]["sent_bytes"] is not None:
             stage = stage_of(config)
+            options = {**args.wrap_options, **(args.candidate_options if config.endswith(CANDIDATE) else {})}
             closed = shardpar.estimate_communication(
                 spec.build(), world, stage,
-                bucket_cap_mb=args.wrap_options.get("bucket_cap_mb", shardpar.ShardConfig.bucket_cap_mb),
+                bucket_cap_mb=options.get("bucket_cap_mb", shardpar.ShardConfig.bucket_cap_mb),
                 wrap_policy=[spec.unit_class] if stage == 3 else None,
+                align_for_bandwidth=options.get("align_for_bandwidth"),
             )
             row["sent_bytes"] = [m["sent_bytes"] for m in per_rank]
             row["padding_bytes"] = [m["padding_bytes"] for m in per_rank]
             row["closed_form_bytes"] = closed.sent_bytes
+            row["closed_form_padding_bytes"] = closed.padding_sent_bytes
             waits = [statistics.median(m["backward_wait"]) for m in per_rank]
             row["backward_wait_s"] = max(waits)
             alone = [m["comm_alone_s"] for m in per_rank if m["comm_alone_s"] is not None]
