@@ -137,6 +137,11 @@ class ShardConfig:
     timeout_s: float = 300.0
     """Seconds a collective may wait for the other ranks before the job fails (process group
     timeout when shardpar creates the group)."""
+    align_for_bandwidth: bool | None = None
+    """Start every parameter at a multiple of 64 elements and pad every bucket and stage-3 unit
+    to a multiple of lcm(N, 128), as Megatron-core does for NCCL's bandwidth (memory and bytes
+    sent grow by that padding). None: on when the process group's backend is NCCL, off
+    otherwise (gloo keeps the dense layout). See [Note: alignment] in core/layout.py."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -152,6 +157,11 @@ class ShardConfig:
             _check_number(option, value, integer=True)
         for option in ("broadcast_buffers", "reshard_after_forward"):
             _check_bool(option, getattr(self, option))
+        if self.align_for_bandwidth is not None and not isinstance(self.align_for_bandwidth, bool):
+            raise TypeError(
+                f"align_for_bandwidth must be None (on for NCCL only), True or False, got "
+                f"{type(self.align_for_bandwidth).__name__} {self.align_for_bandwidth!r}"
+            )
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
         for option, value in prefetch_counts.items():

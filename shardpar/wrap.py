@@ -37,7 +37,8 @@ def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[Sha
             raise ValueError("stage='auto' needs memory_budget= (bytes per rank, or a string such as '24GB')")
         # The optimizer is not known yet: the planner assumes AdamW (8 bytes of state per element).
         planner_options = {
-            k: options[k] for k in ("mixed_precision", "bucket_cap_mb", "wrap_policy", "min_unit_params") if k in options
+            k: options[k] for k in ("mixed_precision", "bucket_cap_mb", "wrap_policy", "min_unit_params",
+                                    "align_for_bandwidth") if k in options
         }
         world_size = C.get_world_size() if C.is_initialized() else C.launched_world_size()
         stage = choose_stage(module, world_size, budget, **planner_options)

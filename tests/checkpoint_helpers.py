@@ -32,10 +32,12 @@ WRAP_OPTIONS: dict[int, dict[str, Any]] = {
 }
 
 
-def build(stage: int, seed: int = 0, optimizer: str | None = None, recipe: Recipe = RECIPE):
-    """A fresh wrapped KitchenSink and its shardpar optimizer (``seed`` changes the init)."""
+def build(stage: int, seed: int = 0, optimizer: str | None = None, recipe: Recipe = RECIPE,
+          options: dict[str, Any] | None = None):
+    """A fresh wrapped KitchenSink and its shardpar optimizer (``seed`` changes the init;
+    ``options`` are wrap options on top of the stage's ``WRAP_OPTIONS``)."""
     module = dataclasses.replace(recipe.model, seed=seed).build()
-    model = shardpar.wrap(module, stage=stage, **WRAP_OPTIONS[stage])
+    model = shardpar.wrap(module, stage=stage, **WRAP_OPTIONS[stage], **(options or {}))
     if optimizer is not None:
         recipe = recipe.with_(optimizer=optimizer)
     opt, _ = build_optimizer(recipe, model, lambda cls, params, **kw: shardpar.optimizer(model, cls, params, **kw))
@@ -79,17 +81,17 @@ def full_optimizer_state(opt: Any) -> dict[str, Any]:
     return full
 
 
-def save_run(stage: int, path: str, steps: int = K) -> dict[str, Any]:
+def save_run(stage: int, path: str, steps: int = K, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train ``steps`` steps, save; return what was saved (model and optimizer, in full)."""
-    module, model, opt = build(stage)
+    module, model, opt = build(stage, options=options)
     train(module, model, opt, 0, steps)
     shardpar.save_checkpoint(path, model, opt, extra={"step": steps, "note": "resume me"})
     return {"model": model.full_state_dict(), "optimizer": full_optimizer_state(opt)}
 
 
-def load_run(stage: int, path: str, steps: int = K) -> dict[str, Any]:
+def load_run(stage: int, path: str, steps: int = K, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load into a fresh, differently initialised model; train ``steps`` more."""
-    module, model, opt = build(stage, seed=7)
+    module, model, opt = build(stage, seed=7, options=options)
     extra = shardpar.load_checkpoint(path, model, opt)
     loaded = {"model": model.full_state_dict(), "optimizer": full_optimizer_state(opt), "extra": extra}
     train(module, model, opt, extra["step"], extra["step"] + steps)

@@ -194,6 +194,7 @@ def train_sharded(
     opt, scheduler = build_optimizer(recipe, model, lambda cls, params, **kw: shardpar.optimizer(model, cls, params, **kw))
     result = Result(state={})
     result.extra["memory_after_backward"] = []
+    result.extra["padding_after_backward"] = []
     for step in range(recipe.steps):
         if recipe.micro_batches > 1:
             for index in range(recipe.micro_batches):
@@ -208,6 +209,7 @@ def train_sharded(
                 x, y = rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
                 module.loss(model(x), y).backward()
         result.extra["memory_after_backward"].append(model.memory_stats())
+        result.extra["padding_after_backward"].append(padding_magnitude(model))
         if between_backward_and_step is not None:
             between_backward_and_step(model, opt, result)
         if recipe.clip is not None:
@@ -253,6 +255,68 @@ def describe(model: Any) -> dict[str, Any]:
         "rank": engine.rank,
         "world_size": engine.world_size,
     }
+
+
+def _padding_masks(layout: Any, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """True where a buffer laid out by ``layout`` holds padding: in buffer space (no slot
+    covers the element) and in this rank's local space (no piece does)."""
+    full = torch.ones(layout.numel, dtype=torch.bool)
+    for slot in layout.slots.values():
+        full[slot.range.start : slot.range.end] = False
+    local = torch.ones(layout.shard_numel, dtype=torch.bool)
+    for piece in layout.pieces(rank):
+        local[piece.local_range.start : piece.local_range.end] = False
+    return full, local
+
+
+def padding_magnitude(model: Any) -> tuple[float, int]:
+    """The largest ``|value|`` in the padding of any buffer this rank holds for its trainable
+    parameters (values, master copies and gradients, full or sharded), and how many buffers
+    were looked at. Padding must stay zero: it is reduced, gathered and clipped with the rest."""
+    engine = model.engine
+    largest, looked_at = 0.0, 0
+    for space in engine.storage.spaces:  # stage 0-2 buffers, stage-3 trainable flat groups
+        full_mask, local_mask = _padding_masks(space.layout, engine.rank)
+        tensors = [getattr(space, name, None) for name in ("data", "full_master", "master_shard", "full", "shard")]
+        tensors += [(getattr(engine.strategy, name, None) or {}).get(space)
+                    for name in ("data", "master_grads", "master_grad_shards", "grad_shards", "_accumulated", "_carry")]
+        for tensor in tensors:
+            if tensor is None or tensor.untyped_storage().nbytes() == 0:  # a freed stage-3 full buffer
+                continue
+            mask = full_mask if tensor.numel() == space.layout.numel else local_mask
+            assert tensor.numel() == mask.numel(), "a buffer of neither the full nor the shard size"
+            if mask.any():
+                largest = max(largest, tensor.detach().float()[mask].abs().max().item())
+            looked_at += 1
+    return largest, looked_at
+
+
+def closed_form_buckets(numels: list[int], world_size: int, cap: int | None, aligned: bool) -> list[tuple[int, int]]:
+    """``(size, payload)`` of every bucket a layout of tensors of ``numels`` elements (in this
+    order) has, written out from [Note: alignment] and [Note: layout order] without
+    ``BufferLayout``: aligned, each tensor starts at the next multiple of 64 elements and a
+    bucket's size is a multiple of lcm(N, 128); dense, tensors are back to back and a bucket
+    is a multiple of N. A tensor that would take a non-empty bucket past ``cap`` elements
+    (counting the gaps in front of its tensors) starts the next bucket."""
+    align, multiple = (64, math.lcm(world_size, 128)) if aligned else (1, world_size)
+    limit = math.inf if cap is None else cap
+    buckets: list[tuple[int, int]] = []
+    start, end, payload, count = 0, 0, 0, 0  # the open bucket: start, end of its last tensor, ...
+    for numel in numels:
+        at = math.ceil(end / align) * align
+        if count and at - start + numel > limit:
+            buckets.append((math.ceil((end - start) / multiple) * multiple, payload))
+            start = end = at = start + buckets[-1][0]
+            payload = count = 0
+        end, payload, count = at + numel, payload + numel, count + 1
+    if count:
+        buckets.append((math.ceil((end - start) / multiple) * multiple, payload))
+    return buckets
+
+
+def closed_form_padding(numels: list[int], world_size: int, cap: int | None, aligned: bool) -> int:
+    """Padding elements of :func:`closed_form_buckets`."""
+    return sum(size - payload for size, payload in closed_form_buckets(numels, world_size, cap, aligned))
 
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:

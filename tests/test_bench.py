@@ -28,7 +28,8 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
          str(ROOT / "tools" / "bench.py"),
          "--models", "mlp:tiny,gpt:tiny", "--warmup", "1", "--rounds", "1", "--steps-per-round", "2",
          "--comm-reps", "1", "--candidate-option", "bucket_cap_mb=0.01",
-         "--candidate-option", "prefetch_units=0", "--out", str(out / "bench.md"), "--png", str(out / "bench.png"),
+         "--candidate-option", "prefetch_units=0", "--candidate-option", "align_for_bandwidth=True",
+         "--out", str(out / "bench.md"), "--png", str(out / "bench.png"),
          "--json", str(out / "bench.json")],
         timeout=240,
         env={"OMP_NUM_THREADS": "1"},
@@ -65,6 +66,13 @@ def test_bytes_and_model_state_match_the_closed_forms(report) -> None:
             if config.startswith("stage"):
                 assert max(row["sent_bytes"]) == pytest.approx(row["closed_form_bytes"], rel=0.01)
                 assert 0.0 <= row["hidden"] <= 1.0
+        # Every stage, dense (gloo's default) and aligned for NCCL (the -cand rows: parameters at
+        # multiples of 64 elements, buckets of lcm(2, 128)): payload and padding are the planner's.
+        for stage in range(4):
+            for config in (f"stage{stage}", f"stage{stage}-cand"):
+                row = result["configs"][config]
+                assert row["sent_bytes"] == [pytest.approx(row["closed_form_bytes"])] * 2, config
+                assert row["padding_bytes"] == [pytest.approx(row["closed_form_padding_bytes"])] * 2, config
         losses = [row["final_loss"] for row in result["configs"].values()]
         assert max(losses) - min(losses) < 1e-3, "configurations did not train the same model"
 

@@ -582,9 +582,10 @@ def test_bf16_reduce_tracks_fp32_reduce(stage: int) -> None:
 
 def _exact_memory(stage: int, layout: dict[str, int], p: int, r: int, d: int = 4, padded: bool = True) -> dict[str, float]:
     """params/grads/optimizer state from [Note: storage model] in planner.py, computed from
-    the engine's layouts (``padded``) or from Ψ alone (``padded=False``: what the planner
-    models). Per-tensor AdamW ``step`` scalars are added only with ``padded``: the planner
-    ignores them by design."""
+    the engine's layouts (``padded``: what the engine holds) or from Ψ alone
+    (``padded=False``). Per-tensor AdamW ``step`` scalars are added only with ``padded``. The
+    planner models params and grads with the padding, and the optimizer state from Ψ without
+    the scalars (padding belongs to no piece)."""
     n_full = layout["numel"] if padded else layout["psi"]
     world = layout["world_size"]
     n_shard = layout["shard_numel"] if padded else layout["psi"] / world
@@ -631,8 +632,9 @@ def _memory_trace(model_name: str, policy_name: str, stage: int) -> list[Trace]:
 def test_memory_stats_equal_the_layouts_and_the_planner(model_name: str, policy_name: str, stage: int) -> None:
     """Per rank, after the last step: ``memory_stats()`` params / grads / optimizer_state equal
     the storage model computed from the engine's layouts exactly, and
-    ``shardpar.estimate_memory`` equals the same model without padding and without AdamW's
-    per-tensor ``step`` scalars (4 bytes each, ignored by the planner by design)."""
+    ``shardpar.estimate_memory`` equals the same model (params and grads with their padding,
+    the optimizer state of Ψ/N elements without AdamW's per-tensor ``step`` scalars, 4 bytes
+    each, ignored by the planner by design)."""
     p, r = {"bf16": (2, 4), "bf16-reduce": (2, 2)}[policy_name]
     spec, _ = PARITY_SPECS[model_name]
     estimate = shardpar.estimate_memory(
@@ -646,8 +648,10 @@ def test_memory_stats_equal_the_layouts_and_the_planner(model_name: str, policy_
         exact = _exact_memory(stage, layout, p, r)
         for kind, value in exact.items():
             assert trace.memory[kind] == value, f"rank {rank}: memory_stats()['{kind}']"
+    padded = _exact_memory(stage, {**per_rank[0].layout, "world_size": 2}, p, r)
     unpadded = _exact_memory(stage, {**per_rank[0].layout, "world_size": 2}, p, r, padded=False)
-    for kind, value in unpadded.items():
+    for kind, value in (("params", padded["params"]), ("grads", padded["grads"]),
+                        ("optimizer_state", unpadded["optimizer_state"])):
         assert getattr(estimate, kind) == round(value), f"estimate_memory().{kind}"
     # Over all ranks the optimizer holds exactly Ψ elements (8 bytes each; N copies at stage 0)
     # plus one 4-byte step scalar per tensor it updates.
@@ -671,7 +675,7 @@ def test_frozen_parameters_count_compute_copy_and_original(stage: int) -> None:
         bucket_cap_mb=dict(stage_options(KITCHEN, stage)).get("bucket_cap_mb", 25.0),
         wrap_policy=dict(stage_options(KITCHEN, stage)).get("wrap_policy"),
     )
-    assert estimate.params == round(_exact_memory(stage, layout, 2, 4, padded=False)["params"]), "estimate_memory().params"
+    assert estimate.params == round(exact["params"]), "estimate_memory().params"
 
 
 # --------------------------------------------------------------------------- 5. bad input

@@ -76,6 +76,23 @@ class Uneven(nn.Module):
         return self.layers(x)
 
 
+class Odd(nn.Module):
+    """Four 50x50 Linears with biases (10,200 parameters): no tensor a multiple of 64 elements,
+    so aligning for NCCL (``align_for_bandwidth``) pads in front of tensors and at the end of
+    every bucket and unit."""
+
+    width = 50
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(self.width, self.width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
 def tower() -> Tower:
     """Factory for ``tools/estimate.py --model tests.test_planner:tower``."""
     return Tower()
@@ -83,7 +100,7 @@ def tower() -> Tower:
 
 TOWER_PSI = 6 * 512 * 512
 TOWER_CAP_MB = 1.0  # 262144 fp32 elements: exactly one 512x512 weight per bucket
-MODELS = {"tower": Tower, "uneven": Uneven}
+MODELS = {"tower": Tower, "uneven": Uneven, "odd": Odd}
 
 
 # --------------------------------------------------------------------------- closed forms
@@ -119,6 +136,32 @@ def test_workspace_is_capped_by_the_model() -> None:
     assert estimate_memory(small, 2, 3, largest_unit_params=small).workspace == (4 + 4) * small
     assert estimate_memory(PSI, 8, 3, largest_unit_params=PSI // 100).workspace == (2 + 3) * 4 * PSI // 100
     assert estimate_memory(PSI, 8, 2, bucket_cap_mb=100).workspace == 3 * 100 * MiB
+
+
+def test_padding_of_a_count_aligned_and_dense() -> None:
+    """A bare count is one tensor per bucket and per unit. Ψ = 1000 on N = 3: aligned for NCCL
+    (buckets and units of lcm(3, 128) = 384) one bucket of 3·384 = 1152 elements (P = 152), or
+    10 units of 100, each 384 (P = 10·284 = 2840); dense, one bucket of 1002 (P = 2) and units
+    of 102 (P = 20). Padding is stored like parameters, not in the optimizer state, and sent
+    as padding (gathers add a 16-byte tag per rank)."""
+    n, f = 3, 2 / 3
+    for aligned, bucket, unit in ((True, 1152, 384), (False, 1002, 102)):
+        e0 = estimate_memory(1000, n, 0, align_for_bandwidth=aligned)
+        assert (e0.params, e0.grads, e0.optimizer_state) == (4 * bucket, 4 * bucket, 8 * 1000)
+        e3 = estimate_memory(1000, n, 3, align_for_bandwidth=aligned)
+        assert (e3.params, e3.grads, e3.optimizer_state) == (4 * 10 * unit // n, 4 * 10 * unit // n, round(8000 / n))
+        assert e3.workspace == (2 + 3) * 4 * unit  # 2 gathered + 3 staged units
+        c0 = estimate_communication(1000, n, 0, align_for_bandwidth=aligned)
+        assert c0.padding_as_dict() == {"all_reduce": pytest.approx(2 * (bucket - 1000) * 4 * f)}
+        assert c0.all_reduce_bytes == pytest.approx(2 * 1000 * 4 * f)  # the payload does not change
+        c3 = estimate_communication(1000, n, 3, align_for_bandwidth=aligned)
+        assert c3.padding_as_dict() == {
+            "reduce_scatter": pytest.approx(10 * (unit - 100) * 4 * f),
+            "all_gather": pytest.approx(2 * 10 * ((unit - 100) * 4 + n * 16) * f),
+        }
+        assert c3.padding_sent_bytes == pytest.approx(sum(c3.padding_as_dict().values()))
+    with pytest.raises(ValueError, match="align_for_bandwidth"):
+        estimate_memory(1000, n, 0, align_for_bandwidth="yes")
 
 
 def test_optimizer_table_covers_the_documented_names() -> None:
@@ -315,6 +358,8 @@ def _measure(cases: dict[str, tuple[str, int, dict[str, Any]]]) -> dict[str, dic
         module = MODELS[model_name]()
         model = shardpar.wrap(module, stage=stage, **options)
         opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-3)
+        # Every rank's optimizer-state bytes and tensors (one Adam `step` scalar each).
+        pieces = sum(len(group) for group in opt.pieces())
         x = torch.randn(4, module.width, generator=torch.Generator().manual_seed(C.get_rank()))
         comm = []
         for _ in range(2):
@@ -325,7 +370,8 @@ def _measure(cases: dict[str, tuple[str, int, dict[str, Any]]]) -> dict[str, dic
             memory = model.memory_stats()
             opt.zero_grad()
         model.engine.close()
-        results[case] = {"memory": memory, "comm": comm}
+        results[case] = {"memory": memory, "comm": comm,
+                         "optimizer_state_per_rank": C.all_gather_objects((memory["optimizer_state"], pieces))}
     return results
 
 
@@ -334,7 +380,11 @@ CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
     **{f"stage{s}-bf16": ("tower", s, {"bucket_cap_mb": TOWER_CAP_MB, "mixed_precision": "bf16"}) for s in range(4)},
     "stage3-keep-gathered": ("tower", 3, {"reshard_after_forward": False}),
     "stage2-uneven": ("uneven", 2, {"bucket_cap_mb": 1.0}),
+    # One Linear per bucket or unit, aligned: [bias 50 | gap 14 | weight 2500 | tail 124] = 2688.
+    **{f"stage{s}-aligned": ("odd", s, {"bucket_cap_mb": 2600 * 4 / MiB, "min_unit_params": 2000,
+                                        "align_for_bandwidth": True}) for s in range(4)},
 }
+ALIGNED_CASES = [f"stage{s}-aligned" for s in range(4)]
 MEMORY_CASES = [f"stage{s}{mp}" for mp in ("", "-bf16") for s in range(4)]
 
 
@@ -349,14 +399,15 @@ def _estimates(case: str) -> tuple[Any, Any]:
     makes them (mixed precision: reduce in fp32, gather and broadcast buffers in bf16)."""
     model_name, stage, options = CASES[case]
     cap = options.get("bucket_cap_mb", 25.0)
+    shared = {k: options[k] for k in ("min_unit_params", "align_for_bandwidth") if k in options}
     memory = estimate_memory(MODELS[model_name](), 2, stage, mixed_precision=options.get("mixed_precision"),
-                             bucket_cap_mb=cap)
+                             bucket_cap_mb=cap, **shared)
     mp = memory.mixed_precision
     comm = estimate_communication(
         MODELS[model_name](), 2, stage, reduce_bytes=memory.reduce_bytes,
         gather_bytes=memory.param_bytes if mp else None, bucket_cap_mb=cap,
         reshard_after_forward=options.get("reshard_after_forward", True),
-        buffer_dtype=mp.buffer_dtype if mp else None,
+        buffer_dtype=mp.buffer_dtype if mp else None, **shared,
     )
     return memory, comm
 
@@ -405,7 +456,7 @@ def test_workspace_bounds_uneven_buckets() -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_communication_matches_measured_bytes(case: str) -> None:
     """Bytes sent per step, by kind and in total, equal ``comm_stats()`` (which reports
-    payload and padding apart; the model ignores padding), every step."""
+    payload and padding apart; so does the model), every step."""
     _, estimate = _estimates(case)
     for step, comm in enumerate(measured()[case]["comm"]):
         sent = {op: stats["sent_bytes"] for op, stats in comm.items() if op != "total"}
@@ -413,7 +464,37 @@ def test_communication_matches_measured_bytes(case: str) -> None:
         assert comm["total"]["sent_bytes"] == pytest.approx(estimate.sent_bytes)
         total_with_padding = comm["total"]["sent_bytes"] + comm["total"]["padding_sent_bytes"]
         assert abs(total_with_padding - estimate.sent_bytes) <= comm["total"]["padding_sent_bytes"] + 1e-6
+        padding = {op: stats["padding_sent_bytes"] for op, stats in comm.items()
+                   if op != "total" and stats["padding_sent_bytes"]}
+        assert padding == pytest.approx(estimate.padding_as_dict()), f"step {step}"
+        assert comm["total"]["padding_sent_bytes"] == pytest.approx(estimate.padding_sent_bytes)
         assert sum(stats["calls"] for op, stats in comm.items() if op != "total") == estimate.calls
+
+
+@pytest.mark.parametrize("case", ALIGNED_CASES)
+def test_aligned_memory_and_bytes_equal_the_engines(case: str) -> None:
+    """Aligned for NCCL (``align_for_bandwidth=True``, lcm(2, 128) = 128): each Linear is
+    [bias 50 | gap 14 | weight 2500 | tail 124] = 2688 elements, one bucket (stages 0-2) or
+    unit (stage 3) each, so the layouts hold Ψ + P = 4 x 2688 = 10,752 elements for
+    Ψ = 10,200 (P = 552). The planner builds the same layouts: params and grads equal
+    ``memory_stats()`` to the byte, so does the workspace peak (equal buckets and units, in
+    order), and so does the optimizer state summed over the ranks less Adam's `step` scalars
+    (padding belongs to no piece: 8Ψ per copy, one copy per rank at stage 0, one in all at
+    stages 1-3). Bytes: see the test above, which runs the aligned cases too."""
+    stage = CASES[case][1]
+    memory = measured()[case]["memory"]
+    estimate, comm = _estimates(case)
+    psi, stored = 10_200, 4 * 2688
+    assert estimate.param_count == psi
+    per_rank = {0: (stored, stored), 1: (stored, stored), 2: (stored, stored // 2), 3: (stored // 2, stored // 2)}
+    assert (estimate.params, estimate.grads) == tuple(4 * n for n in per_rank[stage])
+    assert (memory["params"], memory["grads"]) == (estimate.params, estimate.grads)
+    ranks = measured()[case]["optimizer_state_per_rank"]
+    assert estimate.optimizer_state == 8 * psi // (1 if stage == 0 else 2)
+    assert sum(state - 4 * pieces for state, pieces in ranks) == 2 * estimate.optimizer_state
+    if stage >= 2:
+        assert _peak_workspace(memory, stage) == estimate.workspace
+    assert comm.padding_sent_bytes > 0
 
 
 # --------------------------------------------------------------------------- tools/estimate.py

@@ -8,6 +8,7 @@ cached (``tests.parity.sharded``) so one run serves every property checked on it
 from __future__ import annotations
 
 import copy
+import math
 from fractions import Fraction
 
 import pytest
@@ -25,6 +26,7 @@ from tests.parity import (
     assert_states_close,
     cap_mb,
     check_parity,
+    closed_form_buckets,
     global_batch,
     param_groups,
     rank_slice,
@@ -35,6 +37,7 @@ from tests.parity import (
 
 WORLD_SIZES = [1, 2, 3, 4]
 SEVERAL_BUCKETS = (("bucket_cap_mb", cap_mb(100)),)  # ~100 fp32 elements: several buckets
+ALIGNED = SEVERAL_BUCKETS + (("align_for_bandwidth", True),)  # NCCL's layout, on gloo
 KITCHEN_ADAMW = Recipe(KITCHEN, steps=3, clip=0.5)
 
 MODELS = {
@@ -195,6 +198,44 @@ def test_all_reduce_bytes_match_the_closed_form(model: str, world_size: int) -> 
         assert comm["sent_bytes"] == _expected_sent(2, psi, world_size, k)
         assert comm["padding_sent_bytes"] == _expected_sent(2, info["padding"], world_size, k)
         assert "reduce_scatter" not in result.extra["comm"] and "all_gather" not in result.extra["comm"]
+
+
+def _trainable_numels_in_layout_order(recipe: Recipe) -> list[int]:
+    """Reverse registration order ([Note: layout order]); a tied parameter once."""
+    return [p.numel() for p in reversed(list(recipe.model.build().parameters())) if p.requires_grad]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_aligned_buckets_train_alike_and_send_the_closed_form(world_size: int) -> None:
+    """``align_for_bandwidth=True`` (Megatron-core's layout: parameters at multiples of 64
+    elements, buckets of lcm(N, 128)) changes where gradients live, not what training
+    computes: parity with plain torch, padding zero in every buffer after every backward, and
+    the all-reduce sends Ψ payload plus exactly the closed-form padding (at N = 2 five buckets
+    of 128 for 344 parameters: 296 elements, worked out in tests/test_buffer.py)."""
+    recipe = KITCHEN_ADAMW
+    results = sharded(recipe, 0, world_size, ALIGNED)
+    check_parity(results, recipe, world_size, what=f"stage 0 aligned, N={world_size}")
+    psi = trainable_numel(recipe.model.build())
+    buckets = closed_form_buckets(_trainable_numels_in_layout_order(recipe), world_size, 100, aligned=True)
+    padding = sum(size - payload for size, payload in buckets)
+    assert all(size % math.lcm(world_size, 128) == 0 for size, _ in buckets)
+    if world_size == 2:
+        assert (psi, padding, [size for size, _ in buckets]) == (344, 296, [128] * 5)
+    k = recipe.steps
+    for result in results:
+        info, comm = result.extra, result.extra["comm"]["all_reduce"]
+        assert info["bucket_numels"] == [size for size, _ in buckets]
+        assert (info["psi"], info["padding"]) == (psi, padding)
+        assert comm["calls"] == k * len(buckets)
+        assert comm["payload_bytes"] == k * psi * 4
+        assert comm["padding_bytes"] == k * padding * 4
+        assert comm["sent_bytes"] == _expected_sent(2, psi, world_size, k)
+        assert comm["padding_sent_bytes"] == _expected_sent(2, padding, world_size, k)
+        for largest, looked_at in info["padding_after_backward"]:
+            assert largest == 0.0 and looked_at >= 2, "padding of the parameter or gradient buffer is not zero"
+        memory = info["memory"]
+        assert memory["params"] == 4 * (psi + padding + info["frozen_numel"])
+        assert memory["grads"] == 4 * (psi + padding)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

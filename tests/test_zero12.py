@@ -23,6 +23,7 @@ from tests.parity import (
     assert_states_close,
     cap_mb,
     check_parity,
+    closed_form_padding,
     global_batch,
     rank_slice,
     reference,
@@ -32,6 +33,7 @@ from tests.parity import (
 
 WORLD_SIZES = [1, 2, 3, 4]
 SEVERAL_BUCKETS = (("bucket_cap_mb", cap_mb(100)),)  # ~100 fp32 elements per bucket
+ALIGNED = SEVERAL_BUCKETS + (("align_for_bandwidth", True),)  # NCCL's layout, on gloo
 
 OPTIMIZERS = {
     "adamw-2-groups": Recipe(KITCHEN, steps=3, clip=0.5),
@@ -74,6 +76,32 @@ def test_parity_with_plain_torch_and_stage_0(optimizer: str, world_size: int) ->
         assert_states_close(results[stage][0].state, results[0][0].state, what=f"{what} vs stage 0")
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_aligned_buckets_train_alike_with_zero_padding(world_size: int) -> None:
+    """``align_for_bandwidth=True``: parameters at multiples of 64 elements, buckets of
+    lcm(N, 128). Stages 1-2 match plain torch and stage 0 (aligned too), every rank's padding
+    (replicated buffer, master shard, gradient buffer or shard) is zero after every backward,
+    and the buffers are Ψ + the closed-form padding."""
+    recipe = OPTIMIZERS["adamw-2-groups"]
+    results = stages_0_1_2(recipe, world_size, ALIGNED)
+    numels = [p.numel() for p in reversed(list(recipe.model.build().parameters())) if p.requires_grad]
+    padding = closed_form_padding(numels, world_size, 100, aligned=True)
+    psi = trainable_numel(recipe.model.build())
+    for stage in (0, 1, 2):
+        what = f"stage {stage} aligned, N={world_size}"
+        check_parity(results[stage], recipe, world_size, what=what)
+        assert_states_close(results[stage][0].state, results[0][0].state, what=f"{what} vs stage 0")
+        for result in results[stage]:
+            info = result.extra
+            assert (info["psi"], info["padding"], info["numel"]) == (psi, padding, psi + padding)
+            for largest, looked_at in info["padding_after_backward"]:
+                assert largest == 0.0 and looked_at >= 2, f"{what}: padding is not zero"
+            for memory in [*info["memory_after_backward"], info["memory"]]:
+                assert memory["params"] == 4 * (psi + padding + info["frozen_numel"])
+                expected_grads = 4 * (psi + padding) // (world_size if stage == 2 else 1)
+                assert memory["grads"] == expected_grads, f"{what}: {memory}"
+
+
 def test_transformer_parity() -> None:
     recipe, world_size, options = TRANSFORMER_RUN
     results = stages_0_1_2(recipe, world_size, options)
@@ -89,21 +117,27 @@ def _per_step(numel: int, world_size: int, steps: int) -> float:
     return float(Fraction(steps * numel * 4 * (world_size - 1), world_size))
 
 
-TRAFFIC_CASES = [("kitchen", n) for n in WORLD_SIZES] + [("transformer", 3)]
+TRAFFIC_CASES = ([("kitchen", n) for n in WORLD_SIZES] + [("transformer", 3)]
+                 + [("kitchen-aligned", n) for n in (2, 3)])
 
 
 @pytest.mark.parametrize("model, world_size", TRAFFIC_CASES)
 @pytest.mark.parametrize("stage", [1, 2])
 def test_reduce_scatter_and_all_gather_bytes(stage: int, model: str, world_size: int) -> None:
-    if model == "kitchen":
-        recipe, options = OPTIMIZERS["adamw-2-groups"], SEVERAL_BUCKETS
+    if model.startswith("kitchen"):
+        recipe = OPTIMIZERS["adamw-2-groups"]
+        options = ALIGNED if model == "kitchen-aligned" else SEVERAL_BUCKETS
     else:
         recipe, _, options = TRANSFORMER_RUN
     psi = trainable_numel(recipe.model.build())
     k = recipe.steps
+    numels = [p.numel() for p in reversed(list(recipe.model.build().parameters())) if p.requires_grad]
+    cap = int(dict(options)["bucket_cap_mb"] * 2**20) // 4
+    padding = closed_form_padding(numels, world_size, cap, aligned=model == "kitchen-aligned")
     for result in stages_0_1_2(recipe, world_size, options)[stage]:
         info, comm = result.extra, result.extra["comm"]
         assert info["psi"] == psi
+        assert info["padding"] == padding  # the closed form, dense or aligned
         assert "all_reduce" not in comm
         for op in ("reduce_scatter", "all_gather"):
             assert comm[op]["calls"] == k * len(info["bucket_numels"]), op

@@ -11,6 +11,8 @@
 - eval forward and a greedy generate loop under ``no_grad`` after training;
 - bytes per step from ``comm_stats()`` and parameter memory from ``memory_stats()``, with the
   gathered bytes after each forward and backward exactly what the prefetch counts allow;
+- the layout aligned for NCCL (``align_for_bandwidth=True``): parity, zero padding, and bytes
+  and shard memory with the closed-form padding;
 - ``full_state_dict()`` / ``load_state_dict()``;
 - bad wrap policies, and a rank-dependent unit order (blocks reversed, or a block skipped on
   one rank) in the first forward, fail with a clear error on every rank.
@@ -42,6 +44,7 @@ from torch import nn
 import shardpar
 from shardpar.comm import collectives as C
 from tests.harness import run_ranks
+from tests.parity import closed_form_padding, padding_magnitude
 from tests.zero3_models import Block, LMSpec, Z3LM, decay_groups, lm
 
 TOL = 1e-5
@@ -81,12 +84,15 @@ class Run:
     forward_prefetch: int | None = None
     backward_prefetch: int | None = None
     """``forward_prefetch_units`` / ``backward_prefetch_units`` (None: ``prefetch_units``, 1)."""
+    align: bool = False
+    """``align_for_bandwidth``: NCCL's layout (its default) on gloo."""
 
     def wrap_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {
             "reshard_after_forward": self.reshard,
             "forward_prefetch_units": self.forward_prefetch,
             "backward_prefetch_units": self.backward_prefetch,
+            "align_for_bandwidth": self.align,
         }
         # min_unit_params=1: every parameter outside the blocks is a unit of its own, gathered
         # around the modules that use it (by default this small model's would join the root).
@@ -188,6 +194,8 @@ def _unit_layouts(model: shardpar.ShardedModule) -> list[dict[str, Any]]:
                 "padding": sum(f.layout.padding for f in flats),
                 "trainable_padding": sum(f.layout.padding for f in flats if f.trainable),
                 "shard_bytes": sum(f.layout.shard_numel * f.full.element_size() for f in flats),
+                "group_numels": [[f.layout.slots[n].range.size for n in f.layout.names] for f in flats],
+                "group_sizes": [f.layout.numel for f in flats],
             }
         )
     return units
@@ -203,6 +211,7 @@ def _train(run: Run) -> dict[str, Any]:
     model.reset_comm_stats()
     out: dict[str, Any] = {
         "norms": [], "lrs": [], "losses": [], "comm": [], "params_bytes": [], "units": _unit_layouts(model),
+        "padding_after_backward": [],
     }
 
     def step(s: int) -> None:
@@ -210,6 +219,7 @@ def _train(run: Run) -> dict[str, Any]:
         loss = module.loss(model(_rank_slice(x, rank, world_size)), _rank_slice(y, rank, world_size))
         out["losses"].append(float(loss.detach()))
         loss.backward()
+        out["padding_after_backward"].append(padding_magnitude(model))
         out["norms"].append(float(model.clip_grad_norm_(CLIP)))
         out["lrs"].append([g["lr"] for g in opt.param_groups])
         opt.step()
@@ -536,6 +546,32 @@ def test_bytes_per_step_without_reshard_after_forward(world_size: int) -> None:
     (the tied embedding/head is freed after the head's backward and gathered again for the
     embedding's)."""
     _check_bytes(_results(Run(reshard=False, fsdp2=True), world_size), world_size, gathers_per_use=1)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_aligned_units_train_alike_and_send_the_closed_form(world_size: int) -> None:
+    """``align_for_bandwidth=True``: every flat group (one per unit, dtype and trainable or
+    frozen) starts its parameters at multiples of 64 elements and is a multiple of lcm(N, 128)
+    elements. Parity with plain torch, padding zero in the shards (parameters and gradients)
+    after every backward, the padding of every group the closed form of its tensors' sizes, and
+    with it the bytes sent (the checks of the dense runs, whose padding they take from the
+    layouts) and the shard bytes."""
+    results = _results(Run(align=True), world_size)
+    _check_parity(results, MAIN, f"stage 3 aligned, N={world_size}")
+    psi_all, _ = _psi(MAIN)
+    multiple = math.lcm(world_size, 128)
+    for result in results:
+        for unit in result["units"]:
+            assert unit["padding"] == sum(closed_form_padding(numels, world_size, None, aligned=True)
+                                          for numels in unit["group_numels"]), unit["name"]
+            assert all(size % multiple == 0 for size in unit["group_sizes"]), unit
+        padding = sum(u["padding"] for u in result["units"])
+        assert padding > 0
+        assert result["params_bytes"] == [4 * (psi_all + padding) // world_size] * STEPS
+        for largest, looked_at in result["padding_after_backward"]:
+            # every unit of MAIN has a trainable group: its shard and its gradient shard
+            assert largest == 0.0 and looked_at >= 2 * len(result["units"]), "padding is not zero"
+    _check_bytes(results, world_size, gathers_per_use=2)
 
 
 # --------------------------------------------------------------------------- memory

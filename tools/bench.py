@@ -29,7 +29,9 @@ pages come and go with it (exact RSS). That would make the timing phase pay page
 for every activation every step, which no real run does: glibc's dynamic threshold climbs
 to 32 MiB after the first frees. So the timing phase sets 32 MiB (and trim at 64 MiB)
 explicitly, the steady state every configuration sees from its first step.
-- Bytes: ``comm_stats()`` over the timed steps / steps, against ``estimate_communication``.
+- Bytes: ``comm_stats()`` over the timed steps / steps, against ``estimate_communication``
+  (payload and, in the JSON summary, padding, with the configuration's bucket cap and
+  alignment).
 - Exposed communication (shardpar stages only): ``engine.wait_clock``, reset before each
   step and read after it, gives the seconds the rank's main thread was blocked waiting for
   collectives, per phase (forward: parameter gathers; backward gathers: stage 3's; backward
@@ -683,14 +685,17 @@ def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], 
         }
         if per_rank[0]["sent_bytes"] is not None:
             stage = stage_of(config)
+            options = {**args.wrap_options, **(args.candidate_options if config.endswith(CANDIDATE) else {})}
             closed = shardpar.estimate_communication(
                 spec.build(), world, stage,
-                bucket_cap_mb=args.wrap_options.get("bucket_cap_mb", shardpar.ShardConfig.bucket_cap_mb),
+                bucket_cap_mb=options.get("bucket_cap_mb", shardpar.ShardConfig.bucket_cap_mb),
                 wrap_policy=[spec.unit_class] if stage == 3 else None,
+                align_for_bandwidth=options.get("align_for_bandwidth"),
             )
             row["sent_bytes"] = [m["sent_bytes"] for m in per_rank]
             row["padding_bytes"] = [m["padding_bytes"] for m in per_rank]
             row["closed_form_bytes"] = closed.sent_bytes
+            row["closed_form_padding_bytes"] = closed.padding_sent_bytes
             row["backward_wait_s"] = max(statistics.median(m["backward_wait"]) for m in per_rank)
             row.update(exposure(per_rank))
         per_config[config] = row

@@ -62,7 +62,8 @@ def estimate(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.budget) if args.budget is not None else None
     options = dict(optimizer=args.optimizer, mixed_precision=args.mixed_precision,
                    bucket_cap_mb=args.bucket_cap_mb,
-                   largest_unit_params=parse_count(args.unit_params) if args.unit_params else None)
+                   largest_unit_params=parse_count(args.unit_params) if args.unit_params else None,
+                   align_for_bandwidth=args.align_for_bandwidth)
     first = estimate_memory(model, args.world_size[0], 0, **options)
     precision = args.mixed_precision or "fp32"
     print(f"{first.param_count:,} trainable parameters"
@@ -87,7 +88,8 @@ def estimate(args: argparse.Namespace) -> int:
                     model, world_size, e.stage, reduce_bytes=e.reduce_bytes,
                     gather_bytes=e.param_bytes if e.mixed_precision else None,
                     bandwidth_gbps=args.bandwidth, latency_us=args.latency, bucket_cap_mb=args.bucket_cap_mb,
-                    buffer_dtype=e.mixed_precision.buffer_dtype if e.mixed_precision else None)
+                    buffer_dtype=e.mixed_precision.buffer_dtype if e.mixed_precision else None,
+                    align_for_bandwidth=args.align_for_bandwidth)
                 row += [format_bytes(comm.sent_bytes, binary=False), f"{comm.seconds:.3f}"]
             if e.stage == chosen:
                 row.append(f"<- stage='auto' picks this for --budget {args.budget}")
@@ -124,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth", type=float, help="per-rank bandwidth in GB/s (10^9 bytes/s)")
     parser.add_argument("--latency", type=float, default=0.0, help="microseconds per collective")
     parser.add_argument("--budget", help="per-rank memory budget: 24GB, 80GiB, 512MiB")
+    parser.add_argument("--align-for-bandwidth", action="store_true",
+                        help="the layout wrap uses on NCCL (align_for_bandwidth): parameters at multiples of 64 "
+                             "elements, buckets of lcm(N, 128)")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.world_size):
         parser.error(f"--world-size must be >= 1, got {min(args.world_size)}")

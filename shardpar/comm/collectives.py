@@ -15,8 +15,10 @@ across backends: for a tensor of S bytes on N ranks,
     all-gather         S·(N-1)/N      (S = the full, gathered output)
     broadcast          S·(N-1)/N      (scatter + all-gather pipelining; setup only)
 
-Callers say how many of the elements are padding (buckets are padded to a multiple of N),
-so payload and padding are reported separately and the payload matches the closed form.
+Callers say how many of the elements are padding (buckets are padded to a multiple of N,
+and aligned layouts leave gaps in front of tensors too: [Note: alignment] in
+``core/layout.py``), so payload and padding are reported separately and the payload
+matches the closed form.
 
 [Note: gloo reduce-scatter and all-gather]
 gloo's ``reduce_scatter_single`` and ``all_gather_single`` are several times slower than its
@@ -82,7 +84,12 @@ _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "avg": "AVG"}
 def backend_averages(group: ProcessGroup | None) -> bool:
     """Whether the backend divides by N inside the collective (``ReduceOp.AVG``): NCCL does,
     gloo does not (there the caller divides in a pass of its own)."""
-    return get_world_size(group) > 1 and dist.get_backend(group) == dist.Backend.NCCL
+    return get_world_size(group) > 1 and backend_is_nccl(group)
+
+
+def backend_is_nccl(group: ProcessGroup | None) -> bool:
+    """Whether ``group`` (None: the default group, which must exist) runs on NCCL."""
+    return dist.get_backend(group) == dist.Backend.NCCL
 
 
 @dataclass

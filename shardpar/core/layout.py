@@ -15,16 +15,38 @@ A :class:`ShardPiece` ties the three together for the part of one parameter a ra
 Tensors are laid out in the order the caller gives, which for gradients is *reverse*
 registration order: backward produces the last layers' gradients first, so bucket 0 (the
 start of the buffer) completes first and its collective can start earliest.
-Every bucket is padded to a multiple of the world size N, so bucket b splits into N equal
-slices and slice r belongs to rank r.
+Every bucket is padded to a multiple of the world size N (of ``bucket_multiple``, itself a
+multiple of N), so bucket b splits into N equal slices and slice r belongs to rank r.
+Elements of a bucket that belong to no tensor -- the gaps in front of aligned tensors and
+the tail -- are its *padding*: zero in every buffer laid out by the layout, and part of no
+piece, so the optimizer and checkpoints never see them.
+
+[Note: alignment]
+NCCL's kernels, and the GEMMs that read parameters and gradients in place as views of the
+buffer, run fastest on aligned addresses and sizes; a collective over a bucket at an odd
+offset, or split into per-rank chunks of odd sizes, takes slower, narrower paths.
+Megatron-core therefore starts every parameter at a multiple of 64 elements (a 128-byte
+boundary for 16-bit and wider dtypes) and pads every bucket to a multiple of lcm(N, 128),
+so every bucket starts on a 128-element boundary and still splits into N equal slices.
+:func:`alignment_for` makes the same choice when ``align_for_bandwidth`` says so (by
+default: when the process group's backend is NCCL; gloo keeps the dense layout).
+The cost is memory and bytes sent: up to 63 elements in front of each tensor and up to
+lcm(N, 128) - 1 at the end of each bucket, in every buffer (parameters, gradients, master
+copies, shards, staging) and in every collective over a bucket, where ``comm_stats()``
+counts them as padding. A bucket size that is a multiple of ``param_align`` keeps every
+bucket's start aligned, so a bucket laid out alone (a flat parameter group) has the same
+offsets as in the whole buffer.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
+
+from ..comm import collectives as C
 
 
 @dataclass(frozen=True)
@@ -70,10 +92,16 @@ class Bucket:
     index: int
     range: Range
     """Buffer space, padding included (``range.size % world_size == 0``)."""
-    padding: int
-    """Trailing elements of ``range`` that belong to no tensor."""
+    gaps: tuple[Range, ...]
+    """Buffer space: the parts of ``range`` that belong to no tensor (in front of aligned
+    tensors, and the tail), in buffer order."""
     names: tuple[str, ...]
     world_size: int
+
+    @property
+    def padding(self) -> int:
+        """Elements of ``range`` that belong to no tensor (every gap, the tail included)."""
+        return sum(gap.size for gap in self.gaps)
 
     @property
     def shard_size(self) -> int:
@@ -101,6 +129,35 @@ def padded_size(numel: int, multiple: int) -> int:
     return -(-numel // multiple) * multiple
 
 
+PARAM_ALIGN_FOR_BANDWIDTH = 64
+"""Elements every tensor's start is a multiple of, aligned (see [Note: alignment])."""
+BUCKET_ALIGN_FOR_BANDWIDTH = 128
+"""Aligned, every bucket is a multiple of lcm(N, this) elements (see [Note: alignment])."""
+
+
+class Alignment(NamedTuple):
+    """What :class:`BufferLayout` aligns to; see [Note: alignment]."""
+
+    param_align: int
+    bucket_multiple: int
+
+
+def aligns_for_bandwidth(align_for_bandwidth: bool | None, group: Any) -> bool:
+    """``ShardConfig.align_for_bandwidth`` resolved: None means on when ``group`` (None: the
+    default group) exists and its backend is NCCL."""
+    if align_for_bandwidth is not None:
+        return align_for_bandwidth
+    return C.is_initialized() and C.backend_is_nccl(group)
+
+
+def alignment_for(align_for_bandwidth: bool | None, group: Any, world_size: int) -> Alignment:
+    """The alignment of every layout an engine stores parameters or gradients in: the one
+    place that decides it, so that every layout of one engine agrees (see [Note: alignment])."""
+    if not aligns_for_bandwidth(align_for_bandwidth, group):
+        return Alignment(param_align=1, bucket_multiple=world_size)
+    return Alignment(PARAM_ALIGN_FOR_BANDWIDTH, math.lcm(world_size, BUCKET_ALIGN_FOR_BANDWIDTH))
+
+
 class BufferLayout:
     """The index of a flat buffer: name -> slot, plus buckets and every rank's shard.
 
@@ -113,38 +170,61 @@ class BufferLayout:
         tensors: Sequence[tuple[str, torch.Size]],
         world_size: int,
         bucket_cap_numel: int | None = None,
+        param_align: int = 1,
+        bucket_multiple: int | None = None,
     ) -> None:
         """``tensors`` in layout order; ``bucket_cap_numel=None`` puts all in one bucket.
 
-        A tensor larger than the cap gets a bucket of its own; a tensor is never split.
+        A tensor larger than the cap gets a bucket of its own; a tensor is never split. The cap
+        bounds a bucket's tensors and the gaps between them. Every tensor starts at a multiple
+        of ``param_align`` (buffer space) and every bucket's size is a multiple of
+        ``bucket_multiple`` (None: ``world_size``), which must be a multiple of ``world_size``
+        and of ``param_align`` (see [Note: alignment]).
         """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        bucket_multiple = world_size if bucket_multiple is None else bucket_multiple
+        if param_align < 1:
+            raise ValueError(f"param_align must be >= 1, got {param_align}")
+        if bucket_multiple < 1 or bucket_multiple % world_size or bucket_multiple % param_align:
+            raise ValueError(
+                f"bucket_multiple must be a positive multiple of world_size ({world_size}) and of param_align "
+                f"({param_align}), so that buckets split into equal slices and start aligned; got {bucket_multiple}"
+            )
         self.world_size = world_size
+        self.param_align = param_align
+        self.bucket_multiple = bucket_multiple
         self.slots: dict[str, ParamSlot] = {}
         self.buckets: list[Bucket] = []
         cap = bucket_cap_numel if bucket_cap_numel is not None else float("inf")
 
-        offset = 0
+        offset = 0  # end of the last tensor laid out
         bucket_start = 0
         bucket_names: list[str] = []
+        gaps: list[Range] = []
 
         def close_bucket() -> None:
-            nonlocal offset, bucket_start, bucket_names
-            end = bucket_start + padded_size(offset - bucket_start, world_size)
+            nonlocal offset, bucket_start, bucket_names, gaps
+            end = bucket_start + padded_size(offset - bucket_start, bucket_multiple)
+            if end > offset:
+                gaps.append(Range(offset, end))
             self.buckets.append(
-                Bucket(len(self.buckets), Range(bucket_start, end), end - offset, tuple(bucket_names), world_size)
+                Bucket(len(self.buckets), Range(bucket_start, end), tuple(gaps), tuple(bucket_names), world_size)
             )
             offset = bucket_start = end
-            bucket_names = []
+            bucket_names, gaps = [], []
 
         for name, shape in tensors:
             numel = torch.Size(shape).numel()
-            if bucket_names and offset - bucket_start + numel > cap:
+            start = padded_size(offset, param_align)
+            if bucket_names and start - bucket_start + numel > cap:
                 close_bucket()
-            self.slots[name] = ParamSlot(name, torch.Size(shape), Range(offset, offset + numel), len(self.buckets))
+                start = offset  # a bucket starts aligned
+            if start > offset:
+                gaps.append(Range(offset, start))
+            self.slots[name] = ParamSlot(name, torch.Size(shape), Range(start, start + numel), len(self.buckets))
             bucket_names.append(name)
-            offset += numel
+            offset = start + numel
         if bucket_names:
             close_bucket()
         self.numel = offset
@@ -160,6 +240,7 @@ class BufferLayout:
 
     @property
     def padding(self) -> int:
+        """Elements of the buffer that belong to no tensor (every bucket's gaps)."""
         return sum(b.padding for b in self.buckets)
 
     def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:

@@ -326,7 +326,8 @@ class StagedReduceScatter(_ShardedAverage):
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device) for s in spaces
         }  # 1-D, this rank's slice of every bucket, in bucket order (local space), master dtype
         self._staging: dict[int, torch.Tensor] = {}  # bucket position -> its full-size gradients
-        self._free: list[torch.Tensor] = []
+        self._free: list[tuple[torch.Tensor, int]] = []
+        """Released staging buffers, each with the position of the bucket it last served."""
         self._accumulated: dict[ParamSpace, torch.Tensor] = {}  # no_sync, full size, reduce dtype
         self.peak_staging_bytes = 0
         for space in spaces:
@@ -339,11 +340,19 @@ class StagedReduceScatter(_ShardedAverage):
         staging = self._staging.get(bucket.position)
         if staging is None:
             dtype, numel = self.reduce_dtype(bucket.space), bucket.spec.range.size
-            reusable = [i for i, t in enumerate(self._free) if t.dtype == dtype and t.numel() == numel]
-            staging = self._free.pop(reusable[0]) if reusable else torch.empty(numel, dtype=dtype, device=bucket.space.device)
+            reusable = [i for i, (t, _) in enumerate(self._free) if t.dtype == dtype and t.numel() == numel]
+            reusable.sort(key=lambda i: self._free[i][1] != bucket.position)  # one that served this bucket first
+            if reusable:
+                staging, served = self._free.pop(reusable[0])
+            else:
+                staging, served = torch.empty(numel, dtype=dtype, device=bucket.space.device), None
             # Not zeroed as a whole: every slot is overwritten by its gradient or, if none comes,
-            # by fill_missing; only the padding tail must be zero.
-            staging[numel - bucket.spec.padding :].zero_()
+            # by fill_missing; only the padding must be zero. It stays zero while the buffer
+            # serves the same bucket (the collective sums zeros there), so it is zeroed only
+            # when the buffer comes new or from another bucket.
+            if served != bucket.position:
+                for gap in bucket.spec.gaps:
+                    gap.shift(-bucket.spec.range.start).of(staging).zero_()
             self._staging[bucket.position] = staging
             self.peak_staging_bytes = max(self.peak_staging_bytes, _nbytes(self._staging.values()))
         return staging
@@ -403,7 +412,7 @@ class StagedReduceScatter(_ShardedAverage):
         else:
             shard.copy_(owned).mul_(scale)
         bucket.reduced = True
-        self._free.append(staging)
+        self._free.append((staging, bucket.position))
         if len(self._free) > self.max_in_flight + 1:
             self._free.pop(0)
 
@@ -434,4 +443,4 @@ class StagedReduceScatter(_ShardedAverage):
         return _nbytes(list(self.grad_shards.values()) + list(self._accumulated.values()))
 
     def workspace_bytes(self) -> int:
-        return _nbytes(list(self._staging.values()) + self._free)
+        return _nbytes(list(self._staging.values()) + [t for t, _ in self._free])

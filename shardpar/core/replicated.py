@@ -30,27 +30,30 @@ from ..comm import collectives as C
 from .flat_param import FlatParamGroup
 from .gatherer import PostStepGatherer
 from .inventory import group_by_dtype
-from .layout import BufferLayout, ShardPiece
+from .layout import Alignment, BufferLayout, ShardPiece, alignment_for
 from .pieces import TensorPiece
 from .wait_clock import WaitClock
 
 
 class ParamBuffer:
-    """One dtype's trainable parameters back to back in one 1-D tensor (compute dtype, padded
-    per bucket); after construction every parameter's ``.data`` is a view into ``data``. The
-    Parameter objects themselves never change."""
+    """One dtype's trainable parameters in one 1-D tensor (compute dtype, padded per bucket and,
+    aligned, in front of each parameter: [Note: alignment] in layout.py); after construction
+    every parameter's ``.data`` is a view into ``data``. The Parameter objects themselves never
+    change."""
 
     def __init__(
         self, named: Sequence[tuple[str, nn.Parameter]], world_size: int, bucket_cap_numel: int,
-        param_dtype: torch.dtype | None,
+        param_dtype: torch.dtype | None, alignment: Alignment,
     ) -> None:
         first = named[0][1]
         self.master_dtype = first.dtype
         self.compute_dtype = param_dtype if param_dtype is not None and first.dtype.is_floating_point else first.dtype
         self.device = first.device
         self.params = dict(named)
+        self.alignment = alignment
         # Reverse registration order: see [Note: layout order] in layout.py.
-        self.layout = BufferLayout([(n, p.shape) for n, p in reversed(named)], world_size, bucket_cap_numel)
+        self.layout = BufferLayout([(n, p.shape) for n, p in reversed(named)], world_size, bucket_cap_numel,
+                                   **alignment._asdict())
         self.data = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=self.device)  # 1-D, padded
         self.full_master: torch.Tensor | None = None
         """Stage 0 under mixed precision: the full-precision values the optimizer updates."""
@@ -88,8 +91,10 @@ class ParamBuffer:
         groups = []
         for bucket in self.layout.buckets:
             named = [(name, self.params[name]) for name in bucket.names]
-            sub = BufferLayout([(n, p.shape) for n, p in named], self.layout.world_size)
-            assert sub.numel == bucket.range.size
+            sub = BufferLayout([(n, p.shape) for n, p in named], self.layout.world_size,
+                               **self.alignment._asdict())
+            assert sub.numel == bucket.range.size and all(  # a bucket starts aligned: same offsets
+                sub.slots[n].range.shift(bucket.range.start) == self.layout.slots[n].range for n, _ in named)
             if self.master_shard is not None:
                 shard = self.layout.shard_of(bucket, self.master_shard)
             else:
@@ -112,8 +117,10 @@ class ReplicatedStorage:
         mp = config.mixed_precision
         param_dtype = mp.param_dtype if mp is not None else None
         bytes_cap = int(config.bucket_cap_mb * 1024 * 1024)
+        self.alignment = alignment_for(config.align_for_bandwidth, group, world_size)
         self.buffers = [
-            ParamBuffer(named, world_size, max(1, bytes_cap // named[0][1].element_size()), param_dtype)
+            ParamBuffer(named, world_size, max(1, bytes_cap // named[0][1].element_size()), param_dtype,
+                        self.alignment)
             for named in group_by_dtype(inventory.trainable)
         ]
         self.buffer_of = {name: buf for buf in self.buffers for name in buf.params}

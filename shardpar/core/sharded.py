@@ -19,7 +19,7 @@ from .flat_param import FlatParamGroup
 from .gatherer import Unit, UnitGatherer
 from .inventory import ParamInventory, group_by_dtype
 from .deferred_init import InitWalk
-from .layout import BufferLayout
+from .layout import BufferLayout, alignment_for
 from .pieces import TensorPiece
 from .units import UnitPlan, plan_units
 
@@ -101,12 +101,13 @@ class FromInit:
 class ShardedStorage:
     """Stage 3 (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, inventory: ParamInventory, config: Any, world_size: int, rank: int,
-                 source: ValueSource) -> None:
+    def __init__(self, module: nn.Module, inventory: ParamInventory, config: Any, group: Any, world_size: int,
+                 rank: int, source: ValueSource) -> None:
         self.module = module
         self.inventory = inventory
         self.rank = rank
         self.world_size = world_size
+        self.alignment = alignment_for(config.align_for_bandwidth, group, world_size)
         mp = config.mixed_precision
         self.param_dtype = mp.param_dtype if mp is not None else None
         self.plans: list[UnitPlan] = plan_units(module, config.wrap_policy, config.min_unit_params)
@@ -132,7 +133,8 @@ class ShardedStorage:
         first = named[0][1]
         master_dtype = first.dtype
         compute = self.param_dtype if self.param_dtype is not None and master_dtype.is_floating_point else master_dtype
-        layout = BufferLayout([(n, p.shape) for n, p in reversed(named)], self.world_size)  # one bucket
+        layout = BufferLayout([(n, p.shape) for n, p in reversed(named)], self.world_size, None,  # one bucket
+                              **self.alignment._asdict())
         device = source.device
         # Views are made while allocated; the room in front lets gathers receive in place.
         full = C.gather_target(layout.numel, compute, device)

@@ -37,14 +37,14 @@ def _replicated(sharded_master: bool) -> Callable[["Engine"], ReplicatedStorage]
 def _sharded_units(engine: "Engine") -> ShardedStorage:
     deferred = engine.deferred_init
     if deferred is None:
-        storage = ShardedStorage(engine.module, engine.inventory, engine.config, engine.world_size, engine.rank,
-                                 FromLiveModule(engine.group, engine.device))
+        storage = ShardedStorage(engine.module, engine.inventory, engine.config, engine.group, engine.world_size,
+                                 engine.rank, FromLiveModule(engine.group, engine.device))
         engine.broadcast_from_rank0(list(engine.module.buffers()))
         return storage
     # Born sharded from an initialisation every rank replays alike: nothing to broadcast.
     walk = InitWalk(engine.module, deferred.init_fn, engine.group)
-    storage = ShardedStorage(engine.module, engine.inventory, engine.config, engine.world_size, engine.rank,
-                             FromInit(engine.module, walk, engine.device))
+    storage = ShardedStorage(engine.module, engine.inventory, engine.config, engine.group, engine.world_size,
+                             engine.rank, FromInit(engine.module, walk, engine.device))
     walk.finish(engine.device)
     return storage
 

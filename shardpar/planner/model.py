@@ -21,9 +21,15 @@ mixed precision p = r = d and there is no separate master copy. Per rank:
 
 With fp32 Adam this is DESIGN.md's 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N and 16Ψ/N. Frozen parameters
 add their own bytes to ``params`` (full at stages 0-2, 1/N at stage 3) and nothing else.
-Padding (every bucket and unit is padded to a multiple of N: fewer than N elements each) is
-ignored. Not modelled: activations, the stage-1 carry shard that exists only while
-accumulating across reduced backwards (see core/reduce_strategies.py), allocator caching and fragmentation.
+Padding counts where the engines store it: the Ψ of params, grads and workspace is the
+layouts' size, Ψ + P, where P is the padding of the real buffers or units at world size N
+(every bucket and unit padded to a multiple of N, fewer than N elements each; aligned for
+NCCL also up to 63 elements in front of each tensor and buckets of lcm(N, 128): [Note:
+alignment] in core/layout.py). The planner builds the same layouts as the engines, so P is
+exact for a module; for a bare count each bucket and unit is taken as one tensor. Optimizer
+state covers the parameters only (padding is part of no piece). Not modelled: activations,
+the stage-1 carry shard that exists only while accumulating across reduced backwards (see
+core/reduce_strategies.py), allocator caching and fragmentation.
 
 Stage 3 workspace: units are gathered around each use ([Note: units] in core/units.py), so
 besides the parameters the wrapped module registers itself (gathered for its whole forward
@@ -52,11 +58,13 @@ used k times per forward (a tied embedding/head: k = 2) is gathered k times as o
 gather also carries a 16-byte tag per rank (counted as padding). Every stage adds one
 all-reduce per step of a 4-byte flag per trainable tensor plus three counters and their
 negatives (the reducer's "used_flags", [Note: used parameters] in core/reducer.py; the
-counters are [Note: ranks out of step]'s), and broadcasts buffers. Time
-follows the α-β model: ``calls·latency + bytes/bandwidth``, one call per bucket or unit and
-collective. It is the communication time if nothing overlapped; the engines overlap
-gradient collectives with backward and stage 3 prefetches gathers, so the time a step
-actually waits is lower. It ignores congestion, hierarchical (intra/inter-node) topologies
+counters are [Note: ranks out of step]'s), and broadcasts buffers. Padding (the layouts' P
+of [Note: storage model], in the dtype of each collective, plus the tags) is predicted apart,
+as ``comm_stats()`` reports it: ``padding_sent_bytes``. Time follows the α-β model:
+``calls·latency + bytes/bandwidth`` (bytes with padding: it is sent too), one call per
+bucket or unit and collective. It is the communication time if nothing overlapped; the
+engines overlap gradient collectives with backward and stage 3 prefetches gathers, so the
+time a step actually waits is lower. It ignores congestion, hierarchical (intra/inter-node) topologies
 and the ring latency growing with N (fold that into ``latency_us`` if it matters).
 """
 
@@ -64,14 +72,15 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
 from torch import nn
 
+from ..comm.collectives import TAG_BYTES
 from ..core.inventory import group_by_dtype
-from ..core.layout import BufferLayout
+from ..core.layout import Alignment, BufferLayout, alignment_for
 from ..core.training_state import TrainingState
 from ..core.units import ROOT, plan_units
 from ..config import MixedPrecision, MixedPrecisionOption, WrapPolicy
@@ -146,6 +155,19 @@ class _UnitShape:
     """Times its hook modules run per forward (each one gathers it)."""
     held: bool = False
     """Registered on the wrapped module itself: gathered for its whole forward and backward."""
+    trainable_padding: int = 0
+    """Padding elements of its trainable flat groups (stored, gathered and reduced with them)."""
+    frozen_padding_bytes: int = 0
+    """Bytes of padding of its frozen flat groups, in their dtypes."""
+
+    @property
+    def trainable_stored(self) -> int:
+        """Elements its trainable flat groups hold: payload and padding."""
+        return self.trainable + self.trainable_padding
+
+    @property
+    def frozen_stored_bytes(self) -> int:
+        return self.frozen_bytes + self.frozen_padding_bytes
 
 
 @dataclass(frozen=True)
@@ -158,9 +180,11 @@ class _ModelShape:
     stored_bytes: float
     """Bytes per trainable element as stored (the master dtype; 4 for fp32)."""
     buckets: tuple[int, ...]
-    """Elements per stage 0-2 gradient bucket."""
+    """Elements per stage 0-2 gradient bucket, padding included."""
     units: tuple[_UnitShape, ...]
     """Stage 3 units."""
+    bucket_padding: int = 0
+    """Padding elements of the stage 0-2 buffers (all buckets)."""
     trainable_tensors: int = 0
     """Trainable parameter tensors (one used-flag each)."""
     buffer_bytes: int = 0
@@ -177,20 +201,45 @@ def _bucket_cap_numel(bucket_cap_mb: float, element_size: float) -> int:
     return max(1, int(int(bucket_cap_mb * 1024 * 1024) // element_size))
 
 
+def _layout(shapes: list[tuple[str, torch.Size]], world_size: int, cap: int | None,
+            alignment: Alignment) -> BufferLayout:
+    """The layout an engine would build for these tensors (see [Note: storage model])."""
+    return BufferLayout(shapes, world_size, cap, **alignment._asdict())
+
+
+def _unit_of_count(numel: int, world_size: int, alignment: Alignment) -> _UnitShape:
+    padding = _layout([("unit", torch.Size([numel]))], world_size, None, alignment).padding
+    return _UnitShape(numel, 0, 1, 1, trainable_padding=padding)
+
+
 def _shape_of_count(
-    trainable: int, bucket_cap_mb: float, largest_unit_params: int | None
+    trainable: int, bucket_cap_mb: float, largest_unit_params: int | None, world_size: int, alignment: Alignment
 ) -> _ModelShape:
     if isinstance(trainable, bool) or not isinstance(trainable, int) or trainable < 1:
         raise ValueError(f"parameter count must be a positive int or an nn.Module, got {trainable!r}")
     cap = _bucket_cap_numel(bucket_cap_mb, 4)
     full, rest = divmod(trainable, cap)
-    buckets = (cap,) * full + ((rest,) if rest else ())
+    chunks = (cap,) * full + ((rest,) if rest else ())  # one tensor per bucket
+    layout = _layout([(f"b{i}", torch.Size([n])) for i, n in enumerate(chunks)], world_size, cap, alignment)
     unit = largest_unit_params if largest_unit_params is not None else -(-trainable // DEFAULT_UNITS)
     unit = min(unit, trainable)
     whole, rest = divmod(trainable, unit)
-    units = tuple(_UnitShape(n, 0, 1, 1) for n in (unit,) * whole + ((rest,) if rest else ()))
+    units = tuple(_unit_of_count(n, world_size, alignment) for n in (unit,) * whole + ((rest,) if rest else ()))
     tensors = max(1, -(-trainable // ASSUMED_TENSOR_NUMEL))
-    return _ModelShape(trainable, 0, 0, 4.0, buckets, units, trainable_tensors=tensors)
+    return _ModelShape(trainable, 0, 0, 4.0, tuple(b.range.size for b in layout.buckets), units,
+                       bucket_padding=layout.padding, trainable_tensors=tensors)
+
+
+def _flat_paddings(
+    named: list[tuple[str, nn.Parameter]], world_size: int, alignment: Alignment
+) -> list[tuple[int, int]]:
+    """(padding elements, element size) of each flat group (one per dtype) stage 3 makes of
+    ``named``, laid out as ShardedStorage lays them out (reversed)."""
+    return [
+        (_layout([(n, p.shape) for n, p in reversed(group)], world_size, None, alignment).padding,
+         group[0][1].element_size())
+        for group in (group_by_dtype(named) if named else [])
+    ]
 
 
 def _shape_of_module(
@@ -199,6 +248,8 @@ def _shape_of_module(
     largest_unit_params: int | None,
     wrap_policy: WrapPolicy,
     min_unit_params: int,
+    world_size: int,
+    alignment: Alignment,
 ) -> _ModelShape:
     named = list(module.named_parameters())  # each tied parameter once, as the engines see it
     trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -207,15 +258,15 @@ def _shape_of_module(
     psi = sum(p.numel() for _, p in trainable)
     stored = sum(p.numel() * p.element_size() for _, p in trainable) / psi
     buckets: list[int] = []
+    bucket_padding = 0
     for group in group_by_dtype(trainable):  # one flat buffer per dtype, as the engines build
-        layout = BufferLayout(
-            [(n, p.shape) for n, p in reversed(group)], 1,
-            _bucket_cap_numel(bucket_cap_mb, group[0][1].element_size()),
-        )
+        layout = _layout([(n, p.shape) for n, p in reversed(group)], world_size,
+                         _bucket_cap_numel(bucket_cap_mb, group[0][1].element_size()), alignment)
         buckets += [b.range.size for b in layout.buckets]
+        bucket_padding += layout.padding
     buffers = list(module.buffers())
     if largest_unit_params is not None:
-        units = _shape_of_count(psi, bucket_cap_mb, largest_unit_params).units
+        units = _shape_of_count(psi, bucket_cap_mb, largest_unit_params, world_size, alignment).units
     else:
         params = dict(named)
         shapes = []
@@ -232,6 +283,8 @@ def _shape_of_module(
                 t_flats,
                 uses=len(plan.hook_modules),
                 held=ROOT in plan.hook_modules,
+                trainable_padding=sum(pad for pad, _ in _flat_paddings(train, world_size, alignment)),
+                frozen_padding_bytes=sum(pad * size for pad, size in _flat_paddings(frozen, world_size, alignment)),
             ))
         units = tuple(shapes)
     return _ModelShape(
@@ -241,6 +294,7 @@ def _shape_of_module(
         stored_bytes=stored,
         buckets=tuple(buckets),
         units=units,
+        bucket_padding=bucket_padding,
         trainable_tensors=len(trainable),
         buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
         float_buffer_numel=sum(b.numel() for b in buffers if b.is_floating_point()),
@@ -252,18 +306,25 @@ def _shape_of_module(
 
 def _model_shape(
     model_or_count: ModelOrCount,
+    world_size: int,
     bucket_cap_mb: float = 25.0,
     largest_unit_params: int | None = None,
     wrap_policy: WrapPolicy = None,
     min_unit_params: int = 100_000,
+    align_for_bandwidth: bool | None = None,
 ) -> _ModelShape:
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
     if largest_unit_params is not None and (isinstance(largest_unit_params, bool) or largest_unit_params < 1):
         raise ValueError(f"largest_unit_params must be a positive int, got {largest_unit_params!r}")
+    if align_for_bandwidth is not None and not isinstance(align_for_bandwidth, bool):
+        raise ValueError(f"align_for_bandwidth must be None, True or False, got {align_for_bandwidth!r}")
+    # The engines' choice, from the same function (None: on if the default group runs NCCL).
+    alignment = alignment_for(align_for_bandwidth, None, world_size)
     if isinstance(model_or_count, nn.Module):
-        return _shape_of_module(model_or_count, bucket_cap_mb, largest_unit_params, wrap_policy, min_unit_params)
-    return _shape_of_count(model_or_count, bucket_cap_mb, largest_unit_params)
+        return _shape_of_module(model_or_count, bucket_cap_mb, largest_unit_params, wrap_policy, min_unit_params,
+                                world_size, alignment)
+    return _shape_of_count(model_or_count, bucket_cap_mb, largest_unit_params, world_size, alignment)
 
 
 def _largest(values: list[int], count: int) -> int:
@@ -367,6 +428,7 @@ def estimate_memory(
     *,
     wrap_policy: WrapPolicy = None,
     min_unit_params: int = 100_000,
+    align_for_bandwidth: bool | None = None,
 ) -> MemoryEstimate:
     """Bytes of model state one rank holds at ``stage`` on ``world_size`` ranks.
 
@@ -379,14 +441,17 @@ def estimate_memory(
     ``optimizer``: a name in ``OPTIMIZER_STATE_BYTES`` or a torch.optim class (``SGD`` is
     taken without momentum; say ``"sgd_momentum"``). ``mixed_precision``: as ``wrap`` takes
     it; ``"bf16"``/``"fp16"`` compute in half precision and reduce in fp32.
+    ``align_for_bandwidth``: as ``wrap`` takes it (None: on when the default process group
+    runs NCCL, else off).
 
-    The model is [Note: storage model]; padding to multiples of N is ignored, and
+    The model is [Note: storage model]: padding counts where the engines store it, and
     activations are not model state.
     """
     _check_world_and_stage(world_size, stage)
     name, k = _state_bytes_per_element(optimizer)
     mp = MixedPrecision.from_option(mixed_precision)
-    shape = _model_shape(model_or_param_count, bucket_cap_mb, largest_unit_params, wrap_policy, min_unit_params)
+    shape = _model_shape(model_or_param_count, world_size, bucket_cap_mb, largest_unit_params, wrap_policy,
+                         min_unit_params, align_for_bandwidth)
     n, psi, d = world_size, shape.trainable, shape.stored_bytes
     p = mp.param_dtype.itemsize if mp is not None and mp.param_dtype is not None else d
     r = (mp.reduce_dtype.itemsize if mp.reduce_dtype is not None else 4) if mp is not None else d
@@ -397,17 +462,21 @@ def estimate_memory(
     if stage == 3:
         held = [u for u in shape.units if u.held]
         others = [u for u in shape.units if not u.held]
-        params = d * psi / n + shape.frozen_bytes / n
-        grads = d * psi / n
-        gathered = sum(p * u.trainable + u.frozen_bytes for u in held) + _largest(
-            [p * u.trainable + u.frozen_bytes for u in others], GATHERED_UNITS)
-        staging = r * (sum(u.trainable for u in held) + _largest([u.trainable for u in others], STAGING_BUCKETS))
+        stored = psi + sum(u.trainable_padding for u in shape.units)  # Ψ + P
+        params = d * stored / n + sum(u.frozen_stored_bytes for u in shape.units) / n
+        grads = d * stored / n
+        gathered = sum(p * u.trainable_stored + u.frozen_stored_bytes for u in held) + _largest(
+            [p * u.trainable_stored + u.frozen_stored_bytes for u in others], GATHERED_UNITS)
+        staging = r * (sum(u.trainable_stored for u in held)
+                       + _largest([u.trainable_stored for u in others], STAGING_BUCKETS))
         workspace = gathered + staging
     else:
+        stored = psi + shape.bucket_padding  # Ψ + P
         # Frozen parameters: as created, plus the compute copy when mixed precision casts them.
-        params = p * psi + (d * psi / shards if master else 0) + shape.frozen_bytes + (p * shape.frozen if master else 0)
+        params = p * stored + (d * stored / shards if master else 0) + shape.frozen_bytes + (
+            p * shape.frozen if master else 0)
         # r != d: the reduced gradients are copied to the master dtype for the optimizer.
-        grads = (r * psi + (d * psi / shards if r != d else 0)) if stage < 2 else d * psi / n
+        grads = (r * stored + (d * stored / shards if r != d else 0)) if stage < 2 else d * stored / n
         workspace = r * _largest(list(shape.buckets), STAGING_BUCKETS) if stage == 2 else 0
     parts = [round(x) for x in (params, grads, optimizer_state, workspace)]
     startup_built = startup_meta = params + grads
@@ -483,7 +552,7 @@ class CommEstimate:
     calls: int
     """Collectives issued per step (one per bucket or unit flat and kind)."""
     seconds: float | None
-    """``calls·latency + sent_bytes/bandwidth``; None without a bandwidth."""
+    """``calls·latency + (sent_bytes + padding_sent_bytes)/bandwidth``; None without a bandwidth."""
     param_count: int
     world_size: int
     stage: int
@@ -492,6 +561,11 @@ class CommEstimate:
     bandwidth_gbps: float | None
     latency_us: float | None
     reshard_after_forward: bool
+    padding_sent_bytes: float = 0.0
+    """Padding sent (buckets' and units' padding, stage-3 gather tags): comparable with
+    ``comm_stats()["total"]["padding_sent_bytes"]``."""
+    padding_by_op: dict[str, float] = field(default_factory=dict)
+    """``padding_sent_bytes`` per collective kind (nonzero only)."""
 
     def as_dict(self) -> dict[str, float]:
         """Sent bytes per collective kind, under ``comm_stats()``'s op names (nonzero only)."""
@@ -503,6 +577,10 @@ class CommEstimate:
             "used_flags": self.used_flags_bytes,
         }
         return {op: sent for op, sent in ops.items() if sent}
+
+    def padding_as_dict(self) -> dict[str, float]:
+        """Padding sent per collective kind, as ``comm_stats()[op]["padding_sent_bytes"]``."""
+        return dict(self.padding_by_op)
 
 
 def estimate_communication(
@@ -520,6 +598,7 @@ def estimate_communication(
     wrap_policy: WrapPolicy = None,
     min_unit_params: int = 100_000,
     buffer_dtype: torch.dtype | None = None,
+    align_for_bandwidth: bool | None = None,
 ) -> CommEstimate:
     """Bytes each rank sends per step (one forward, one backward, one optimizer step) by
     the ring model, and the α-β time: a model, see [Note: communication model].
@@ -533,6 +612,7 @@ def estimate_communication(
     (gradient buckets at stages 0-2, units at stage 3); default from the module, else
     ``ceil(4Ψ / bucket_cap_mb MiB)`` buckets and 10 units. ``buffer_dtype``: the
     ``MixedPrecision.buffer_dtype`` floating buffers are broadcast in (None: their own).
+    ``align_for_bandwidth``: as ``wrap`` takes it; it changes the padding only.
     """
     _check_world_and_stage(world_size, stage)
     for option, value in (("reduce_bytes", reduce_bytes), ("gather_bytes", gather_bytes),
@@ -543,18 +623,23 @@ def estimate_communication(
         raise ValueError(f"latency_us must be >= 0, got {latency_us!r}")
     if buckets is not None and (isinstance(buckets, bool) or buckets < 1):
         raise ValueError(f"buckets must be a positive int, got {buckets!r}")
-    shape = _model_shape(param_count, bucket_cap_mb, None, wrap_policy, min_unit_params)
+    shape = _model_shape(param_count, world_size, bucket_cap_mb, None, wrap_policy, min_unit_params,
+                         align_for_bandwidth)
     g = reduce_bytes if gather_bytes is None else gather_bytes
     psi, n = shape.trainable, world_size
     f = (n - 1) / n
     all_reduce = reduce_scatter = all_gather = 0.0
+    padding: dict[str, float] = {}
     if stage == 0:
         calls = buckets or len(shape.buckets)
         all_reduce = 2 * psi * reduce_bytes * f
+        padding["all_reduce"] = 2 * shape.bucket_padding * reduce_bytes * f
     elif stage in (1, 2):
         calls = 2 * (buckets or len(shape.buckets))
         reduce_scatter = psi * reduce_bytes * f
         all_gather = psi * g * f
+        padding["reduce_scatter"] = shape.bucket_padding * reduce_bytes * f
+        padding["all_gather"] = shape.bucket_padding * g * f
     else:
         gathers = 2 if reshard_after_forward else 1
         units = shape.units
@@ -565,6 +650,11 @@ def estimate_communication(
         # Frozen parameters are gathered in the gather dtype too when one is given.
         frozen_ratio = gather_bytes * shape.frozen / shape.frozen_bytes if gather_bytes is not None and shape.frozen else 1
         all_gather = gathers * sum(u.uses * (u.trainable * g + u.frozen_bytes * frozen_ratio) for u in units) * f
+        padding["reduce_scatter"] = sum(u.trainable_padding for u in units) * reduce_bytes * f
+        # Every gather of a flat group also carries one tag per rank (see [Note: tagged all-gather]).
+        padding["all_gather"] = gathers * sum(
+            u.uses * (u.trainable_padding * g + u.frozen_padding_bytes * frozen_ratio + u.flats * n * TAG_BYTES)
+            for u in units) * f
     broadcast_bytes = shape.buffer_bytes
     if buffer_dtype is not None:  # floating buffers are broadcast in the cast dtype
         broadcast_bytes += shape.float_buffer_numel * buffer_dtype.itemsize - shape.float_buffer_bytes
@@ -572,10 +662,12 @@ def estimate_communication(
     used_flags = 2 * 4 * (shape.trainable_tensors + 2 * len(TrainingState.COUNTER_NAMES)) * f
     calls += shape.buffer_count + 1
     sent = all_reduce + reduce_scatter + all_gather + broadcast + used_flags
+    padding = {op: sent_padding for op, sent_padding in padding.items() if sent_padding}
+    padding_sent = sum(padding.values())
     seconds = None
     if bandwidth_gbps is not None:
         latency = (latency_us or 0.0) * 1e-6 * calls if n > 1 else 0.0
-        seconds = latency + sent / (bandwidth_gbps * 1e9)
+        seconds = latency + (sent + padding_sent) / (bandwidth_gbps * 1e9)
     return CommEstimate(
         all_reduce_bytes=all_reduce,
         reduce_scatter_bytes=reduce_scatter,
@@ -593,6 +685,8 @@ def estimate_communication(
         bandwidth_gbps=bandwidth_gbps,
         latency_us=latency_us,
         reshard_after_forward=reshard_after_forward,
+        padding_sent_bytes=padding_sent,
+        padding_by_op=padding,
     )
 
 
