@@ -52,6 +52,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from .layout import ShardPiece
+from .rebuild import Relayout
 from .reducer import GradBucket, ParamSpace
 
 ReduceDtype = Callable[[ParamSpace], torch.dtype]
@@ -156,6 +157,16 @@ class _FullGradBuffer:
     def after_sync_backward(self) -> None:
         pass
 
+    def _relayout_buffer(self, space: ParamSpace, data: torch.Tensor) -> None:
+        """``data`` (the space's gradient buffer in its new layout) replaces the old one;
+        a ``param.grad`` that was a view of the old buffer becomes the same view of the new."""
+        old_views = {name: self.views[name] for name in space.params}
+        self.data[space] = data
+        for name, param in space.params.items():
+            self.views[name] = space.layout.view(data, name)
+            if param.grad is old_views[name]:
+                param.grad = self.views[name]
+
 
 class AllReduceStrategy(_FullGradBuffer):
     """Stage 0."""
@@ -192,6 +203,13 @@ class AllReduceStrategy(_FullGradBuffer):
             for name, param in space.params.items():
                 if name in names:
                     param.grad = None
+
+    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None:
+        """See [Note: bucket rebuild]: reduced gradients are complete on every rank."""
+        for space, move in moves.items():
+            shared = self.master_grads[space] is self.data[space]
+            self._relayout_buffer(space, move.full(self.data[space]))
+            self.master_grads[space] = self.data[space] if shared else move.full(self.master_grads[space])
 
     def master_grad(self, space: ParamSpace, name: str) -> torch.Tensor:
         return space.layout.view(self.master_grads[space], name)
@@ -288,6 +306,24 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
 
     def release_unused(self, names: set[str]) -> None:
         """The optimizer skips them (see ShardedOptimizer); nothing to release here."""
+
+    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None:
+        """See [Note: bucket rebuild]: only the owned slices hold reduced gradients; the carry
+        is all zeros after a reduction (added back bucket by bucket). Where a master-dtype copy
+        of them exists, only it crosses ranks: the owned slices are that copy cast back (exact,
+        it was cast from them)."""
+        for space, move in moves.items():
+            if space in self.master_grad_shards:
+                master = self.master_grad_shards[space] = move.local(self.master_grad_shards[space])
+                data = torch.zeros(move.new.numel, dtype=self.data[space].dtype, device=space.device)
+                for spec in move.new.buckets:
+                    self.owned_in_space(spec, data).copy_(move.new.shard_of(spec, master))
+            else:
+                data = move.owned(self.data[space])
+            self._relayout_buffer(space, data)
+            if self._carry is not None:
+                assert not self._carry[space].any(), "a carry still holds gradients"
+                self._carry[space] = self._carry[space].new_zeros(move.new.shard_numel)
 
     def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor:
         if space in self.master_grad_shards:
@@ -419,6 +455,13 @@ class StagedReduceScatter(_ShardedAverage):
 
     def release_unused(self, names: set[str]) -> None:
         """The optimizer skips them (see ShardedOptimizer); nothing to release here."""
+
+    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None:
+        """See [Note: bucket rebuild]: between backwards only the gradient shards exist (the
+        pool's free staging buffers are kept: each is reused only where its size fits)."""
+        assert not self._staging and not self._accumulated, "rebuilding buckets while gradients are staged"
+        for space, move in moves.items():
+            self.grad_shards[space] = move.local(self.grad_shards[space])
 
     # ------------------------------------------------------------------ what the optimizer reads
 
