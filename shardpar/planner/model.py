@@ -52,7 +52,10 @@ used k times per forward (a tied embedding/head: k = 2) is gathered k times as o
 gather also carries a 16-byte tag per rank (counted as padding). Every stage adds one
 all-reduce per step of a 4-byte flag per trainable tensor plus three counters and their
 negatives (the reducer's "used_flags", [Note: used parameters] in core/reducer.py; the
-counters are [Note: ranks out of step]'s), and broadcasts buffers. Time
+counters are [Note: ranks out of step]'s), and broadcasts buffers. Buckets are counted as
+laid out at wrap; the first backward may rebuild them ([Note: bucket rebuild] in
+core/rebuild.py: other calls, the same bytes, and a one-off all-gather of what is sharded in
+the old layout, not modelled here). Time
 follows the α-β model: ``calls·latency + bytes/bandwidth``, one call per bucket or unit and
 collective. It is the communication time if nothing overlapped; the engines overlap
 gradient collectives with backward and stage 3 prefetches gathers, so the time a step
