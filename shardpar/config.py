@@ -113,6 +113,10 @@ class ShardConfig:
     """0 = DDP, 1 = shard optimizer state, 2 = also gradients, 3 = also parameters."""
     bucket_cap_mb: float = 25.0
     """Size cap of one gradient bucket (stages 0-2), in MiB of the buffer dtype."""
+    rebuild_buckets: bool = True
+    """Stages 0-2: after the first synchronising backward, lay the buckets out again in the
+    order gradients became ready in it (agreed across ranks, once), as torch DDP does; False
+    keeps reverse registration order. Stage 3's buckets are its units: no effect there."""
     mixed_precision: MixedPrecision | None = None
     """Low-precision policy; None trains in the parameters' own dtype."""
     broadcast_buffers: bool = True
@@ -155,7 +159,7 @@ class ShardConfig:
         )
         for option, value in {**prefetch_counts, "min_unit_params": self.min_unit_params}.items():
             _check_number(option, value, integer=True)
-        for option in ("broadcast_buffers", "reshard_after_forward"):
+        for option in ("broadcast_buffers", "reshard_after_forward", "rebuild_buckets"):
             _check_bool(option, getattr(self, option))
         if self.align_for_bandwidth is not None and not isinstance(self.align_for_bandwidth, bool):
             raise TypeError(

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -161,10 +162,62 @@ class TinyTransformer(nn.Module):
         return F.cross_entropy(output.reshape(-1, self.vocab), targets.reshape(-1))
 
 
+class GatedBlock(nn.Module):
+    """Three ``dim x dim`` tensors: two bias-free Linear weights and a ``gate`` registered on
+    the block itself but used at the end of its forward (its gradient is ready first, though
+    the block's hook runs before its children's)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.randn(dim, dim) * 0.3)
+        self.a = nn.Linear(dim, dim, bias=False)
+        self.b = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.b(torch.tanh(self.a(x)))) @ self.gate
+
+
+class ShuffledBlocks(nn.Module):
+    """Blocks that forward runs in another order than they are registered in: ``order`` (by
+    default the third, the first, the fourth, the second), never running those in ``skip``
+    (their parameters get no gradient); ``checkpoint`` wraps each block in reentrant
+    activation checkpointing. ``mix`` and ``head`` are registered on the model itself, so
+    they come first in registration order (last in a reverse-order layout), and are used at
+    the end of forward. Every tensor has 36 elements, a multiple of 1 to 4 and 6."""
+
+    dim = 6
+
+    def __init__(self, order: tuple[int, ...] = (2, 0, 3, 1), skip: tuple[int, ...] = (),
+                 checkpoint: bool = False) -> None:
+        super().__init__()
+        self.order = tuple(i for i in order if i not in skip)
+        self.checkpoint = checkpoint
+        self.mix = nn.Parameter(torch.randn(self.dim, self.dim) * 0.3)
+        self.head = nn.Parameter(torch.randn(self.dim, self.dim) * 0.3)
+        self.blocks = nn.ModuleList(GatedBlock(self.dim) for _ in range(max(order) + 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint:  # reentrant checkpointing passes gradients only to inputs that need one
+            x = x.detach().requires_grad_(True)
+        for i in self.order:
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(self.blocks[i], x, use_reentrant=True)
+            else:
+                x = self.blocks[i](x)
+        return torch.tanh(x @ self.mix) @ self.head
+
+    def example(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, self.dim, generator=generator), torch.randn(n, self.dim, generator=generator)
+
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output, targets)
+
+
 FACTORIES: dict[str, Callable[..., nn.Module]] = {
     "mlp": MLPStack,
     "kitchen": KitchenSink,
     "transformer": TinyTransformer,
+    "shuffled": ShuffledBlocks,
 }
 
 

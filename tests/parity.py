@@ -193,6 +193,7 @@ def train_sharded(
     model.train()
     opt, scheduler = build_optimizer(recipe, model, lambda cls, params, **kw: shardpar.optimizer(model, cls, params, **kw))
     result = Result(state={})
+    result.extra["at_wrap"] = describe(model)  # the layout before the first backward rebuilds the buckets
     result.extra["memory_after_backward"] = []
     result.extra["padding_after_backward"] = []
     for step in range(recipe.steps):

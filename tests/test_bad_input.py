@@ -58,7 +58,7 @@ def test_invalid_option_value_is_named(option: str, value: object) -> None:
     ("bucket_cap_mb", "25"), ("timeout_s", "10"), ("timeout_s", None), ("prefetch_units", 1.5),
     ("min_unit_params", "1000"), ("prefetch_units", True), ("broadcast_buffers", "no"),
     ("reshard_after_forward", 0), ("prefetch_units", None), ("align_for_bandwidth", "yes"),
-    ("align_for_bandwidth", 1),
+    ("align_for_bandwidth", 1), ("rebuild_buckets", "yes"), ("rebuild_buckets", 1),
     *[(option, value) for option in ("forward_prefetch_units", "backward_prefetch_units") for value in (1.5, True, "2")],
 ])
 def test_option_of_the_wrong_type_is_named(option: str, value: object) -> None:

@@ -222,20 +222,30 @@ def test_aligned_buckets_train_alike_and_send_the_closed_form(world_size: int) -
     if world_size == 2:
         assert (psi, padding, [size for size, _ in buckets]) == (344, 296, [128] * 5)
     k = recipe.steps
+    numel_of = {name: p.numel() for name, p in recipe.model.build().named_parameters()}
     for result in results:
         info, comm = result.extra, result.extra["comm"]["all_reduce"]
-        assert info["bucket_numels"] == [size for size, _ in buckets]
-        assert (info["psi"], info["padding"]) == (psi, padding)
-        assert comm["calls"] == k * len(buckets)
+        # Step 1 reduces in the buckets laid out at wrap; the first backward then rebuilds them
+        # in gradient-ready order ([Note: bucket rebuild]), aligned alike: the same closed form
+        # over the rebuilt order gives every later step's buckets.
+        assert info["at_wrap"]["bucket_numels"] == [size for size, _ in buckets]
+        assert info["at_wrap"]["padding"] == padding
+        rebuilt_order = [numel_of[name] for names in info["bucket_names"] for name in names]
+        rebuilt = closed_form_buckets(rebuilt_order, world_size, 100, aligned=True)
+        rebuilt_padding = sum(size - payload for size, payload in rebuilt)
+        assert info["bucket_numels"] == [size for size, _ in rebuilt]
+        assert (info["psi"], info["padding"]) == (psi, rebuilt_padding)
+        assert comm["calls"] == len(buckets) + (k - 1) * len(rebuilt)
         assert comm["payload_bytes"] == k * psi * 4
-        assert comm["padding_bytes"] == k * padding * 4
+        sent_padding = padding + (k - 1) * rebuilt_padding
+        assert comm["padding_bytes"] == sent_padding * 4
         assert comm["sent_bytes"] == _expected_sent(2, psi, world_size, k)
-        assert comm["padding_sent_bytes"] == _expected_sent(2, padding, world_size, k)
+        assert comm["padding_sent_bytes"] == _expected_sent(2, sent_padding, world_size, 1)
         for largest, looked_at in info["padding_after_backward"]:
             assert largest == 0.0 and looked_at >= 2, "padding of the parameter or gradient buffer is not zero"
         memory = info["memory"]
-        assert memory["params"] == 4 * (psi + padding + info["frozen_numel"])
-        assert memory["grads"] == 4 * (psi + padding)
+        assert memory["params"] == 4 * (psi + rebuilt_padding + info["frozen_numel"])
+        assert memory["grads"] == 4 * (psi + rebuilt_padding)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

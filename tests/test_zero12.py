@@ -87,18 +87,24 @@ def test_aligned_buckets_train_alike_with_zero_padding(world_size: int) -> None:
     numels = [p.numel() for p in reversed(list(recipe.model.build().parameters())) if p.requires_grad]
     padding = closed_form_padding(numels, world_size, 100, aligned=True)
     psi = trainable_numel(recipe.model.build())
+    numel_of = {name: p.numel() for name, p in recipe.model.build().named_parameters()}
     for stage in (0, 1, 2):
         what = f"stage {stage} aligned, N={world_size}"
         check_parity(results[stage], recipe, world_size, what=what)
         assert_states_close(results[stage][0].state, results[0][0].state, what=f"{what} vs stage 0")
         for result in results[stage]:
             info = result.extra
-            assert (info["psi"], info["padding"], info["numel"]) == (psi, padding, psi + padding)
+            assert (info["at_wrap"]["padding"], info["at_wrap"]["numel"]) == (padding, psi + padding)
+            # The first backward rebuilt the buckets in gradient-ready order ([Note: bucket
+            # rebuild]): the same closed form over that order, before any memory was measured.
+            rebuilt_order = [numel_of[name] for names in info["bucket_names"] for name in names]
+            rebuilt = closed_form_padding(rebuilt_order, world_size, 100, aligned=True)
+            assert (info["psi"], info["padding"], info["numel"]) == (psi, rebuilt, psi + rebuilt)
             for largest, looked_at in info["padding_after_backward"]:
                 assert largest == 0.0 and looked_at >= 2, f"{what}: padding is not zero"
             for memory in [*info["memory_after_backward"], info["memory"]]:
-                assert memory["params"] == 4 * (psi + padding + info["frozen_numel"])
-                expected_grads = 4 * (psi + padding) // (world_size if stage == 2 else 1)
+                assert memory["params"] == 4 * (psi + rebuilt + info["frozen_numel"])
+                expected_grads = 4 * (psi + rebuilt) // (world_size if stage == 2 else 1)
                 assert memory["grads"] == expected_grads, f"{what}: {memory}"
 
 
@@ -134,17 +140,32 @@ def test_reduce_scatter_and_all_gather_bytes(stage: int, model: str, world_size:
     numels = [p.numel() for p in reversed(list(recipe.model.build().parameters())) if p.requires_grad]
     cap = int(dict(options)["bucket_cap_mb"] * 2**20) // 4
     padding = closed_form_padding(numels, world_size, cap, aligned=model == "kitchen-aligned")
+    numel_of = {name: p.numel() for name, p in recipe.model.build().named_parameters()}
+    aligned = model == "kitchen-aligned"
     for result in stages_0_1_2(recipe, world_size, options)[stage]:
         info, comm = result.extra, result.extra["comm"]
         assert info["psi"] == psi
-        assert info["padding"] == padding  # the closed form, dense or aligned
+        assert info["at_wrap"]["padding"] == padding  # the closed form, dense or aligned
+        rebuilt_order = [numel_of[name] for names in info["bucket_names"] for name in names]
+        assert info["padding"] == closed_form_padding(rebuilt_order, world_size, cap, aligned)  # the same, rebuilt
         assert "all_reduce" not in comm
+        # The first backward reduces in the buckets laid out at wrap; at its end they are rebuilt
+        # from the order gradients became ready ([Note: bucket rebuild]), which changes both
+        # models' buckets (KitchenSink's unused Linear goes last; a LayerNorm's weight is ready
+        # before its bias). Every later reduction, and every all-gather (after step()), uses
+        # the rebuilt ones.
+        first = result.extra["at_wrap"]
+        assert first["bucket_names"] != info["bucket_names"]
+        buckets = {"reduce_scatter": len(first["bucket_numels"]) + (k - 1) * len(info["bucket_numels"]),
+                   "all_gather": k * len(info["bucket_numels"])}
+        sent_padding = {"reduce_scatter": first["padding"] + (k - 1) * info["padding"],
+                        "all_gather": k * info["padding"]}
         for op in ("reduce_scatter", "all_gather"):
-            assert comm[op]["calls"] == k * len(info["bucket_numels"]), op
+            assert comm[op]["calls"] == buckets[op], op
             assert comm[op]["payload_bytes"] == k * psi * 4, op
-            assert comm[op]["padding_bytes"] == k * info["padding"] * 4, op
+            assert comm[op]["padding_bytes"] == sent_padding[op] * 4, op
             assert comm[op]["sent_bytes"] == _per_step(psi, world_size, k), op
-            assert comm[op]["padding_sent_bytes"] == _per_step(info["padding"], world_size, k), op
+            assert comm[op]["padding_sent_bytes"] == _per_step(sent_padding[op], world_size, 1), op
         # together: DESIGN.md's 2Ψ·b·(N-1)/N per step, the same as stage 0's all-reduce
         total = comm["reduce_scatter"]["sent_bytes"] + comm["all_gather"]["sent_bytes"]
         assert total == pytest.approx(2 * _per_step(psi, world_size, k), rel=1e-12)

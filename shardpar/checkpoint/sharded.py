@@ -72,7 +72,7 @@ from .io import (
     sha256_file,
 )
 from .hf_config import config_files, floating_dtype, hf_config_of
-from ..core.pieces import TensorPiece
+from ..core.pieces import TensorPiece, is_elementwise
 from ..engines import Engine
 from ..errors import CheckpointError
 from ..module import ShardedModule
@@ -166,13 +166,6 @@ def _model_tensors(engine: Engine) -> tuple[list[tuple[str, str, torch.Tensor]],
     return out, aliases
 
 
-def _is_elementwise(key: str, value: Any, owner: torch.Tensor) -> bool:
-    """See [Note: optimizer state in pieces]."""
-    if not isinstance(value, torch.Tensor) or value.numel() != owner.numel():
-        return False
-    return value.dim() > 0 or (owner.dim() == 0 and key != "step")
-
-
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1) if tensor.is_contiguous() else tensor.detach().contiguous().view(-1)
 
@@ -207,7 +200,7 @@ def _items_to_write(
             for owner in tensors:
                 for key, value in optimizer.state_of(owner).items():
                     where = f"optimizer state '{key}' of parameter '{owner.name}'"
-                    if not _is_elementwise(key, value, owner.tensor):
+                    if not is_elementwise(key, value, owner.tensor):
                         scalar.setdefault(owner.name, {})[key] = encode_value(value, where)
                         continue
                     flat = _flat(value)

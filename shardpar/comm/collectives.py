@@ -75,8 +75,9 @@ ProcessGroup = Any  # torch's ProcessGroup; kept loose so world size 1 needs no 
 
 # Ring-algorithm multiplier of S·(N-1)/N per collective kind (see the note above).
 # "used_flags" is the all-reduce that tells every rank which parameters got a gradient on
-# some rank (see the reducer), counted apart from gradient traffic.
-_SEND_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "used_flags": 2}
+# some rank (see the reducer), counted apart from gradient traffic; "rebuild" the one-off
+# all-gathers that move sharded values to rebuilt buckets ([Note: bucket rebuild]).
+_SEND_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "used_flags": 2, "rebuild": 1}
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "avg": "AVG"}
 """``avg`` only where :func:`backend_averages` says the backend has it."""
 
@@ -317,11 +318,12 @@ def _split_collective(
     group: ProcessGroup | None,
     stats: CommStats | None,
     padding_numel: int,
+    kind: str | None = None,
 ) -> int:
     """What reduce-scatter and all-gather share before moving data: check that the full
     tensor (reduce-scatter's input, all-gather's output) is N times the other, record the
-    traffic, and at world size 1 complete the op (a copy, unless ``output`` already is
-    ``input``). Returns the world size."""
+    traffic (under ``kind``, default the op), and at world size 1 complete the op (a copy,
+    unless ``output`` already is ``input``). Returns the world size."""
     world_size = get_world_size(group)
     names = ("input", "output") if op == "reduce_scatter" else ("output", "input")
     full, part = (input, output) if op == "reduce_scatter" else (output, input)
@@ -330,7 +332,7 @@ def _split_collective(
             f"{op}: {names[0]} has {full.numel()} elements, expected "
             f"{world_size} x {part.numel()} ({names[1]} size x world size)"
         )
-    _record(stats, op, full, padding_numel, world_size)
+    _record(stats, kind or op, full, padding_numel, world_size)
     if world_size == 1 and output.data_ptr() != input.data_ptr():
         output.copy_(input)
     return world_size
@@ -391,12 +393,14 @@ def all_gather(
     async_op: bool = False,
     stats: CommStats | None = None,
     padding_numel: int = 0,
+    kind: str = "all_gather",
 ) -> Handle:
     """Concatenate every rank's ``input`` (1-D) into ``output`` in rank order.
 
-    ``input`` may be rank r's own slice of ``output`` (an in-place all-gather).
+    ``input`` may be rank r's own slice of ``output`` (an in-place all-gather). ``kind`` is
+    the key its bytes are counted under in ``stats``.
     """
-    world_size = _split_collective("all_gather", output, input, group, stats, padding_numel)
+    world_size = _split_collective("all_gather", output, input, group, stats, padding_numel, kind)
     if world_size == 1:
         return Handle()
     if not _is_gloo(group):

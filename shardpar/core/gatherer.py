@@ -60,11 +60,16 @@ class PostStepGatherer:
     (see [Note: lazy parameter gather] in replicated.py)."""
 
     def __init__(self, groups: list[FlatParamGroup], group: Any, comm: C.CommStats, wait_clock: WaitClock) -> None:
-        self.groups = groups
         self.group = group
         self.comm = comm
+        self.wait_clock = wait_clock
+        self.track(groups)
+
+    def track(self, groups: list[FlatParamGroup]) -> None:
+        """Gather ``groups`` from now on (at wrap, and again when the buckets are rebuilt)."""
+        self.groups = groups
         for flat in groups:
-            flat.wait_clock = wait_clock
+            flat.wait_clock = self.wait_clock
 
     def _issue(self, flat: FlatParamGroup) -> C.Handle:
         return C.all_gather(flat.full, flat.own_slice(), group=self.group, async_op=True, stats=self.comm,

@@ -14,7 +14,9 @@ A :class:`ShardPiece` ties the three together for the part of one parameter a ra
 [Note: layout order]
 Tensors are laid out in the order the caller gives, which for gradients is *reverse*
 registration order: backward produces the last layers' gradients first, so bucket 0 (the
-start of the buffer) completes first and its collective can start earliest.
+start of the buffer) completes first and its collective can start earliest. Stages 0-2 lay
+the buffer out once more after the first backward, in the order gradients actually became
+ready ([Note: bucket rebuild] in rebuild.py).
 Every bucket is padded to a multiple of the world size N (of ``bucket_multiple``, itself a
 multiple of N), so bucket b splits into N equal slices and slice r belongs to rank r.
 Elements of a bucket that belong to no tensor -- the gaps in front of aligned tensors and

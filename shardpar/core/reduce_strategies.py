@@ -53,6 +53,7 @@ from torch import nn
 from ..comm import collectives as C
 from .layout import ShardPiece
 from .param_guard import metadata_only
+from .rebuild import Relayout
 from .reducer import GradBucket, ParamSpace
 
 ReduceDtype = Callable[[ParamSpace], torch.dtype]
@@ -157,6 +158,16 @@ class _FullGradBuffer:
     def after_sync_backward(self) -> None:
         pass
 
+    def _relayout_buffer(self, space: ParamSpace, data: torch.Tensor) -> None:
+        """``data`` (the space's gradient buffer in its new layout) replaces the old one;
+        a ``param.grad`` that was a view of the old buffer becomes the same view of the new."""
+        old_views = {name: self.views[name] for name in space.params}
+        self.data[space] = data
+        for name, param in space.params.items():
+            self.views[name] = space.layout.view(data, name)
+            if param.grad is old_views[name]:
+                param.grad = self.views[name]
+
 
 class AllReduceStrategy(_FullGradBuffer):
     """Stage 0."""
@@ -193,6 +204,13 @@ class AllReduceStrategy(_FullGradBuffer):
             for name, param in space.params.items():
                 if name in names:
                     param.grad = None
+
+    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None:
+        """See [Note: bucket rebuild]: reduced gradients are complete on every rank."""
+        for space, move in moves.items():
+            shared = self.master_grads[space] is self.data[space]
+            self._relayout_buffer(space, move.full(self.data[space]))
+            self.master_grads[space] = self.data[space] if shared else move.full(self.master_grads[space])
 
     def master_grad(self, space: ParamSpace, name: str) -> torch.Tensor:
         return space.layout.view(self.master_grads[space], name)
@@ -290,6 +308,24 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
     def release_unused(self, names: set[str]) -> None:
         """The optimizer skips them (see ShardedOptimizer); nothing to release here."""
 
+    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None:
+        """See [Note: bucket rebuild]: only the owned slices hold reduced gradients; the carry
+        is all zeros after a reduction (added back bucket by bucket). Where a master-dtype copy
+        of them exists, only it crosses ranks: the owned slices are that copy cast back (exact,
+        it was cast from them)."""
+        for space, move in moves.items():
+            if space in self.master_grad_shards:
+                master = self.master_grad_shards[space] = move.local(self.master_grad_shards[space])
+                data = torch.zeros(move.new.numel, dtype=self.data[space].dtype, device=space.device)
+                for spec in move.new.buckets:
+                    self.owned_in_space(spec, data).copy_(move.new.shard_of(spec, master))
+            else:
+                data = move.owned(self.data[space])
+            self._relayout_buffer(space, data)
+            if self._carry is not None:
+                assert not self._carry[space].any(), "a carry still holds gradients"
+                self._carry[space] = self._carry[space].new_zeros(move.new.shard_numel)
+
     def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor:
         if space in self.master_grad_shards:
             return piece.local_range.of(self.master_grad_shards[space])
@@ -326,7 +362,7 @@ class StagedReduceScatter(_ShardedAverage):
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device) for s in spaces
         }  # 1-D, this rank's slice of every bucket, in bucket order (local space), master dtype
         self._staging: dict[int, torch.Tensor] = {}  # bucket position -> its full-size gradients
-        self._free: list[tuple[torch.Tensor, int]] = []
+        self._free: list[tuple[torch.Tensor, int | None]] = []
         """Released staging buffers, each with the position of the bucket it last served."""
         self._accumulated: dict[ParamSpace, torch.Tensor] = {}  # no_sync, full size, reduce dtype
         self.peak_staging_bytes = 0
@@ -430,6 +466,16 @@ class StagedReduceScatter(_ShardedAverage):
 
     def release_unused(self, names: set[str]) -> None:
         """The optimizer skips them (see ShardedOptimizer); nothing to release here."""
+
+    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None:
+        """See [Note: bucket rebuild]: between backwards only the gradient shards exist. The
+        pool's free staging buffers are kept, but forget the bucket each served: a position now
+        names another bucket with other gaps, so their padding is zeroed again on first use
+        (stale gradients in the gaps would reach the gradient shards, and clipping's norm)."""
+        assert not self._staging and not self._accumulated, "rebuilding buckets while gradients are staged"
+        self._free = [(staging, None) for staging, _ in self._free]
+        for space, move in moves.items():
+            self.grad_shards[space] = move.local(self.grad_shards[space])
 
     # ------------------------------------------------------------------ what the optimizer reads
 

@@ -25,6 +25,9 @@ first, never used last" and all adopt rank 0's (one object all-gather, once). Mo
 forward runs modules in another order than they are registered in (reversed, interleaved)
 then still reduce each bucket as soon as it is complete, which is what bounds stage 2-3
 staging. A model whose order changes later keeps the learnt order (correct, less overlap).
+At stages 0-2 this order serves the first backward only: at its end the buckets themselves
+are rebuilt from the order gradients became ready ([Note: bucket rebuild] in rebuild.py) and
+launch in the order they complete in that record (:meth:`LaunchOrder.adopt`).
 
 [Note: used parameters]
 Plain torch leaves ``.grad`` of a parameter that took no part in the backward untouched
@@ -52,6 +55,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..errors import RanksOutOfStep
 from .layout import Bucket, BufferLayout
+from .rebuild import ReadyOrder, completion_order
 from .training_state import TrainingState
 from .wait_clock import WaitClock
 
@@ -159,7 +163,12 @@ class LaunchOrder:
 
     def agree(self, exchange: Callable[[list[int]], list[list[int]]]) -> None:
         """Adopt rank 0's proposal; ``exchange`` gives every rank's list (a collective)."""
-        self.order = list(exchange(self.proposal())[0])
+        self.adopt(exchange(self.proposal())[0])
+
+    def adopt(self, order: Sequence[int]) -> None:
+        """Launch in ``order`` (bucket positions) from now on, recording nothing more."""
+        assert sorted(order) == list(range(len(self.bucket_names))), f"not an order of the buckets: {order}"
+        self.order = list(order)
         self.agreed = True
 
 
@@ -175,12 +184,10 @@ class GradientReducer:
         group: Any,
         wait_clock: WaitClock,
         on_bucket_complete: Callable[[GradBucket], None] | None = None,
+        ready_order: ReadyOrder | None = None,
     ) -> None:
-        specs = [(space, spec) for space in spaces for spec in space.layout.buckets]
-        self.buckets = [GradBucket(position, space, spec) for position, (space, spec) in enumerate(specs)]
-        self.bucket_of = {name: bucket for bucket in self.buckets for name in bucket.names}
-        self.names = [name for bucket in self.buckets for name in bucket.names]
-        self.flag_index = {name: i for i, name in enumerate(self.names)}
+        self.spaces = list(spaces)
+        self._build_buckets()
         self.strategy = strategy
         self.state = state
         self.comm = comm
@@ -201,6 +208,32 @@ class GradientReducer:
         """Seconds the end of the last backward waited for gradient collectives."""
         self.timeline: list[tuple[str, object]] | None = None
         """Set to a list to record ("grad", name) and ("launch", bucket position) events."""
+        self.ready_order = ready_order
+        """Recorded in synchronising backwards until the buckets are rebuilt (see
+        [Note: bucket rebuild]); None once they are, or where they never are."""
+
+    def _build_buckets(self) -> None:
+        """Buckets, in layout order over all spaces, and the maps from names to them."""
+        specs = [(space, spec) for space in self.spaces for spec in space.layout.buckets]
+        self.buckets = [GradBucket(position, space, spec) for position, (space, spec) in enumerate(specs)]
+        self.bucket_of = {name: bucket for bucket in self.buckets for name in bucket.names}
+        self.names = [name for bucket in self.buckets for name in bucket.names]
+        self.flag_index = {name: i for i, name in enumerate(self.names)}
+
+    def relayout(self, ready: Sequence[str]) -> None:
+        """After the buckets were rebuilt (the spaces carry their new layouts; see [Note:
+        bucket rebuild]): new buckets and maps, used-flags moved by name, and the launch order
+        in which the buckets complete when gradients become ready in ``ready``."""
+        assert not self._in_flight and self._cursor == 0, "rebuilding buckets while collectives are in flight"
+        reduced = {bucket.reduced for bucket in self.buckets}
+        assert len(reduced) == 1, "some buckets hold reduced gradients and some do not"
+        used = dict(zip(self.names, self.used.tolist()))
+        self._build_buckets()
+        for bucket in self.buckets:
+            bucket.reduced = next(iter(reduced))
+        self.used = torch.tensor([used[name] for name in self.names], dtype=self.used.dtype, device=self.device)
+        self.launch_order = LaunchOrder([bucket.names for bucket in self.buckets])
+        self.launch_order.adopt(completion_order([bucket.names for bucket in self.buckets], ready))
 
     # ------------------------------------------------------------------ during backward
 
@@ -213,6 +246,8 @@ class GradientReducer:
             return
         if self.timeline is not None:
             self.timeline.append(("grad", name))
+        if self.ready_order is not None:
+            self.ready_order.saw(name)
         self.strategy.accept_grad(bucket, name, param)
         bucket.mark_ready(name)
         if bucket.phase is BucketPhase.COMPLETE:

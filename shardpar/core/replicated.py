@@ -17,6 +17,11 @@ the first layers' forward. Anything else that reads a parameter in between sees 
 parameter that waits for its bucket first ([Note: guarded parameters]); ``state_dict``,
 checkpoints and the next ``step()`` wait for everything. The same use-module hooks record,
 in the first forward, the order buckets are first used in ([Note: launch order]).
+
+After the first synchronising backward every buffer may be laid out again in the order
+gradients became ready ([Note: bucket rebuild] in rebuild.py): :meth:`ParamBuffer.layout_in`
+builds both layouts, :meth:`ParamBuffer.relayout` moves the values, and stages 1-2 get new
+flat groups (and use-module hooks) for the new buckets.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from .inventory import group_by_dtype
 from .layout import Alignment, BufferLayout, ShardPiece, alignment_for
 from .pieces import TensorPiece
 from .wait_clock import WaitClock
+from .rebuild import Relayout, same_buckets
 
 
 class ParamBuffer:
@@ -51,9 +57,10 @@ class ParamBuffer:
         self.device = first.device
         self.params = dict(named)
         self.alignment = alignment
+        self.world_size = world_size
+        self.bucket_cap_numel = bucket_cap_numel
         # Reverse registration order: see [Note: layout order] in layout.py.
-        self.layout = BufferLayout([(n, p.shape) for n, p in reversed(named)], world_size, bucket_cap_numel,
-                                   **alignment._asdict())
+        self.layout = self.layout_in([name for name, _ in reversed(named)])
         self.data = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=self.device)  # 1-D, padded
         self.full_master: torch.Tensor | None = None
         """Stage 0 under mixed precision: the full-precision values the optimizer updates."""
@@ -68,6 +75,25 @@ class ParamBuffer:
                 view = self.layout.view(self.data, name)
                 view.copy_(param.data)
                 param.data = view
+
+    def layout_in(self, order: Sequence[str]) -> BufferLayout:
+        """This buffer's tensors laid out in ``order`` and cut into buckets: the one place its
+        layouts are built, at wrap and again when the buckets are rebuilt."""
+        return BufferLayout([(name, self.params[name].shape) for name in order], self.world_size,
+                            self.bucket_cap_numel, **self.alignment._asdict())
+
+    def relayout(self, move: Relayout) -> None:
+        """Move every tensor of this buffer to ``move.new`` (see [Note: bucket rebuild]):
+        parameters become views of the new buffer, masters keep their values."""
+        with torch.no_grad():
+            self.data = move.full(self.data)
+            for name, param in self.params.items():
+                param.data = move.new.view(self.data, name)
+            if self.full_master is not None:
+                self.full_master = move.full(self.full_master)
+            if self.master_shard is not None:
+                self.master_shard = move.local(self.master_shard)
+        self.layout = move.new
 
     @property
     def values(self) -> torch.Tensor:
@@ -153,6 +179,25 @@ class ReplicatedStorage:
     @property
     def spaces(self) -> list[ParamBuffer]:
         return self.buffers
+
+    def rebuilt_layouts(self, order: Sequence[str]) -> dict[ParamBuffer, BufferLayout]:
+        """Each buffer's layout with its tensors in ``order``, for the buffers where that
+        changes which tensors share a bucket (see [Note: bucket rebuild])."""
+        layouts = {}
+        for buf in self.buffers:
+            layout = buf.layout_in([name for name in order if name in buf.params])
+            if not same_buckets(buf.layout, layout):
+                layouts[buf] = layout
+        return layouts
+
+    def relayout(self, moves: dict[ParamBuffer, Relayout]) -> None:
+        """Move the buffers to their new layouts; stages 1-2 track the new buckets."""
+        self.wait_for_params()
+        for buf, move in moves.items():
+            buf.relayout(move)
+        if self.sharded_master:
+            self.groups = [g for buf in self.buffers for g in buf.bucket_groups(self.rank)]
+            self.gatherer.track(self.groups)
 
     def frozen_values(self) -> list[tuple[str, torch.Tensor]]:
         """Frozen parameters at full precision (their originals under mixed precision)."""

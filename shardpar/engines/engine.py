@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -35,6 +36,7 @@ from ..core.gatherer import Unit, UnitGatherer, _grad_tensors, on_first_grad
 from ..core.inventory import ParamInventory, check_supported_dtypes, module_device
 from ..core.param_guard import allow
 from ..core.pieces import TensorPiece
+from ..core.rebuild import ReadyOrder, Relayout, describe_state, merge_descriptions, move_state
 from ..core.reducer import GradBucket, GradientReducer
 from ..core.replicated import ReplicatedStorage
 from ..core.sharded import FromLiveModule, ShardedStorage
@@ -98,17 +100,26 @@ class Engine:
         """Buffers that ``MixedPrecision.buffer_dtype`` cast: their dtypes as created."""
         self._cast_buffers()
         self.optimizer: Any = None
-        """The ShardedOptimizer built over this engine, once there is one."""
+        """The ShardedOptimizer built over this engine last, once there is one."""
+        self._optimizers: list[weakref.ref] = []
+        """Every ShardedOptimizer built over this engine, in the order they were built."""
+        self.layout_generation = 0
+        """How many times the buckets were rebuilt (at most once; see [Note: bucket rebuild])."""
         self._handles: list[Any] = []
         self._backward_start_hook = _disabled(lambda grad: self.ensure_backward_started())
         """Put on the root output once per forward; made once (see on_first_grad)."""
         self._use_handles: list[Any] = []
+        """Stage 0's use-module hooks: they record first use in the first forward only."""
+        self._gather_handles: list[Any] = []
+        """Stages 1-2's use-module hooks: they complete lazy gathers of the current buckets."""
         self._tree = _ModuleTree(module)
 
         self.storage = row.storage(self)
         self.strategy = row.strategy(self, self.storage.spaces)
+        rebuilds = config.rebuild_buckets and isinstance(self.storage, ReplicatedStorage)
         self.reducer = GradientReducer(self.storage.spaces, self.strategy, self.state, self.comm, group,
-                                       self.wait_clock, on_bucket_complete=self._on_bucket_complete)
+                                       self.wait_clock, on_bucket_complete=self._on_bucket_complete,
+                                       ready_order=ReadyOrder(self._module_of_params()) if rebuilds else None)
         self.gatherer = getattr(self.storage, "gatherer", None)
         # Where param.grad cannot be the gradient (shards; fp32 masters under mixed precision),
         # plain torch code that reads it must fail loudly: see core/sharded_grads.py.
@@ -162,7 +173,15 @@ class Engine:
             groups = [self.storage.groups[p] for p in positions] if self.storage.groups else []
             hook = _disabled(lambda module, args, names=names, groups=groups: self._on_module_use(names, groups))
             handle = modules[hook_name].register_forward_pre_hook(hook, prepend=True)
-            (self._handles if groups else self._use_handles).append(handle)
+            (self._gather_handles if groups else self._use_handles).append(handle)
+
+    def _module_of_params(self) -> dict[str, str]:
+        """Stages 0-2: each trainable parameter's use module (the first, for a tied one)."""
+        module_of: dict[str, str] = {}
+        for hook_name, names in self.storage.use_modules(self._tree.lift).items():
+            for name in names:
+                module_of.setdefault(name, hook_name)
+        return module_of
 
     def _install_unit_hooks(self) -> None:
         storage: ShardedStorage = self.storage
@@ -286,6 +305,8 @@ class Engine:
     def _on_module_use(self, names: list[str], groups: list) -> None:
         if self.reducer.launch_order.recording and torch.is_grad_enabled() and not self.state.is_recompute():
             self.reducer.launch_order.saw(names)
+        if self.reducer.ready_order is not None:
+            self.reducer.ready_order.ran(names)
         for group in groups:
             group.wait_unsharded()
 
@@ -332,12 +353,59 @@ class Engine:
             with torch.no_grad():
                 if self.state.backward_syncs:
                     self.reducer.finish_backward()
+                    if self.reducer.ready_order is not None:
+                        self._rebuild_buckets()
                     if self.grad_marks is not None:
                         self.grad_marks.put_on(n for n, _ in self.inventory.trainable if self.reducer.has_gradient(n))
                 if isinstance(self.gatherer, UnitGatherer):
                     self.gatherer.finish_backward()
         finally:
             self.state.end_backward()
+
+    def _rebuild_buckets(self) -> None:
+        """Once, at the end of the first synchronising backward: see [Note: bucket rebuild] in
+        core/rebuild.py. Every rank takes part, in the same order: one object all-gather, then
+        (where a layout changes) the all-gathers that move sharded values."""
+        reducer, storage = self.reducer, self.storage
+        record, reducer.ready_order = reducer.ready_order, None
+        optimizers = [(serial, ref()) for serial, ref in enumerate(self._optimizers) if ref() is not None]
+        states = {serial: opt.state_by_name() for serial, opt in optimizers}
+        sharded = storage.sharded_master  # optimizer pieces differ by rank: their state crosses ranks
+        described = {serial: describe_state(state) for serial, state in states.items()} if sharded else {}
+        proposal = record.proposal(reducer.names)
+        rows = C.all_gather_objects((proposal, described), group=self.group)
+        order = [reducer.names[i] for i in rows[0][0]]
+        layouts = storage.rebuilt_layouts(order)
+        if layouts:
+            moves = {buf: Relayout(buf.layout, layout, self.rank, self.group, self.comm) for buf, layout in layouts.items()}
+            storage.relayout(moves)
+            self.strategy.relayout(moves)
+        reducer.relayout(order)
+        if not layouts:
+            return
+        self.layout_generation += 1
+        if storage.groups:
+            for handle in self._gather_handles:
+                handle.remove()
+            self._gather_handles.clear()
+            self._install_use_hooks()
+        # An optimizer alive on some ranks only is garbage not collected yet elsewhere: left
+        # alone, it refuses to step (its generation is old).
+        everywhere = set.intersection(*(set(row[1]) for row in rows)) if sharded else set(states)
+        for serial, opt in optimizers:
+            if serial not in everywhere:
+                continue
+            if sharded:
+                merged = merge_descriptions(row[1][serial] for row in rows)
+                opt.repoint(move_state(states[serial], merged, [moves[b] for b in storage.buffers if b in moves],
+                                       self.device))
+            else:
+                opt.repoint({name: state for name, (_, state) in states[serial].items()})
+
+    def add_optimizer(self, optimizer: Any) -> None:
+        """A ShardedOptimizer was built over this engine (a rebuild moves its pieces)."""
+        self.optimizer = optimizer
+        self._optimizers.append(weakref.ref(optimizer))
 
     @property
     def require_grad_sync(self) -> bool:
@@ -548,13 +616,14 @@ class Engine:
     @property
     def hook_handles(self) -> list[Any]:
         """Every hook this engine has registered and not removed yet."""
-        return self._handles + self._use_handles
+        return self._handles + self._use_handles + self._gather_handles
 
     def close(self) -> None:
         """Remove every hook this engine registered (the module keeps working unwrapped)."""
-        for handle in self._handles + self._use_handles:
+        for handle in self.hook_handles:
             handle.remove()
         self._handles.clear()
         self._use_handles.clear()
+        self._gather_handles.clear()
         self.module.__dict__.pop("zero_grad", None)
         self.module.__dict__.pop(WRAPPED_MARK, None)

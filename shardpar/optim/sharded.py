@@ -77,7 +77,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         defaults: dict[str, Any],
     ) -> None:
         self.engine = engine
-        self.group_tensors: list[list[TensorPiece]] = [engine.optimizer_tensors(g["names"]) for g in groups]
+        self._group_names: list[list[str]] = [list(g["names"]) for g in groups]
+        self.group_tensors: list[list[TensorPiece]] = [engine.optimizer_tensors(names) for names in self._group_names]
         inner_groups = [
             {**{k: v for k, v in group.items() if k != "names"}, "params": [t.tensor for t in tensors]}
             for group, tensors in zip(groups, self.group_tensors)
@@ -86,7 +87,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer_class = optimizer_class
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
-        engine.optimizer = self
+        self._layout_generation = engine.layout_generation
+        engine.add_optimizer(self)
 
     # Live views of the inner optimizer, so schedulers that set group["lr"] reach it.
     @property
@@ -121,6 +123,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         else:
             loss = None
+        if self._layout_generation != self.engine.layout_generation:
+            raise RuntimeError(
+                "this shardpar optimizer holds pieces of a bucket layout the model no longer has: it was "
+                "not moved with the bucket rebuild because it was not alive on every rank then. Build "
+                "optimizers identically on every rank, or pass rebuild_buckets=False to shardpar.wrap"
+            )
         self.engine.count_optimizer_step()
         # No backward reduced gradients since zero_grad(): as torch does when every .grad is
         # None, the step changes nothing (no weight decay, no moment update).
@@ -144,6 +152,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
+
+    # ------------------------------------------------------------------ bucket rebuild
+
+    def state_by_name(self) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
+        """``name -> (tensor, state)`` of each tensor this rank's optimizer holds state for (one
+        tensor per parameter and rank below stage 3)."""
+        out = {}
+        for tensors in self.group_tensors:
+            for piece in tensors:
+                state = self.inner.state.get(piece.tensor)
+                if state:
+                    out[piece.name] = (piece.tensor, state)
+        return out
+
+    def repoint(self, states: dict[str, dict[str, Any]]) -> None:
+        """The engine rebuilt its buckets ([Note: bucket rebuild] in core/rebuild.py): take this
+        rank's tensors again, point the inner param groups at them (same group dicts, so
+        schedulers keep theirs) and give each tensor ``states[name]``."""
+        self.group_tensors = [self.engine.optimizer_tensors(names) for names in self._group_names]
+        new_state: defaultdict = defaultdict(dict)
+        for group, tensors in zip(self.inner.param_groups, self.group_tensors):
+            group["params"] = [t.tensor for t in tensors]
+            for piece in tensors:
+                if states.get(piece.name):
+                    new_state[piece.tensor] = states[piece.name]
+        self.inner.state = new_state
+        self._layout_generation = self.engine.layout_generation
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(

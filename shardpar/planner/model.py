@@ -60,7 +60,10 @@ all-reduce per step of a 4-byte flag per trainable tensor plus three counters an
 negatives (the reducer's "used_flags", [Note: used parameters] in core/reducer.py; the
 counters are [Note: ranks out of step]'s), and broadcasts buffers. Padding (the layouts' P
 of [Note: storage model], in the dtype of each collective, plus the tags) is predicted apart,
-as ``comm_stats()`` reports it: ``padding_sent_bytes``. Time follows the α-β model:
+as ``comm_stats()`` reports it: ``padding_sent_bytes``. Buckets are counted as laid out at
+wrap; the first backward may rebuild them ([Note: bucket rebuild] in core/rebuild.py: other
+calls, the same payload bytes, with alignment other padding, and a one-off all-gather of what
+is sharded in the old layout, not modelled here). Time follows the α-β model:
 ``calls·latency + bytes/bandwidth`` (bytes with padding: it is sent too), one call per
 bucket or unit and collective. It is the communication time if nothing overlapped; the
 engines overlap gradient collectives with backward and stage 3 prefetches gathers, so the
