@@ -714,7 +714,9 @@ def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], 
 
 # --------------------------------------------------------------------------- report
 
-TARGETS = {"stage0": 1.00, "stage1": 0.90, "stage2": 0.90, "stage3": 0.80}
+TARGETS = {"stage0": 0.95, "stage1": 0.85, "stage2": 0.85, "stage3": 0.60}
+"""Step time over the peer's (issue #16, "Communication that hides behind compute"; the first
+round's were 1.00 / 0.90 / 0.90 / 0.80)."""
 
 
 def machine() -> dict[str, Any]:
