@@ -435,7 +435,6 @@ class Measured:
     cpu: list[float] = field(default_factory=list)  # CPU seconds per timed step, all threads of the process
     cpu_other: list[float] = field(default_factory=list)  # of which not the main thread (gloo's threads)
     phase_cpu_main: list[tuple[float, float, float]] = field(default_factory=list)  # main-thread CPU per phase
-    backward_wait: list[float] = field(default_factory=list)  # engine.last_backward_wait_s per step
     exposed: list[dict[str, float]] = field(default_factory=list)  # wait-clock seconds per phase, per step
     state: dict[str, int] = field(default_factory=dict)
     rss_increase: int = 0
@@ -479,8 +478,6 @@ def run_step(runner: Runner, batch, measured: Measured | None = None, before_zer
         cpu = sum(b[1] - a[1] for a, b in spans)
         measured.cpu.append(cpu)
         measured.cpu_other.append(cpu - sum(measured.phase_cpu_main[-1]))
-        if runner.engine is not None:
-            measured.backward_wait.append(runner.engine.last_backward_wait_s)
         if wait_clock is not None:
             measured.exposed.append(dict(wait_clock.seconds))
     return float(loss)
@@ -696,7 +693,6 @@ def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], 
             row["padding_bytes"] = [m["padding_bytes"] for m in per_rank]
             row["closed_form_bytes"] = closed.sent_bytes
             row["closed_form_padding_bytes"] = closed.padding_sent_bytes
-            row["backward_wait_s"] = max(statistics.median(m["backward_wait"]) for m in per_rank)
             row.update(exposure(per_rank))
         per_config[config] = row
     for config, row in per_config.items():

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
-from .layout import ShardPiece
+from .layout import Bucket, ShardPiece
 from .param_guard import metadata_only
 from .rebuild import Relayout
 from .reducer import GradBucket, ParamSpace
@@ -362,8 +362,8 @@ class StagedReduceScatter(_ShardedAverage):
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device) for s in spaces
         }  # 1-D, this rank's slice of every bucket, in bucket order (local space), master dtype
         self._staging: dict[int, torch.Tensor] = {}  # bucket position -> its full-size gradients
-        self._free: list[tuple[torch.Tensor, int | None]] = []
-        """Released staging buffers, each with the position of the bucket it last served."""
+        self._free: list[tuple[torch.Tensor, Bucket | None]] = []
+        """Released staging buffers, each with the layout bucket it last served."""
         self._accumulated: dict[ParamSpace, torch.Tensor] = {}  # no_sync, full size, reduce dtype
         self.peak_staging_bytes = 0
         for space in spaces:
@@ -377,7 +377,7 @@ class StagedReduceScatter(_ShardedAverage):
         if staging is None:
             dtype, numel = self.reduce_dtype(bucket.space), bucket.spec.range.size
             reusable = [i for i, (t, _) in enumerate(self._free) if t.dtype == dtype and t.numel() == numel]
-            reusable.sort(key=lambda i: self._free[i][1] != bucket.position)  # one that served this bucket first
+            reusable.sort(key=lambda i: self._free[i][1] is not bucket.spec)  # one that served this bucket first
             if reusable:
                 staging, served = self._free.pop(reusable[0])
             else:
@@ -385,8 +385,9 @@ class StagedReduceScatter(_ShardedAverage):
             # Not zeroed as a whole: every slot is overwritten by its gradient or, if none comes,
             # by fill_missing; only the padding must be zero. It stays zero while the buffer
             # serves the same bucket (the collective sums zeros there), so it is zeroed only
-            # when the buffer comes new or from another bucket.
-            if served != bucket.position:
+            # when the buffer comes new or from another bucket -- of this layout or of the
+            # one before a rebuild, whose gaps differ ([Note: bucket rebuild]).
+            if served is not bucket.spec:
                 for gap in bucket.spec.gaps:
                     gap.shift(-bucket.spec.range.start).of(staging).zero_()
             self._staging[bucket.position] = staging
@@ -448,7 +449,7 @@ class StagedReduceScatter(_ShardedAverage):
         else:
             shard.copy_(owned).mul_(scale)
         bucket.reduced = True
-        self._free.append((staging, bucket.position))
+        self._free.append((staging, bucket.spec))
         if len(self._free) > self.max_in_flight + 1:
             self._free.pop(0)
 
@@ -468,12 +469,10 @@ class StagedReduceScatter(_ShardedAverage):
         """The optimizer skips them (see ShardedOptimizer); nothing to release here."""
 
     def relayout(self, moves: dict[ParamSpace, Relayout]) -> None:
-        """See [Note: bucket rebuild]: between backwards only the gradient shards exist. The
-        pool's free staging buffers are kept, but forget the bucket each served: a position now
-        names another bucket with other gaps, so their padding is zeroed again on first use
-        (stale gradients in the gaps would reach the gradient shards, and clipping's norm)."""
+        """See [Note: bucket rebuild]: between backwards only the gradient shards exist (the
+        pool's free staging buffers are kept: each served a bucket of the old layout, so its
+        padding is zeroed again on first use)."""
         assert not self._staging and not self._accumulated, "rebuilding buckets while gradients are staged"
-        self._free = [(staging, None) for staging, _ in self._free]
         for space, move in moves.items():
             self.grad_shards[space] = move.local(self.grad_shards[space])
 

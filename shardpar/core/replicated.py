@@ -37,8 +37,8 @@ from .gatherer import PostStepGatherer
 from .inventory import group_by_dtype
 from .layout import Alignment, BufferLayout, ShardPiece, alignment_for
 from .pieces import TensorPiece
-from .wait_clock import WaitClock
 from .rebuild import Relayout, same_buckets
+from .wait_clock import WaitClock
 
 
 class ParamBuffer:
