@@ -387,21 +387,16 @@ class UnitGatherer:
         if not torch.is_grad_enabled():
             return None
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # block(x): no tree walk
-            positions = [i for i, a in enumerate(args) if a.requires_grad]
-            if not positions:
-                return None
-            args = list(args)
-            for i, tensor in zip(positions, _PostBackward.apply(self, unit, *[args[i] for i in positions])):
-                args[i] = tensor
-            return tuple(args), kwargs
-        leaves, spec = tree_flatten((args, kwargs))
+            leaves, spec = list(args), None
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
         positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
             return None  # freed when its gradients are final, or at the end of backward
         outputs = _PostBackward.apply(self, unit, *[leaves[i] for i in positions])
         for i, tensor in zip(positions, outputs):
             leaves[i] = tensor
-        return tree_unflatten(leaves, spec)
+        return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)
 
     def pre_backward(self, unit: Unit) -> None:
         self.on_backward_start()
