@@ -304,11 +304,15 @@ def all_reduce(
     _record(stats, kind, tensor, padding_numel, world_size)
     if world_size == 1:
         return Handle()
-    if op == "avg" and not backend_averages(group):
-        raise ValueError(f"all_reduce: the {dist.get_backend(group)} backend has no average; sum and divide")
-    reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[op])
-    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
+    work = dist.all_reduce(tensor, op=_reduce_op("all_reduce", op, group), group=group, async_op=True)
     return _finish(Handle(work, op=kind if kind != "all_reduce" else f"all_reduce ({op})", group=group), async_op)
+
+
+def _reduce_op(collective: str, op: str, group: ProcessGroup | None) -> Any:
+    """The ``dist.ReduceOp`` of ``op``; ``avg`` only where the backend has it."""
+    if op == "avg" and not backend_averages(group):
+        raise ValueError(f"{collective}: the {dist.get_backend(group)} backend has no average; sum and divide")
+    return getattr(dist.ReduceOp, _REDUCE_OPS[op])
 
 
 def _split_collective(
@@ -364,10 +368,8 @@ def reduce_scatter(
     world_size = _split_collective("reduce_scatter", output, input, group, stats, padding_numel)
     if world_size == 1:
         return Handle()
-    if op == "avg" and not backend_averages(group):
-        raise ValueError(f"reduce_scatter: the {dist.get_backend(group)} backend has no average; sum and divide")
+    reduce_op = _reduce_op("reduce_scatter", op, group)
     if not _is_gloo(group):
-        reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[op])
         work = dist.reduce_scatter_single(output, input, op=reduce_op, group=group, async_op=True)
         return _finish(Handle(work, op="reduce_scatter", group=group), async_op)
     # See [Note: gloo reduce-scatter and all-gather]. The sum reads only `received`, so
