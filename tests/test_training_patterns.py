@@ -362,6 +362,47 @@ def test_unused_parameters_behave_as_in_torch_ddp(stage: int) -> None:
     assert with_state == trainable - {"never.weight", "never.bias"}, sorted(with_state)
 
 
+def _grads_none_before_sync() -> dict[Any, Any]:
+    """Which parameters have ``.grad is None`` right after wrapping and after a backward under
+    no_sync (rank 0 goes left, rank 1 right): torch DDP's no_sync as the oracle."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    x, y = _branch_batch(0, C.get_rank())
+    go_left = C.get_rank() % 2 == 0
+
+    def nones(module: nn.Module) -> list[str]:
+        return sorted(n for n, p in module.named_parameters() if p.grad is None)
+
+    out: dict[Any, Any] = {}
+    module = Branches()
+    ddp = DistributedDataParallel(module, find_unused_parameters=True)
+    with ddp.no_sync():
+        F.mse_loss(ddp(x, go_left=go_left), y).backward()
+    out["ddp"] = nones(module)
+    for stage in STAGES:
+        module = Branches()
+        model = shardpar.wrap(module, stage=stage)
+        at_wrap = nones(module)
+        with model.no_sync():
+            F.mse_loss(model(x, go_left=go_left), y).backward()
+        out[stage] = {"at_wrap": at_wrap, "no_sync": nones(module)}
+        model.engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", (0, 1))
+def test_parameters_without_a_gradient_keep_grad_none_before_a_sync(stage: int) -> None:
+    """Stages 0-1 keep gradients in a full buffer; a parameter's ``.grad`` becomes a view of it
+    only once a backward reached the parameter, so before that it is None as in plain torch,
+    and under no_sync a branch not taken stays None as under torch DDP's no_sync. (Stages 2-3
+    hold no ``.grad`` under no_sync at all: they accumulate in their own buffers.)"""
+    everything = sorted(n for n, _ in Branches().named_parameters())
+    for rank, runs in enumerate(run_ranks(_grads_none_before_sync, 2, timeout=120)):
+        assert runs[stage]["at_wrap"] == everything, (rank, runs[stage]["at_wrap"])
+        assert runs[stage]["no_sync"] == runs["ddp"], (rank, runs[stage]["no_sync"], runs["ddp"])
+        assert "never.weight" in runs["ddp"] and ("right.weight" if rank == 0 else "left.weight") in runs["ddp"]
+
+
 # --------------------------------------------------------------------------- no_sync
 
 

@@ -108,11 +108,9 @@ class _FullGradBuffer:
     def __init__(self, spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype) -> None:
         self.spaces = list(spaces)
         self.data = {s: torch.zeros(s.layout.numel, dtype=reduce_dtype(s), device=s.device) for s in spaces}
+        # .grad stays None until a backward gives the parameter a gradient, as in plain torch
+        # (accept_grad points it at its view then).
         self.views = {name: s.layout.view(self.data[s], name) for s in spaces for name in s.params}
-        for space in spaces:
-            for name, param in space.params.items():
-                if self.views[name].dtype == param.dtype:
-                    param.grad = self.views[name]
 
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
         view = self.views[name]
