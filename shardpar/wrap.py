@@ -41,6 +41,12 @@ def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[Sha
                                     "align_for_bandwidth") if k in options
         }
         world_size = C.get_world_size() if C.is_initialized() else C.launched_world_size()
+        if planner_options.get("align_for_bandwidth") is None and not C.is_initialized():
+            # The default group that wrap is about to create does not exist yet: align as its
+            # backend will (NCCL for a CUDA model), so the plan counts the engine's padding.
+            device = module_device(module)
+            device = target_device() if device.type == "meta" else device
+            planner_options["align_for_bandwidth"] = world_size > 1 and C.backend_for(device) == "nccl"
         stage = choose_stage(module, world_size, budget, **planner_options)
     unknown = sorted(set(options) - set(ShardConfig.option_names()))
     if unknown:

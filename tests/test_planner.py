@@ -317,6 +317,30 @@ def test_choose_stage_reads_decimal_and_binary_budgets() -> None:
     assert choose_stage(PSI, 64, "80GB", optimizer="sgd") == 0  # 8Ψ = 56e9
 
 
+@pytest.mark.parametrize("backend, aligned", [("nccl", True), ("gloo", False)])
+def test_auto_stage_before_the_group_exists_plans_the_alignment_its_backend_will_get(
+    monkeypatch: pytest.MonkeyPatch, backend: str, aligned: bool
+) -> None:
+    """wrap(stage='auto') under torchrun plans before it creates the default group; the plan
+    must still count the alignment padding the engine will use on that group's backend."""
+    wrap_module = importlib.import_module("shardpar.wrap")  # the module (shardpar.wrap is the function)
+    seen: dict[str, Any] = {}
+
+    def record(module: Any, world_size: int, budget: Any, **options: Any) -> int:
+        seen.update(options, world_size=world_size)
+        return 0
+
+    assert not C.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(wrap_module, "choose_stage", record)
+    monkeypatch.setattr(C, "backend_for", lambda device: backend)
+    config, _ = wrap_module._build_config(nn.Linear(4, 4), "auto", {"memory_budget": "1GB"})
+    assert config.stage == 0 and seen == {"align_for_bandwidth": aligned, "world_size": 2}
+    # An explicit choice is the user's and is passed through unchanged.
+    wrap_module._build_config(nn.Linear(4, 4), "auto", {"memory_budget": "1GB", "align_for_bandwidth": False})
+    assert seen["align_for_bandwidth"] is False
+
+
 # --------------------------------------------------------------------------- communication
 
 
