@@ -22,6 +22,7 @@ import torch
 import shardpar
 from shardpar.comm import collectives as C
 from tests.models import KITCHEN, ModelSpec
+from tests.harness import run_ranks
 from tests.parity import Recipe, build_optimizer, cap_mb, global_batch, rank_slice, run
 
 FP16 = torch.float16
@@ -313,3 +314,57 @@ def test_disabled_scaler_passes_through() -> None:
     after = model.full_state_dict()
     assert any(not torch.equal(after[k], before[k]) for k in before), "step() must still step"
     assert scaler.skipped_steps == 0
+
+
+def _torch_scaler_is_refused(stage: int) -> dict[str, Any]:
+    """One good fp16 step with shardpar.GradScaler, then torch's own scaler (as a DDP script
+    has it), with and without an explicit ``unscale_``; then shardpar's scaler again."""
+    torch.manual_seed(0)
+    model = shardpar.wrap(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)), stage=stage,
+                          mixed_precision="fp16")
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    ours = shardpar.GradScaler(model, init_scale=2.0**10)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(C.get_rank()))
+
+    def one_step(scaler: Any, unscale: bool) -> None:
+        scaler.scale(model(x).float().sum()).backward()
+        if unscale:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    one_step(ours, unscale=False)
+    errors = []
+    for unscale in (False, True):
+        before = {k: v.clone() for k, v in model.full_state_dict().items()}
+        try:
+            one_step(torch.amp.GradScaler("cpu", init_scale=2.0**10), unscale)
+        except TypeError as error:
+            errors.append(str(error))
+        opt.zero_grad()
+        after = model.full_state_dict()
+        errors.append(all(torch.equal(after[k], before[k]) for k in before))
+    before = {k: v.clone() for k, v in model.full_state_dict().items()}
+    one_step(ours, unscale=True)
+    after = model.full_state_dict()
+    errors.append(any(not torch.equal(after[k], before[k]) for k in before))
+    one_step(torch.amp.GradScaler("cpu", enabled=False), unscale=True)  # disabled: passes through
+    errors.append(any(not torch.equal(model.full_state_dict()[k], after[k]) for k in after))
+    model.engine.close()
+    return {"results": errors}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_torch_grad_scaler_on_a_shardpar_optimizer_is_refused_by_name(stage: int) -> None:
+    """torch.amp.GradScaler cannot see the gradients a shardpar optimizer steps from (and at
+    stages 1-3 would check a different slice on each rank): its step raises a TypeError that
+    names shardpar.GradScaler, changes nothing, and leaves the optimizer usable. Disabled, it
+    passes through as in torch."""
+    for rank, out in enumerate(run_ranks(_torch_scaler_is_refused, 2, stage, timeout=120)):
+        plain_error, plain_unchanged, unscaled_error, unscaled_unchanged, still_steps, disabled_steps = out["results"]
+        for error in (plain_error, unscaled_error):
+            assert isinstance(error, str) and "shardpar.GradScaler(model)" in error and "torch.amp.GradScaler" in error, (
+                rank, error)
+        assert plain_unchanged is True and unscaled_unchanged is True, rank
+        assert still_steps is True and disabled_steps is True, rank

@@ -115,7 +115,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.inner.defaults = value
 
+    _step_supports_amp_scaling = True
+    """Makes ``torch.amp.GradScaler.step`` call :meth:`step` (with ``found_inf`` and
+    ``grad_scale`` set on this object) instead of failing on the gradients it cannot see, so
+    that :meth:`step` can refuse it by name; see ``_refuse_torch_grad_scaler``."""
+
+    def _refuse_torch_grad_scaler(self) -> None:
+        if "found_inf" in self.__dict__ or "grad_scale" in self.__dict__:
+            for attribute in ("found_inf", "grad_scale"):  # set by torch's scaler for this call only
+                self.__dict__.pop(attribute, None)
+            raise TypeError(
+                "torch.amp.GradScaler cannot step a shardpar optimizer: the optimizer takes its gradients from "
+                "the engine's buffers, which torch's scaler can neither unscale nor check for overflow (and at "
+                "stages 1-3 each rank holds only its slices, so a check per rank would disagree between ranks). "
+                "Use scaler = shardpar.GradScaler(model) instead (same calls: scale, unscale_, step, update), "
+                "which agrees on overflow across ranks. Nothing was changed"
+            )
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        self._refuse_torch_grad_scaler()
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         if closure is not None:
