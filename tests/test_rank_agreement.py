@@ -229,3 +229,16 @@ def test_a_rank_that_dies_is_named_as_missing(stage: int) -> None:
     assert caught["missing"] == [1]
     assert "rank 1: no report -- it exited or died" in caught["message"]
     assert caught["elapsed"] < TIMEOUT_S + SLACK_S
+
+
+def test_a_closed_engine_leaves_the_reports() -> None:
+    """What a rank reports doing names the live engines only: closing one (while something
+    still holds it) takes it out, and another engine stays in."""
+    kept = shardpar.wrap(nn.Linear(3, 3), stage=0)
+    closed = shardpar.wrap(nn.Linear(3, 3), stage=1)
+    kept.engine.state.step_count, closed.engine.state.step_count = 11, 22
+    assert "11 optimizer steps" in watch.doing() and "22 optimizer steps" in watch.doing()
+    closed.engine.close()
+    assert "11 optimizer steps" in watch.doing() and "22 optimizer steps" not in watch.doing()
+    kept.engine.close()
+    assert "11 optimizer steps" not in watch.doing()

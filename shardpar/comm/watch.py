@@ -77,6 +77,11 @@ def track(describer: Any) -> None:
     _describers.append(weakref.ref(describer))
 
 
+def untrack(describer: Any) -> None:
+    """Stop reporting ``describer`` (a closed engine's state, though something still holds it)."""
+    _describers[:] = [ref for ref in _describers if ref() is not None and ref() is not describer]
+
+
 @contextlib.contextmanager
 def operation(name: str) -> Iterator[None]:
     """Mark a collective operation in progress (``save_checkpoint``...) for reports."""

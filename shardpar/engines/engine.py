@@ -620,6 +620,7 @@ class Engine:
 
     def close(self) -> None:
         """Remove every hook this engine registered (the module keeps working unwrapped)."""
+        watch.untrack(self.state)  # a closed engine is not what a rank is doing
         for handle in self.hook_handles:
             handle.remove()
         self._handles.clear()
