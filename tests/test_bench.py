@@ -7,6 +7,7 @@ exposed waits are where the stage has collectives to wait for, and hidden is in 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -127,3 +128,22 @@ def test_report_has_the_exposure_table_and_the_limits_section(report) -> None:
         assert f"- **stage{stage}**: waiting was " in section
     for leftover in ("{", "}", "nan", "None", "TODO"):
         assert leftover not in section, leftover
+
+
+def test_step_profile_prints_each_figure_per_step() -> None:
+    """tools/step_profile.py at world size 1 on the tiny model: every figure it promises,
+    with the Python-call count and the reference-cycle count present and sane."""
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "step_profile.py"), "--model", "mlp:tiny", "--steps", "2",
+         "--warmup", "1", "--calls", "--cycles"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = dict(line.strip().rsplit(": ", 1) for line in result.stdout.splitlines()[1:] if ": " in line)
+    assert set(figures) == {"wall ms", "process CPU ms", "main-thread CPU ms", "main-thread CPU ms, forward",
+                            "main-thread CPU ms, backward", "main-thread CPU ms, step", "Python calls",
+                            "objects in reference cycles"}, figures
+    assert "mlp:tiny stage 3, shardpar of" in result.stdout.splitlines()[0]
+    assert float(figures["Python calls"]) > 100 and float(figures["objects in reference cycles"]) == 0.0
