@@ -343,3 +343,64 @@ def test_hf_generate_at_stage_3_with_different_lengths_needs_synced_gpus() -> No
     for rank, result in enumerate(run_ranks(_generate_different_lengths, 2, True, timeout=90)):
         assert result["ours"] == result["expected"], f"rank {rank}"
         assert len(result["ours"][0]) == 3 + 3 + 4 * rank
+
+
+# --------------------------------------------------------------------------- partial loads
+
+
+class _TiedFrozenBuffered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight  # tied: two keys, one parameter
+        self.body.bias.requires_grad_(False)  # frozen
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(tokens)) * self.scale)
+
+
+def _partial_loads(stage: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    plain = _TiedFrozenBuffered()
+    model = shardpar.wrap(_TiedFrozenBuffered(), stage=stage, **({"min_unit_params": 1} if stage == 3 else {}))
+    plain.load_state_dict(model.full_state_dict())
+    g = torch.Generator().manual_seed(5)
+    partial = {
+        "body.weight": torch.randn(8, 8, generator=g),
+        "head.weight": torch.randn(10, 8, generator=g),  # only the alias of the tied emb.weight
+        "scale": torch.full((8,), 2.0),
+        "not.in.the.model": torch.zeros(3),
+    }
+    out: dict[str, Any] = {"plain": plain.load_state_dict(partial, strict=False)}
+    out["ours"] = model.load_state_dict(partial, strict=False)
+    out["state_equal"] = sorted(k for k, v in plain.state_dict().items() if torch.equal(model.full_state_dict()[k], v))
+    out["keys"] = sorted(plain.state_dict())
+    before = model.full_state_dict()
+    for case, bad, strict in (("strict", partial, True), ("shape", {"body.weight": torch.zeros(4, 4)}, False)):
+        try:
+            model.load_state_dict(bad, strict=strict)
+            out[case] = "no error"
+        except ValueError as error:
+            out[case] = str(error)
+    out["unchanged_after_errors"] = all(torch.equal(v, before[k]) for k, v in model.full_state_dict().items())
+    model.engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_load_state_dict_strict_false_loads_the_keys_present_like_torch(stage: int) -> None:
+    """``strict=False`` (a backbone without its head, a checkpoint with extra keys): the keys
+    present are loaded, the rest keep their values, and the missing/unexpected keys returned
+    are torch's; a tied parameter is loaded through whichever key is given. ``strict=True``
+    names what is missing and unexpected; a wrong shape is an error either way; an error
+    changes nothing."""
+    for rank, out in enumerate(run_ranks(_partial_loads, 2, stage, timeout=120)):
+        assert tuple(out["ours"]) == tuple(out["plain"]), (rank, out["ours"], out["plain"])
+        assert sorted(out["plain"].missing_keys) == ["body.bias", "emb.weight"], out["plain"]
+        assert out["state_equal"] == out["keys"], (rank, out["state_equal"])
+        assert "missing: body.bias, emb.weight" in out["strict"] and "unexpected: not.in.the.model" in out["strict"]
+        assert "shape: body.weight: (4, 4) vs model (8, 8)" in out["shape"], out["shape"]
+        assert out["unchanged_after_errors"], rank

@@ -552,38 +552,44 @@ class Engine:
                     C.all_reduce(flat, group=self.group)
         return out
 
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> tuple[list[str], list[str]]:
         """Inverse of :meth:`full_state_dict` (every rank passes the same full tensors).
 
         Values go through :meth:`load_pieces`, so master copies and stage-3 shards get the
-        full-precision values, not a low-precision compute copy.
+        full-precision values, not a low-precision compute copy. As ``nn.Module`` does,
+        ``strict=False`` loads the keys that are there, keeps the current values of the rest
+        and returns ``(missing, unexpected)``; a wrong shape is an error either way. A tied
+        parameter takes its value from whichever of its keys is present.
         """
         self.wait_for_params()
         expected = {name: tuple(t.shape) for name, t in self._module_state(keep_vars=True).items()}
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
+        missing = [name for name in expected if name not in state]  # torch's orders: the module's, the input's
+        unexpected = [name for name in state if name not in expected]
         wrong_shape = [
             f"{name}: {tuple(state[name].shape)} vs model {shape}"
             for name, shape in expected.items()
             if name in state and tuple(state[name].shape) != shape
         ]
-        if missing or unexpected or wrong_shape:
+        problems = [("shape", wrong_shape)] + ([("missing", sorted(missing)), ("unexpected", sorted(unexpected))]
+                                               if strict else [])
+        if any(items for _, items in problems):
             raise ValueError(
                 "state dict does not match the model: "
-                + "; ".join(
-                    f"{label}: {', '.join(items)}"
-                    for label, items in (("missing", missing), ("unexpected", unexpected), ("shape", wrong_shape))
-                    if items
-                )
+                + "; ".join(f"{label}: {', '.join(items)}" for label, items in problems if items)
+                + ("" if not strict or wrong_shape else " (strict=False loads only the keys present)")
             )
+        # Each canonical name's value: its own key, or any tied alias's.
+        source = {self.aliases.get(key, key): value for key, value in state.items() if key in expected}
         with torch.no_grad():
             for piece in self.load_pieces():
-                start, end = piece.param_range
-                piece.tensor.copy_(state[piece.name].reshape(-1)[start:end])
+                if piece.name in source:
+                    start, end = piece.param_range
+                    piece.tensor.copy_(source[piece.name].reshape(-1)[start:end])
             for name, buffer in self.module.named_buffers():
                 if name in state:
                     buffer.copy_(state[name])
             self.after_load()
+        return missing, unexpected
 
     # ------------------------------------------------------------------ memory
 
