@@ -1009,3 +1009,39 @@ def test_stage3_reads_the_host_once_per_backward_plus_each_gather_tag(mixed_prec
                                   {"wrap_policy": kitchen_units, "prefetch_units": 0}, timeout=120)[0]
     assert all(g >= 2 for g in gathers[1:]), gathers
     assert reads[1:] == [{"tolist": 1 + g} for g in gathers[1:]], (reads, gathers)
+
+
+def _set_weights_under_bf16(stage: int) -> dict[str, Any]:
+    """After a step, set some weights the documented way (``load_state_dict(strict=False)``
+    of the full-precision values) and take another step with lr=0: the new values are what
+    the next forward computes with, what ``full_state_dict`` reads, and they survive the step."""
+    torch.manual_seed(0)
+    model = shardpar.wrap(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)), stage=stage,
+                          mixed_precision="bf16", **({"min_unit_params": 1} if stage == 3 else {}))
+    opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.0)
+    x = torch.randn(2, 4)
+    model(x).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    clamped = {k: v.clamp(-0.01, 0.01) for k, v in model.full_state_dict().items() if k.startswith("0.")}
+    model.load_state_dict(clamped, strict=False)
+    with torch.no_grad():
+        reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        reference.load_state_dict(model.full_state_dict())
+        expected_output = reference.to(torch.bfloat16)(x.to(torch.bfloat16))
+        output = model(x)
+    model(x).float().sum().backward()
+    opt.step()
+    after = model.full_state_dict()
+    model.engine.close()
+    return {"output_equal": torch.equal(output, expected_output),
+            "kept": all(torch.equal(after[k], v) for k, v in clamped.items())}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_setting_weights_under_mixed_precision_reaches_the_master(stage: int) -> None:
+    """An in-place edit of a bf16 compute copy would be overwritten from the fp32 master at the
+    next step (docs/mixed-precision.md, "Changing weights by hand"); load_state_dict writes the
+    master, so the values it sets are computed with and kept."""
+    for rank, out in enumerate(run_ranks(_set_weights_under_bf16, 2, stage, timeout=120)):
+        assert out["output_equal"] and out["kept"], (rank, out)
