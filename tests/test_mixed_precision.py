@@ -1045,3 +1045,26 @@ def test_setting_weights_under_mixed_precision_reaches_the_master(stage: int) ->
     master, so the values it sets are computed with and kept."""
     for rank, out in enumerate(run_ranks(_set_weights_under_bf16, 2, stage, timeout=120)):
         assert out["output_equal"] and out["kept"], (rank, out)
+
+
+def _edit_in_place_fp32(stage: int) -> bool:
+    torch.manual_seed(0)
+    model = shardpar.wrap(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)), stage=stage)
+    opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.0)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        for p in model.parameters():
+            p.data.clamp_(-0.01, 0.01)  # WGAN-style clipping after each step
+    kept = all(float(v.abs().max()) <= 0.01 for v in model.full_state_dict().values())
+    model.engine.close()
+    return kept
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2))
+def test_in_place_edits_are_kept_without_mixed_precision(stage: int) -> None:
+    """Without mixed precision, stages 0-2 store the parameters themselves: an in-place edit
+    after a step is what the next step starts from and what full_state_dict shows."""
+    assert run_ranks(_edit_in_place_fp32, 2, stage, timeout=120) == [True, True]
