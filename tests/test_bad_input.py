@@ -107,6 +107,61 @@ def test_nothing_to_train() -> None:
         shardpar.wrap(model, stage=0)
 
 
+@pytest.mark.parametrize("module_class", [nn.Embedding, nn.EmbeddingBag])
+def test_sparse_embedding_is_named_at_wrap(module_class: type) -> None:
+    model = nn.Sequential(module_class(10, 4, sparse=True), nn.Linear(4, 1))
+    with pytest.raises(ValueError, match=r"module '0' \(" + module_class.__name__ + r"\) has sparse=True"):
+        shardpar.wrap(model)
+    frozen = nn.Sequential(module_class(10, 4, sparse=True), nn.Linear(4, 1))
+    frozen[0].weight.requires_grad_(False)  # no gradient at all: nothing to refuse
+    shardpar.wrap(frozen).engine.close()
+
+
+class _SparseLookup(nn.Module):
+    """A sparse gradient from a functional call, which no module check can see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(nn.functional.embedding(tokens, self.table, sparse=True))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_sparse_gradient_names_the_parameter(stage: int) -> None:
+    model = shardpar.wrap(_SparseLookup(), stage=stage, **({"min_unit_params": 1} if stage == 3 else {}))
+    with pytest.raises(ValueError, match="parameter 'table' got a torch.sparse_coo gradient"):
+        model(torch.tensor([[1, 2]])).sum().backward()
+    model.engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_moving_or_casting_after_wrap_is_refused_and_no_ops_pass(stage: int) -> None:
+    """``.double()``/``.half()``/``.to(dtype)``/``.to(memory_format=...)`` would give the
+    parameters new tensors outside the engine's storage: refused, naming a tensor, with
+    nothing changed. ``.to(device)`` to where the model is, ``.cpu()`` and ``.float()`` of an
+    fp32 model change nothing and are allowed (scripts call them after wrapping DDP)."""
+    torch.manual_seed(0)
+    model = shardpar.wrap(nn.Sequential(nn.Conv2d(2, 4, 3), nn.Flatten(), nn.Linear(4 * 2 * 2, 1)), stage=stage,
+                          **({"min_unit_params": 1} if stage == 3 else {}))
+    opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.1)
+    before = model.full_state_dict()
+    for call in (lambda m: m.double(), lambda m: m.half(), lambda m: m.to(torch.bfloat16),
+                 lambda m: m.to(memory_format=torch.channels_last), lambda m: m.to("meta")):
+        with pytest.raises(ValueError, match="would move or cast '0.weight'.*before shardpar.wrap"):
+            call(model)
+    for call in (lambda m: m.to("cpu"), lambda m: m.cpu(), lambda m: m.float(), lambda m: m.to(torch.float32)):
+        assert call(model) is model
+    after = model.full_state_dict()
+    assert all(torch.equal(after[k], v) and after[k].dtype == v.dtype for k, v in before.items())
+    model(torch.randn(1, 2, 4, 4)).sum().backward()  # still trains
+    opt.step()
+    assert not torch.equal(model.full_state_dict()["2.weight"], before["2.weight"])
+    model.engine.close()
+
+
 @pytest.mark.parametrize("cls", [object, torch.nn.Linear, "AdamW", torch.optim.AdamW([torch.zeros(1, requires_grad=True)])])
 def test_optimizer_class_must_be_an_optimizer(cls: object) -> None:
     model = shardpar.wrap(_mlp(), stage=0)

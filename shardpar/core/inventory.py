@@ -82,6 +82,25 @@ def check_supported_dtypes(inventory: ParamInventory) -> None:
             )
 
 
+def check_dense_gradients(module: nn.Module, inventory: ParamInventory) -> None:
+    """Gradients are reduced in dense flat buffers: an embedding that makes sparse gradients
+    is refused at wrap, naming it (the gradient hook names any other sparse gradient)."""
+    trainable = {id(param) for _, param in inventory.trainable}
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and id(sub.weight) in trainable:
+            raise ValueError(
+                f"module '{name}' ({type(sub).__name__}) has sparse=True, so its weight gets sparse gradients; "
+                "shardpar reduces dense gradients only: build it with sparse=False (or freeze its weight)"
+            )
+
+
+def sparse_gradient_error(name: str, grad: torch.Tensor) -> ValueError:
+    return ValueError(
+        f"parameter '{name}' got a {grad.layout} gradient; shardpar reduces dense (strided) gradients only: "
+        "make the operation that produces it give a dense gradient (e.g. nn.Embedding(sparse=False))"
+    )
+
+
 def group_by_dtype(named: Sequence[tuple[str, nn.Parameter]]) -> list[list[tuple[str, nn.Parameter]]]:
     """Parameters grouped by dtype, groups in order of first appearance, members in order."""
     groups: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}

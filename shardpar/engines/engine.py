@@ -33,7 +33,8 @@ from ..comm import watch
 from ..config import ShardConfig
 from ..core.deferred_init import DeferredInit
 from ..core.gatherer import Unit, UnitGatherer, _grad_tensors, on_first_grad
-from ..core.inventory import ParamInventory, check_supported_dtypes, module_device
+from ..core.inventory import (ParamInventory, check_dense_gradients, check_supported_dtypes, module_device,
+                              sparse_gradient_error)
 from ..core.param_guard import allow
 from ..core.pieces import TensorPiece
 from ..core.rebuild import ReadyOrder, Relayout, describe_state, merge_descriptions, move_state
@@ -94,6 +95,7 @@ class Engine:
                 "there is nothing to train in data parallel"
             )
         check_supported_dtypes(self.inventory)
+        check_dense_gradients(module, self.inventory)
         mp = config.mixed_precision
         self.param_dtype = mp.param_dtype if mp is not None else None
         self.original_buffer_dtypes: dict[str, torch.dtype] = {}
@@ -338,6 +340,8 @@ class Engine:
 
     def _on_grad_ready(self, name: str, param: nn.Parameter) -> None:
         self.ensure_backward_started()
+        if param.grad is not None and param.grad.layout is not torch.strided:
+            raise sparse_gradient_error(name, param.grad)
         if not torch.is_grad_enabled():  # backward without create_graph: already so, no context to enter
             self.reducer.on_grad_ready(name, param)
             return
