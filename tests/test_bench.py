@@ -144,6 +144,7 @@ def test_step_profile_prints_each_figure_per_step() -> None:
     figures = dict(line.strip().rsplit(": ", 1) for line in result.stdout.splitlines()[1:] if ": " in line)
     assert set(figures) == {"wall ms", "process CPU ms", "main-thread CPU ms", "main-thread CPU ms, forward",
                             "main-thread CPU ms, backward", "main-thread CPU ms, step", "Python calls",
+                            "garbage collections (any generation)",
                             "objects in reference cycles"}, figures
     assert "mlp:tiny stage 3, shardpar of" in result.stdout.splitlines()[0]
     assert float(figures["Python calls"]) > 100 and float(figures["objects in reference cycles"]) == 0.0

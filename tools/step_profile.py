@@ -8,8 +8,9 @@
 ``tools/bench.py`` times every configuration interleaved in one launch, which is what its
 ratios need; this tool answers the follow-up question about one of them, with nothing else
 in the process: wall and CPU time per step (the whole process, and its main thread per
-phase), Python function calls per step (``--calls``: under cProfile, so the times printed
-with it are cProfile's, not the configuration's), and the objects per step that only the
+phase), how often Python's garbage collector ran, Python function calls per step
+(``--calls``: under cProfile, so the times printed with it are cProfile's, not the
+configuration's), and the objects per step that only the
 cyclic garbage collector frees (``--cycles``). The model, batch, optimizer (AdamW), step and
 allocator settings are the benchmark's (``--model`` takes its names); stage 3 uses its
 blocks as units. ``--candidate PATH`` profiles the shardpar of another checkout instead of
@@ -95,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         step()
     phases.update(dict.fromkeys(phases, 0.0))
     profile = cProfile.Profile() if args.calls else None
+    collections = [0]
+
+    def count_collection(phase: str, info: dict) -> None:
+        collections[0] += phase == "stop"
+
+    gc.callbacks.append(count_collection)
     wall, cpu, main_cpu = time.perf_counter(), time.process_time(), time.thread_time()
     if profile is not None:
         profile.enable()
@@ -102,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         step()
     if profile is not None:
         profile.disable()
+    gc.callbacks.remove(count_collection)
     per_step = {
         "wall ms": (time.perf_counter() - wall) * 1e3 / args.steps,
         "process CPU ms": (time.process_time() - cpu) * 1e3 / args.steps,
         "main-thread CPU ms": (time.thread_time() - main_cpu) * 1e3 / args.steps,
         **{f"main-thread CPU ms, {phase}": seconds * 1e3 / args.steps for phase, seconds in phases.items()},
+        "garbage collections (any generation)": collections[0] / args.steps,
     }
     if profile is not None:
         stats = pstats.Stats(profile, stream=io.StringIO())
