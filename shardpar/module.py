@@ -44,6 +44,20 @@ class ShardedModule(nn.Module):
         except AttributeError:
             return getattr(self._modules["module"], name)
 
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise TypeError(
+            "copy.deepcopy of a model wrapped by shardpar would make a second engine over the same process groups; "
+            "copy.deepcopy(model.module) gives a plain copy of the module with the current weights (on every rank, "
+            "as it gathers them), for an EMA or evaluation model"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a model wrapped by shardpar cannot be pickled (torch.save(model)): it holds process groups and "
+            "shards. Save model.state_dict() or shardpar.save_checkpoint(...), or torch.save(model.module, path) "
+            "for a plain module with the current weights (on every rank, as it gathers them)"
+        )
+
     def _apply(self, fn: Any, recurse: bool = True) -> "ShardedModule":
         """``to()``, ``double()``, ``cuda()``, ``half()``... after wrap: a call that would leave
         every tensor as it is (``model.to(device)`` on the device it is on) does nothing; one

@@ -404,3 +404,94 @@ def test_load_state_dict_strict_false_loads_the_keys_present_like_torch(stage: i
         assert "missing: body.bias, emb.weight" in out["strict"] and "unexpected: not.in.the.model" in out["strict"]
         assert "shape: body.weight: (4, 4) vs model (8, 8)" in out["shape"], out["shape"]
         assert out["unchanged_after_errors"], rank
+
+
+# --------------------------------------------------------------------------- copies of the module
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+_CALLS: list[int] = []
+
+
+def _record_call(module: nn.Module, args: Any, output: Any) -> None:
+    """A user's forward hook (module level, so a pickled module can refer to it)."""
+    _CALLS.append(1)
+
+
+def _copies_of_the_module(stage: int, mixed_precision: Any) -> dict[str, Any]:
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    module = _TiedFrozenBuffered()
+    calls = _CALLS
+    module.body.register_forward_hook(_record_call)  # the user's own hook: copied
+    model = shardpar.wrap(module, stage=stage, mixed_precision=mixed_precision,
+                          **({"min_unit_params": 1} if stage == 3 else {}))
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 6]]) + C.get_rank()
+    model(tokens).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    out: dict[str, Any] = {}
+    full = model.full_state_dict()
+    ema = copy.deepcopy(model.module)
+    buffer = io.BytesIO()
+    torch.save(model.module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for label, copied in (("deepcopy", ema), ("torch.save", loaded)):
+        state = copied.state_dict()
+        out[label] = {
+            "class": type(copied).__name__,
+            "equal": sorted(k for k, v in full.items() if torch.equal(state[k], v) and state[k].dtype == v.dtype),
+            "tied": copied.head.weight is copied.emb.weight,
+            "frozen": [n for n, p in copied.named_parameters() if not p.requires_grad],
+            "plain": all(type(p) is nn.Parameter for p in copied.parameters()),
+            "hooks": sum(len(getattr(m, d)) for m in copied.modules() for d in _HOOK_DICTS),
+            "marks": sorted(k for k in copied.__dict__ if "shardpar" in k or k in ("zero_grad", "__deepcopy__")),
+        }
+    comm_before = model.comm_stats()
+    calls.clear()
+    with torch.no_grad():
+        ema_out = ema.float()(tokens)  # a plain module: any cast, no collective
+    out["ema_no_collective"] = model.comm_stats() == comm_before
+    out["user_hook_ran"] = len(calls) == 1
+    out["ema_close_to_model"] = float((ema_out - model(tokens).float()).abs().max())
+    for what, call in (("model", lambda: copy.deepcopy(model)), ("save", lambda: torch.save(model, io.BytesIO()))):
+        try:
+            call()
+            out[what] = "no error"
+        except TypeError as error:
+            out[what] = str(error)
+    model(tokens).float().sum().backward()  # the wrapped model trains on after being copied
+    opt.step()
+    out["trains_on"] = not torch.equal(model.full_state_dict()["body.weight"], full["body.weight"])
+    model.engine.close()
+    out["after_close"] = sorted(k for k in module.__dict__ if k in ("__deepcopy__", "__reduce_ex__", "zero_grad"))
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("mixed_precision", [None, "bf16"])
+def test_deepcopy_and_torch_save_of_the_module_give_a_plain_module_with_the_weights(
+    stage: int, mixed_precision: Any
+) -> None:
+    """DDP scripts make an EMA or evaluation model with ``copy.deepcopy(model.module)`` or
+    ``torch.save(model.module, path)``: both give the user's class with the current
+    full-precision weights (fp32 masters under bf16), tied and frozen parameters as they were,
+    the user's own hooks and none of shardpar's, so running it makes no collective. Copying or
+    pickling the ShardedModule itself is refused by name."""
+    keys = sorted(_TiedFrozenBuffered().state_dict())
+    for rank, out in enumerate(run_ranks(_copies_of_the_module, 2, stage, mixed_precision, timeout=120)):
+        for label in ("deepcopy", "torch.save"):
+            got = out[label]
+            assert got["class"] == "_TiedFrozenBuffered" and got["equal"] == keys, (rank, label, got)
+            assert got["tied"] and got["plain"] and got["frozen"] == ["body.bias"], (rank, label, got)
+            assert got["hooks"] == 1 and got["marks"] == [], (rank, label, got)
+        assert out["ema_no_collective"] and out["user_hook_ran"], (rank, out)
+        assert out["ema_close_to_model"] < (5e-2 if mixed_precision else 1e-6), (rank, out["ema_close_to_model"])
+        assert "copy.deepcopy(model.module)" in out["model"] and "torch.save(model.module" in out["save"], out
+        assert out["trains_on"] and out["after_close"] == [], (rank, out)

@@ -33,6 +33,7 @@ from ..comm import watch
 from ..config import ShardConfig
 from ..core.deferred_init import DeferredInit
 from ..core.gatherer import Unit, UnitGatherer, _grad_tensors, on_first_grad
+from . import plain_copy
 from ..core.inventory import (ParamInventory, check_dense_gradients, check_supported_dtypes, module_device,
                               sparse_gradient_error)
 from ..core.param_guard import allow
@@ -137,6 +138,7 @@ class Engine:
         self._install_root_hooks()
         module.zero_grad = lambda set_to_none=True: self.zero_grad()  # the module's own zero_grad clears ours
         setattr(module, WRAPPED_MARK, True)
+        plain_copy.install(self, marks=("zero_grad", WRAPPED_MARK))  # copy.deepcopy / torch.save of the module
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -638,3 +640,4 @@ class Engine:
         self._gather_handles.clear()
         self.module.__dict__.pop("zero_grad", None)
         self.module.__dict__.pop(WRAPPED_MARK, None)
+        plain_copy.remove(self.module)
