@@ -197,6 +197,18 @@ class ShardedModule(nn.Module):
                 grad.mul_(clip_coef.to(grad.dtype))
         return total
 
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to ``[-clip_value, clip_value]``, as
+        ``torch.nn.utils.clip_grad_value_``. Elementwise, so each rank clamps the gradient
+        elements it holds (its shards at stages 1-3) and nothing is communicated."""
+        clip_value = float(clip_value)
+        if not clip_value >= 0:
+            raise ValueError(f"clip_value must be a non-negative number, got {clip_value!r}")
+        grads, _ = self.engine.owned_grads() if self.engine.grads_ready else ([], False)
+        with torch.no_grad():
+            for grad in grads:
+                grad.clamp_(-clip_value, clip_value)
+
     def comm_stats(self) -> dict[str, dict[str, float]]:
         """Bytes this rank sent since wrap (or the last reset), per collective kind; see
         [Note: byte accounting] in ``shardpar.comm.collectives``."""

@@ -495,3 +495,51 @@ def test_deepcopy_and_torch_save_of_the_module_give_a_plain_module_with_the_weig
         assert out["ema_close_to_model"] < (5e-2 if mixed_precision else 1e-6), (rank, out["ema_close_to_model"])
         assert "copy.deepcopy(model.module)" in out["model"] and "torch.save(model.module" in out["save"], out
         assert out["trains_on"] and out["after_close"] == [], (rank, out)
+
+
+# --------------------------------------------------------------------------- clipping by value
+
+
+def _clip_by_value(stage: int) -> dict[str, torch.Tensor]:
+    rank, world = C.get_rank(), C.get_world_size()
+    torch.manual_seed(0)
+    model = shardpar.wrap(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)), stage=stage,
+                          **({"min_unit_params": 1} if stage == 3 else {}))
+    opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.5)
+    for step in range(3):
+        x = torch.randn(8 * world, 6, generator=torch.Generator().manual_seed(step)) * 5
+        model(x[8 * rank: 8 * (rank + 1)]).square().mean().backward()
+        model.clip_grad_value_(0.05)
+        opt.step()
+        opt.zero_grad()
+    state = model.full_state_dict()
+    model.engine.close()
+    return state
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_clip_grad_value_matches_torch_on_the_averaged_gradient(stage: int) -> None:
+    """``model.clip_grad_value_`` clamps the reduced gradient as torch's clip_grad_value_ does on
+    one process with the global batch (a small clip value, so most elements are clamped)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    clamped = 0
+    for step in range(3):
+        x = torch.randn(16, 6, generator=torch.Generator().manual_seed(step)) * 5
+        plain(x).square().mean().backward()
+        clamped += sum(int((p.grad.abs() > 0.05).sum()) for p in plain.parameters())
+        torch.nn.utils.clip_grad_value_(plain.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    assert clamped > 20  # the clip does something here
+    for rank, state in enumerate(run_ranks(_clip_by_value, 2, stage, timeout=120)):
+        for name, value in plain.state_dict().items():
+            assert torch.allclose(state[name], value, rtol=1e-5, atol=1e-6), (rank, name)
+
+
+def test_clip_grad_value_refuses_a_negative_value() -> None:
+    model = shardpar.wrap(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="clip_value must be a non-negative number, got -1.0"):
+        model.clip_grad_value_(-1)
+    model.engine.close()

@@ -39,7 +39,8 @@ from ..errors import ShardedGradError
 from .param_guard import metadata_only
 
 _FIX = (
-    "call model.clip_grad_norm_(...) instead of torch.nn.utils.clip_grad_norm_, and build the optimizer with "
+    "call model.clip_grad_norm_(...) instead of torch.nn.utils.clip_grad_norm_ (model.clip_grad_value_(...) "
+    "instead of torch.nn.utils.clip_grad_value_), and build the optimizer with "
     "shardpar.optimizer(model, torch.optim.AdamW, ...) (same options and param groups) instead of "
     "torch.optim.AdamW(model.parameters(), ...)"
 )
