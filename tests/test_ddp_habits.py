@@ -543,3 +543,45 @@ def test_clip_grad_value_refuses_a_negative_value() -> None:
     with pytest.raises(ValueError, match="clip_value must be a non-negative number, got -1.0"):
         model.clip_grad_value_(-1)
     model.engine.close()
+
+
+# --------------------------------------------------------------------------- inference mode
+
+
+def _evaluate_under_inference_mode(stage: int, mixed_precision: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = shardpar.wrap(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)), stage=stage,
+                          mixed_precision=mixed_precision, **({"min_unit_params": 1} if stage == 3 else {}))
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(C.get_rank()))
+    out: dict[str, Any] = {"inference": [], "no_grad": []}
+    for _ in range(2):
+        model.train()
+        model(x).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        model.eval()
+        with torch.inference_mode():
+            out["inference"].append(model(x))
+        with torch.no_grad():
+            out["no_grad"].append(model(x))
+    model.train()
+    model(x).float().sum().backward()  # training goes on after evaluating under inference mode
+    opt.step()
+    out["state"] = model.full_state_dict()
+    model.engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("mixed_precision", [None, "bf16"])
+def test_evaluation_under_inference_mode_equals_no_grad_and_training_goes_on(stage: int, mixed_precision: Any) -> None:
+    """Evaluation loops run under ``torch.inference_mode()`` (Lightning's default): the outputs
+    equal ``no_grad``'s exactly at every stage, and training afterwards ends where stage 0 does.
+    Stage 3 used to fail when freeing a unit ("this tensor stands in for a sharded parameter")."""
+    reference = run_ranks(_evaluate_under_inference_mode, 2, 0, mixed_precision, timeout=120)
+    for rank, out in enumerate(run_ranks(_evaluate_under_inference_mode, 2, stage, mixed_precision, timeout=120)):
+        for got, want in zip(out["inference"], out["no_grad"]):
+            assert torch.equal(got, want), (rank, got, want)
+        for name, value in reference[rank]["state"].items():
+            assert torch.allclose(out["state"][name], value, rtol=1e-5, atol=1e-6), (rank, name)

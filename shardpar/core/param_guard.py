@@ -132,6 +132,10 @@ class _NoStorage(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten._has_compatible_shallow_copy_type.default:
+            # ``param.data = placeholder`` asks this (a metadata question) when inference mode
+            # bypasses the autograd kernel that answers it otherwise: the swap is shardpar's own.
+            return True
         raise RuntimeError("this tensor stands in for a sharded parameter and has no values")
 
 
