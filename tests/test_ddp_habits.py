@@ -21,6 +21,7 @@ first use -- never a silent no-op.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -585,3 +586,81 @@ def test_evaluation_under_inference_mode_equals_no_grad_and_training_goes_on(sta
             assert torch.equal(got, want), (rank, got, want)
         for name, value in reference[rank]["state"].items():
             assert torch.allclose(out["state"][name], value, rtol=1e-5, atol=1e-6), (rank, name)
+
+
+# --------------------------------------------------------------------------- two optimizers, one model
+
+
+class _TwoParts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _two_optimizer_loop(model: nn.Module, inner: _TwoParts, make_opt: Any, rank: int, world: int,
+                        no_sync: Any) -> list[float]:
+    """Adam over ``a``, SGD over ``b``. Each step: a micro-batch under no_sync, then a synced
+    one; step and clear ``a`` first, then clip what is left (``b``'s gradients only: ``a``'s
+    are None now) and step ``b``; ``b`` is cleared every other step only, so its gradients
+    accumulate across two steps."""
+    o1 = make_opt(list(inner.a.parameters()), torch.optim.Adam, lr=1e-2)
+    o2 = make_opt(list(inner.b.parameters()), torch.optim.SGD, lr=1e-1)
+    g = torch.Generator().manual_seed(1)
+    norms = []
+    for step in range(4):
+        for micro in range(2):
+            x = torch.randn(8, 4, generator=g).chunk(world)[rank]
+            with no_sync() if micro == 0 else contextlib.nullcontext():
+                (model(x).square().mean() / 2).backward()
+        o1.step()
+        o1.zero_grad()
+        norms.append(float(model.clip_grad_norm_(0.5) if hasattr(model, "engine") else
+                           torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        o2.step()
+        if step % 2:
+            o2.zero_grad()
+    return norms
+
+
+def _two_optimizers(stage: int, mixed_precision: Any = None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    inner = _TwoParts()
+    model = shardpar.wrap(inner, stage=stage, mixed_precision=mixed_precision,
+                          **({"min_unit_params": 1} if stage == 3 else {}))
+    norms = _two_optimizer_loop(model, inner, lambda params, cls, **kw: shardpar.optimizer(model, cls, params, **kw),
+                                C.get_rank(), C.get_world_size(), model.no_sync)
+    state = model.full_state_dict()
+    model.engine.close()
+    return {"norms": norms, "state": state}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_two_optimizers_over_one_model_clear_only_their_own_gradients(stage: int) -> None:
+    """torch's ``opt.zero_grad()`` clears its own parameters only: after ``o1.zero_grad()``,
+    ``o2`` still steps with its gradients, the global norm leaves ``a`` out, and ``b`` keeps
+    accumulating where ``o2`` does not clear it. The same as plain torch on one process with
+    the global batch (the no_sync micro-batch included), at every stage."""
+    torch.manual_seed(0)
+    plain = _TwoParts()
+    want_norms = _two_optimizer_loop(plain, plain, lambda params, cls, **kw: cls(params, **kw), 0, 1,
+                                     contextlib.nullcontext)
+    for rank, out in enumerate(run_ranks(_two_optimizers, 2, stage, timeout=120)):
+        assert out["norms"] == pytest.approx(want_norms, rel=1e-5), (rank, out["norms"], want_norms)
+        for name, value in plain.state_dict().items():
+            assert torch.allclose(out["state"][name], value, rtol=1e-5, atol=1e-6), (rank, name)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_optimizers_under_bf16_reductions_match_stage_0(stage: int) -> None:
+    """The same loop with bf16 compute and bf16 gradient reductions, where stages 0-1 keep a
+    separate fp32 copy of the reduced gradients: every stage ends where stage 0 does."""
+    policy = shardpar.MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    reference = run_ranks(_two_optimizers, 2, 0, policy, timeout=120)
+    for rank, out in enumerate(run_ranks(_two_optimizers, 2, stage, policy, timeout=120)):
+        assert out["norms"] == pytest.approx(reference[rank]["norms"], rel=2e-2), (rank, out["norms"])
+        for name, value in reference[rank]["state"].items():
+            assert torch.allclose(out["state"][name], value, rtol=2e-2, atol=2e-3), (rank, name)

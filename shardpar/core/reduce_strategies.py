@@ -96,6 +96,13 @@ def _scale(tensor: torch.Tensor, factor: float) -> None:
         tensor.mul_(factor)
 
 
+def _zero_pieces(space: ParamSpace, rank: int, names: set[str], shards: torch.Tensor) -> None:
+    """Zero the elements of ``names`` in ``shards`` (this rank's slices of ``space``, local layout)."""
+    for piece in space.layout.pieces(rank):
+        if piece.name in names:
+            piece.local_range.of(shards).zero_()
+
+
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -153,6 +160,16 @@ class _FullGradBuffer:
             for param in space.params.values():
                 param.grad = None
 
+    def clear_params(self, names: set[str]) -> None:
+        """``zero_grad`` of some parameters only (an optimizer over part of the model; see
+        [Note: zero_grad of some parameters] in reducer.py): their gradients become zero and
+        ``.grad`` None; every other parameter keeps what it holds."""
+        for space in self.spaces:
+            for name, param in space.params.items():
+                if name in names:
+                    self.views[name].zero_()
+                    param.grad = None
+
     def after_sync_backward(self) -> None:
         pass
 
@@ -202,6 +219,13 @@ class AllReduceStrategy(_FullGradBuffer):
             for name, param in space.params.items():
                 if name in names:
                     param.grad = None
+
+    def clear_params(self, names: set[str]) -> None:
+        super().clear_params(names)
+        for space, master in self.master_grads.items():
+            if master is not self.data[space]:
+                for name in names & space.params.keys():
+                    space.layout.view(master, name).zero_()
 
     def relayout(self, moves: dict[ParamSpace, Relayout]) -> None:
         """See [Note: bucket rebuild]: reduced gradients are complete on every rank."""
@@ -302,6 +326,13 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
     def clear(self) -> None:
         _FullGradBuffer.clear(self)
         self._carry = None
+
+    def clear_params(self, names: set[str]) -> None:
+        _FullGradBuffer.clear_params(self, names)  # the owned slices of the buffer included
+        for space in self.spaces:
+            for shards in (self.master_grad_shards.get(space), self._carry and self._carry.get(space)):
+                if shards is not None:
+                    _zero_pieces(space, self.rank, names, shards)
 
     def release_unused(self, names: set[str]) -> None:
         """The optimizer skips them (see ShardedOptimizer); nothing to release here."""
@@ -462,6 +493,13 @@ class StagedReduceScatter(_ShardedAverage):
             for space in self.spaces:
                 for param in space.params.values():
                     param.grad = None
+
+    def clear_params(self, names: set[str]) -> None:
+        for space in self.spaces:
+            _zero_pieces(space, self.rank, names, self.grad_shards[space])
+            if space in self._accumulated:
+                for name in names & space.params.keys():
+                    space.layout.view(self._accumulated[space], name).zero_()
 
     def release_unused(self, names: set[str]) -> None:
         """The optimizer skips them (see ShardedOptimizer); nothing to release here."""

@@ -41,6 +41,17 @@ trainable parameter, launched with the last buckets: a parameter no rank used si
 backward passes (and its negation, so one max-reduction yields the minimum too): if ranks
 disagree, one of them skipped or added a backward and every gradient reduced in this
 backward paired with the wrong partner, so every rank raises, naming the counts per rank.
+
+[Note: zero_grad of some parameters]
+An optimizer built over part of the model (a GAN's two optimizers over one module, a second
+optimizer for some layers) clears only its own parameters in ``zero_grad``, as torch's
+does, so ``opt1.zero_grad(); opt2.step()`` still steps ``opt2``'s parameters with their
+gradients. The strategy zeroes just those parameters' gradients wherever it keeps them (the
+full buffer, the owned slices, the gradient shards, a stage-1 carry, a no_sync accumulation)
+and the reducer marks them *cleared*: they have no gradient for the optimizer until a
+synchronising backward's used-flags say again who has one. Every other parameter keeps its
+gradient, and its bucket stays in "add" mode, so the next backward accumulates on top as
+torch does. A ``zero_grad`` that covers every parameter is the plain clear.
 """
 
 from __future__ import annotations
@@ -123,6 +134,7 @@ class ReduceStrategy(Protocol):
     def finish(self, bucket: GradBucket) -> None: ...
     def after_sync_backward(self) -> None: ...
     def clear(self) -> None: ...
+    def clear_params(self, names: set[str]) -> None: ...
     def release_unused(self, names: set[str]) -> None: ...
 
 
@@ -202,6 +214,9 @@ class GradientReducer:
         """Parameters no rank used since ``zero_grad`` (known after a synchronising backward)."""
         self.grads_ready = False
         """Some synchronising backward reduced gradients since the last ``zero_grad``."""
+        self.cleared: set[str] = set()
+        """Parameters whose gradients a ``zero_grad`` of some parameters forgot since the last
+        synchronising backward (see [Note: zero_grad of some parameters])."""
         self._cursor = 0
         self._in_flight: list[GradBucket] = []
         self.last_backward_wait_s = 0.0
@@ -311,6 +326,7 @@ class GradientReducer:
         self.unused = {name for name, flag in zip(self.names, values[: -2 * k]) if not flag}
         self.strategy.release_unused(self.unused)
         self.strategy.after_sync_backward()
+        self.cleared = set()  # this backward's flags say who has a gradient now
         self.grads_ready = True
 
     def _raise_diverged(self) -> None:
@@ -328,17 +344,26 @@ class GradientReducer:
         )
 
     def has_gradient(self, name: str) -> bool:
-        return self.grads_ready and name not in self.unused
+        return self.grads_ready and name not in self.unused and name not in self.cleared
 
     # ------------------------------------------------------------------ between steps
 
-    def zero_grad(self) -> None:
-        self.strategy.clear()
-        self.used.zero_()
-        self.unused = set()
-        self.grads_ready = False
-        for bucket in self.buckets:
-            bucket.reduced = False
+    def zero_grad(self, names: Iterable[str] | None = None) -> None:
+        """Forget the gradients of ``names`` (None: of every parameter); see [Note: zero_grad
+        of some parameters]."""
+        some = None if names is None else set(names) & self.flag_index.keys()
+        if some is None or len(some) == len(self.names):
+            self.strategy.clear()
+            self.used.zero_()
+            self.unused = set()
+            self.cleared = set()
+            self.grads_ready = False
+            for bucket in self.buckets:
+                bucket.reduced = False
+            return
+        self.strategy.clear_params(some)
+        self.used[[self.flag_index[name] for name in some]] = 0
+        self.cleared |= some
 
     def register_hooks(self, on_ready: Callable[[str, nn.Parameter], None]) -> list[Any]:
         handles = []

@@ -102,14 +102,16 @@ class ShardedGradMarks:
                     param.grad = grad
                     self._on = True
 
-    def take_off(self) -> None:
+    def take_off(self, names: Iterable[str] | None = None) -> None:
+        """Take the placeholders off (``names``: only those parameters')."""
         if not self._on:
             return
+        params = self.params if names is None else {n: self.params[n] for n in names if n in self.params}
         with metadata_only():
-            for param in self.params.values():
+            for param in params.values():
                 if isinstance(param.grad, ShardedGrad):
                     param.grad = None
-        self._on = False
+        self._on = names is not None and any(isinstance(p.grad, ShardedGrad) for p in self.params.values())
 
 
 # --------------------------------------------------------------------------- torch optimizers

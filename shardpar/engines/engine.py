@@ -431,13 +431,15 @@ class Engine:
 
     # ------------------------------------------------------------------ optimizer
 
-    def zero_grad(self) -> None:
-        self._take_off_grad_marks()
-        self.reducer.zero_grad()
+    def zero_grad(self, names: Sequence[str] | None = None) -> None:
+        """Forget the gradients of ``names`` (None: every parameter's); see [Note: zero_grad
+        of some parameters] in core/reducer.py."""
+        self._take_off_grad_marks(names)
+        self.reducer.zero_grad(names)
 
-    def _take_off_grad_marks(self) -> None:
+    def _take_off_grad_marks(self, names: Sequence[str] | None = None) -> None:
         if self.grad_marks is not None:
-            self.grad_marks.take_off()
+            self.grad_marks.take_off(names)
 
     def optimizer_tensors(self, names: Sequence[str]) -> list[TensorPiece]:
         """The tensors the wrapped optimizer updates for these parameters, on this rank."""

@@ -169,7 +169,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     piece.tensor.grad = piece.grad if self.engine.has_gradient(piece.name) else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
+        """Forget the gradients of this optimizer's parameters only, as torch's ``zero_grad``
+        (another optimizer over other parameters of the model keeps its own)."""
+        self.engine.zero_grad([name for names in self._group_names for name in names])
 
     # ------------------------------------------------------------------ bucket rebuild
 
