@@ -17,6 +17,11 @@ recompute (activation checkpointing: a unit's forward runs again *inside* backwa
           nothing is freed after it -- the recomputed graph is about to use the storage. So
           checkpointing changes neither results nor the number of gathers.
 end of backward: every unit still gathered is freed.
+double backward (``torch.autograd.grad(..., create_graph=True)``, a gradient penalty): the
+          graph that backward creates saves the gathered parameters it multiplied by, and a
+          later backward runs through it. So from a backward that creates a graph until the
+          end of the next backward that does not, no unit is freed (after a forward or during
+          backward); they are freed at that backward's end.
 
 [Note: unit order across ranks]
 Gathers pair across ranks by the order they are issued in, and each rank issues them in the
@@ -205,6 +210,10 @@ class UnitGatherer:
         self._last_forward: list[Unit] = []
         self._backward_uses: list[Unit] = []
         self._last_backward: list[Unit] = []
+        self.hold_for_double_backward = False
+        """A backward created a graph (create_graph=True) that uses gathered parameters; see
+        [Note: one step at stage 3], "double backward"."""
+        self._backward_creates_graph = False
         self.leftovers = [unit for unit in units if not unit.from_policy]
         self.leftovers_held = False
         """Set once ranks ran different leftover units (see [Note: unit order across ranks])."""
@@ -359,7 +368,8 @@ class UnitGatherer:
         for unit in self.units:
             for flat in unit.flats:
                 if flat.state is ShardState.GATHERING or (
-                    flat.state is ShardState.UNSHARDED and (self.reshard_after_forward or not torch.is_grad_enabled())
+                    flat.state is ShardState.UNSHARDED and not self.hold_for_double_backward
+                    and (self.reshard_after_forward or not torch.is_grad_enabled())
                 ):
                     flat.reshard()
 
@@ -378,7 +388,7 @@ class UnitGatherer:
             tensors = _grad_tensors(output)
             if tensors:
                 on_first_grad(tensors, self._pre_backward_hooks[unit])
-        if self.state.is_recompute() or (self.leftovers_held and not unit.from_policy):
+        if self.state.is_recompute() or (self.leftovers_held and not unit.from_policy) or self.hold_for_double_backward:
             return  # the recomputed graph is about to use the storage; held leftovers follow the root
         if self.reshard_after_forward or not torch.is_grad_enabled():
             self.reshard(unit)
@@ -400,6 +410,8 @@ class UnitGatherer:
 
     def pre_backward(self, unit: Unit) -> None:
         self.on_backward_start()
+        if torch.is_grad_enabled():  # inside backward only with create_graph=True
+            self._backward_creates_graph = self.hold_for_double_backward = True
         if unit.backward_done:
             return
         unit.active_backward += 1
@@ -416,7 +428,8 @@ class UnitGatherer:
     def post_backward(self, unit: Unit) -> None:
         if unit.active_backward > 0:
             unit.active_backward -= 1
-        if unit.active_backward == 0 and (unit.from_policy or not self.leftovers_held):
+        if unit.active_backward == 0 and (unit.from_policy or not self.leftovers_held) \
+                and not self.hold_for_double_backward:
             self.reshard(unit)
 
     def grads_final(self, flat: FlatParamGroup) -> None:
@@ -424,11 +437,16 @@ class UnitGatherer:
         in this backward (every node using them has run)."""
         unit = self.unit_of[flat]
         unit.final.add(flat)
-        flat.reshard()
+        if not self.hold_for_double_backward:
+            flat.reshard()
 
     def finish_backward(self) -> None:
+        keep = self._backward_creates_graph  # the graph it made still multiplies by them
+        self._backward_creates_graph = False
+        self.hold_for_double_backward = keep
         for unit in self.units:
-            self.reshard(unit)
+            if not keep:
+                self.reshard(unit)
             unit.active_backward = 0
             unit.final.clear()
         if self._backward_uses:
