@@ -8,6 +8,8 @@ short harness timeout turns a hang into a failure within seconds.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -287,3 +289,64 @@ def _frozen_on_rank_1() -> str | None:
 
 def test_different_requires_grad_on_one_rank_fails_on_every_rank() -> None:
     _assert_every_rank_raised(run_ranks(_frozen_on_rank_1, 2, timeout=SHORT), "'0.bias'", "requires_grad", "rank 1")
+
+
+# --------------------------------------------------------------------------- optimizers that need whole parameters
+
+_ELEMENTWISE = [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1}),
+    (torch.optim.Adam, {"lr": 1e-3, "amsgrad": True, "foreach": False}),
+    (torch.optim.Adam, {"lr": 1e-3, "fused": True}),
+    (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1, "maximize": True}),
+    (torch.optim.Adamax, {}), (torch.optim.NAdam, {"decoupled_weight_decay": True, "weight_decay": 0.1}),
+    (torch.optim.RAdam, {}), (torch.optim.Adagrad, {}), (torch.optim.Adadelta, {}),
+    (torch.optim.RMSprop, {"centered": True, "momentum": 0.5}), (torch.optim.Rprop, {}), (torch.optim.ASGD, {}),
+]
+
+
+@pytest.mark.parametrize("optimizer_class, options", _ELEMENTWISE)
+def test_elementwise_torch_optimizers_are_accepted_at_every_stage(optimizer_class: type, options: dict) -> None:
+    from shardpar.optim.sharded import _not_elementwise
+
+    assert _not_elementwise(optimizer_class, options, torch.device("cpu")) is None
+    for stage in (0, 3):
+        model = shardpar.wrap(_mlp(), stage=stage)
+        shardpar.optimizer(model, optimizer_class, **options)
+        model.engine.close()
+
+
+@pytest.mark.parametrize("optimizer_class, why", [
+    (torch.optim.Adafactor, "differs from its update of the same 12 values as a 1-D tensor"),
+    (torch.optim.Muon, "it refuses a 1-D tensor"),
+    (torch.optim.LBFGS, "missing 1 required positional argument: 'closure'"),
+])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizers_that_need_whole_parameters_are_refused_at_stages_1_to_3(
+    optimizer_class: type, why: str, stage: int
+) -> None:
+    """Stages 1-3 give the optimizer 1-D slices of parameters: Adafactor's factored moments,
+    Muon's whole-matrix update and LBFGS's closure cannot work on them, and Adafactor would run
+    and silently compute something else than torch. Refused at construction, naming the class
+    and the stage; at stage 0 (whole parameters) Adafactor trains exactly as torch's."""
+    model = shardpar.wrap(nn.Linear(4, 3, bias=False), stage=stage)
+    name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+    with pytest.raises(ValueError, match=rf"{re.escape(name)} does not update parameters element by element "
+                                         rf"\(.*{re.escape(why)}.*at stage {stage} each rank updates 1-D slices"):
+        shardpar.optimizer(model, optimizer_class, lr=1e-2)
+    model.engine.close()
+
+
+def test_adafactor_at_stage_0_trains_as_torch() -> None:
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 3, bias=False)
+    model = shardpar.wrap(nn.Linear(4, 3, bias=False), stage=0)
+    model.load_state_dict(plain.state_dict())
+    opts = [torch.optim.Adafactor(plain.parameters(), lr=1e-2), shardpar.optimizer(model, torch.optim.Adafactor, lr=1e-2)]
+    for step in range(3):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        for net, opt in zip((plain, model), opts):
+            net(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert torch.allclose(model.full_state_dict()["weight"], plain.weight.detach(), rtol=1e-6, atol=1e-7)
+    model.engine.close()
