@@ -11,7 +11,7 @@ from .comm import collectives as C
 from .checkpoint.io import is_storable
 from .config import ShardConfig
 from .core.deferred_init import DeferredInit, InitFn, materialise_whole, target_device
-from .core.inventory import first_difference, model_signature, module_device
+from .core.inventory import check_initialized, first_difference, model_signature, module_device
 from .engines import WRAPPED_MARK, build_engine
 from .module import ShardedModule
 from .planner import choose_stage
@@ -29,6 +29,7 @@ def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[Sha
                 f"shardpar.wrap: {what} is already wrapped by shardpar (its parameters live in an engine's "
                 "buffers); wrap the plain model once, or wrap a fresh copy"
             )
+    check_initialized(module)
     budget = options.pop("memory_budget", None)
     if stage == "auto" or budget is not None:
         if stage != "auto":

@@ -350,3 +350,16 @@ def test_adafactor_at_stage_0_trains_as_torch() -> None:
             opt.zero_grad()
     assert torch.allclose(model.full_state_dict()["weight"], plain.weight.detach(), rtol=1e-6, atol=1e-7)
     model.engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_lazy_module_not_run_yet_is_named_at_wrap(stage: int) -> None:
+    """nn.LazyLinear has no shape before its first forward; after one it wraps and trains."""
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is not initialized yet .* run one forward with a "
+                                         r"sample batch before shardpar.wrap"):
+        shardpar.wrap(nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 1)), stage=stage)
+    module = nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 1))
+    module(torch.randn(2, 3))
+    model = shardpar.wrap(module, stage=stage)
+    model(torch.randn(2, 3)).sum().backward()
+    model.engine.close()

@@ -82,6 +82,20 @@ def check_supported_dtypes(inventory: ParamInventory) -> None:
             )
 
 
+def check_initialized(module: nn.Module) -> None:
+    """A lazy module (``nn.LazyLinear``...) has no shapes until its first forward, and wrap must
+    lay every tensor out: name the first uninitialized one (torch DDP refuses them too)."""
+    from torch.nn.parameter import is_lazy
+
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, tensor in named:
+            if is_lazy(tensor):
+                raise ValueError(
+                    f"{kind} '{name}' is not initialized yet (a lazy module such as nn.LazyLinear learns its shape "
+                    "in its first forward): run one forward with a sample batch before shardpar.wrap"
+                )
+
+
 def check_dense_gradients(module: nn.Module, inventory: ParamInventory) -> None:
     """Gradients are reduced in dense flat buffers: an embedding that makes sparse gradients
     is refused at wrap, naming it (the gradient hook names any other sparse gradient)."""
