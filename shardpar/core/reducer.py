@@ -351,7 +351,7 @@ class GradientReducer:
     def zero_grad(self, names: Iterable[str] | None = None) -> None:
         """Forget the gradients of ``names`` (None: of every parameter); see [Note: zero_grad
         of some parameters]."""
-        some = None if names is None else set(names) & self.flag_index.keys()
+        some = None if names is None else self.flag_index.keys() & names
         if some is None or len(some) == len(self.names):
             self.strategy.clear()
             self.used.zero_()

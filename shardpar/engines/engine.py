@@ -22,7 +22,7 @@ from __future__ import annotations
 import atexit
 import gc
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -431,13 +431,13 @@ class Engine:
 
     # ------------------------------------------------------------------ optimizer
 
-    def zero_grad(self, names: Sequence[str] | None = None) -> None:
+    def zero_grad(self, names: Iterable[str] | None = None) -> None:
         """Forget the gradients of ``names`` (None: every parameter's); see [Note: zero_grad
         of some parameters] in core/reducer.py."""
         self._take_off_grad_marks(names)
         self.reducer.zero_grad(names)
 
-    def _take_off_grad_marks(self, names: Sequence[str] | None = None) -> None:
+    def _take_off_grad_marks(self, names: Iterable[str] | None = None) -> None:
         if self.grad_marks is not None:
             self.grad_marks.take_off(names)
 

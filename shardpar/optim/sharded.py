@@ -78,6 +78,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ) -> None:
         self.engine = engine
         self._group_names: list[list[str]] = [list(g["names"]) for g in groups]
+        self._names = frozenset(name for names in self._group_names for name in names)
+        """The trainable parameters this optimizer updates (what its ``zero_grad`` clears)."""
         self.group_tensors: list[list[TensorPiece]] = [engine.optimizer_tensors(names) for names in self._group_names]
         inner_groups = [
             {**{k: v for k, v in group.items() if k != "names"}, "params": [t.tensor for t in tensors]}
@@ -171,7 +173,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of this optimizer's parameters only, as torch's ``zero_grad``
         (another optimizer over other parameters of the model keeps its own)."""
-        self.engine.zero_grad([name for names in self._group_names for name in names])
+        self.engine.zero_grad(self._names)
 
     # ------------------------------------------------------------------ bucket rebuild
 
