@@ -267,8 +267,8 @@ def test_model_module_state_dict_at_stage_3_is_the_full_state() -> None:
 # --------------------------------------------------------------------------- evaluation on one rank
 
 
-def _evaluate_on_rank_0_only(stage: int, what: str = "eval") -> Any:
-    model = _wrap(_net(), stage, timeout_s=3)
+def _evaluate_on_rank_0_only(stage: int, what: str = "eval", mixed_precision: Any = None) -> Any:
+    model = _wrap(_net(), stage, timeout_s=3, mixed_precision=mixed_precision)
     opt = shardpar.optimizer(model, torch.optim.AdamW, lr=0.1)
     rank = C.get_rank()
     model(_batch(0, rank)).square().mean().backward()
@@ -664,3 +664,72 @@ def test_two_optimizers_under_bf16_reductions_match_stage_0(stage: int) -> None:
         assert out["norms"] == pytest.approx(reference[rank]["norms"], rel=2e-2), (rank, out["norms"])
         for name, value in reference[rank]["state"].items():
             assert torch.allclose(out["state"][name], value, rtol=2e-2, atol=2e-3), (rank, name)
+
+
+# --------------------------------------------------------------------------- module.state_dict() under mixed precision
+
+
+def _module_state_under_bf16(stage: int) -> dict[str, Any]:
+    """nanoGPT's ``raw_model.state_dict()`` and Hugging Face's ``save_pretrained`` of
+    ``model.module`` (every rank calling, rank 0 writing) after a bf16 step."""
+    import tempfile
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = shardpar.wrap(LlamaForCausalLM(config), stage=stage, mixed_precision="bf16",
+                          **({"wrap_policy": [LlamaDecoderLayer]} if stage == 3 else {}))
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(C.get_rank()))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    full = model.full_state_dict()
+    raw = model.module.state_dict()
+    out: dict[str, Any] = {
+        "raw_equal": sorted(k for k, v in full.items() if torch.equal(raw[k], v) and raw[k].dtype == v.dtype),
+        "keys": sorted(full),
+    }
+    path = [tempfile.mkdtemp()] if C.get_rank() == 0 else [None]
+    dist.broadcast_object_list(path, src=0)
+    model.module.save_pretrained(path[0], is_main_process=C.get_rank() == 0)
+    dist.barrier()
+    saved = LlamaForCausalLM.from_pretrained(path[0], dtype=torch.float32).state_dict()
+    out["saved_equal"] = sorted(k for k, v in saved.items() if torch.equal(v, full[k].float()))
+    out["saved_keys"] = sorted(saved)
+    model.engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_module_state_dict_under_bf16_gives_the_fp32_masters(stage: int) -> None:
+    """Under mixed precision the parameters a script sees are bf16 compute copies; the module's
+    own ``state_dict()`` (and so ``save_pretrained``) gives the fp32 masters instead, as
+    ``full_state_dict()`` does: at stage 0 from what every rank holds (no collective), at stages
+    1-3, where the masters are sharded, gathered (a collective, as ``model.state_dict()``).
+    It used to give the bf16 copies at stages 0-2 (2e-3 off the masters after one step)."""
+    for rank, out in enumerate(run_ranks(_module_state_under_bf16, 2, stage, timeout=180)):
+        assert out["raw_equal"] == out["keys"], (rank, sorted(set(out["keys"]) - set(out["raw_equal"])))
+        assert out["saved_equal"] == out["saved_keys"], (rank, sorted(set(out["saved_keys"]) - set(out["saved_equal"])))
+
+
+def test_module_state_dict_on_rank_0_only_under_bf16_completes_at_stage_0() -> None:
+    """At stage 0 every rank holds the full masters: no collective, so rank 0 alone may call it."""
+    (count, state0), (nothing, state1) = run_ranks(_evaluate_on_rank_0_only, 2, 0, "state_dict", "bf16", timeout=60)
+    assert count == len(state0) and nothing is None
+    for name, value in state0.items():
+        assert torch.equal(value, state1[name]), name
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_module_state_dict_on_rank_0_only_under_bf16_at_stages_1_2_names_the_missing_rank(stage: int) -> None:
+    """There it gathers the sharded masters, so nanoGPT's rank-0-only ``raw_model.state_dict()``
+    stops as at stage 3: every rank raises, naming the rank that did not come."""
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_evaluate_on_rank_0_only, 2, stage, "state_dict", "bf16", timeout=60)
+    message = failure.value.failures[0]
+    assert "RanksOutOfStep missing=[1]" in message and "rank 1: no report" in message, message[-3000:]

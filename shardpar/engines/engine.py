@@ -22,7 +22,7 @@ from __future__ import annotations
 import atexit
 import gc
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -132,9 +132,12 @@ class Engine:
         self._handles += self.reducer.register_hooks(self._on_grad_ready)
         if isinstance(self.storage, ShardedStorage):
             self._install_unit_hooks()
-            self._install_state_dict_hooks()
+            self._install_state_dict_hooks(self.full_state_dict)
         else:
             self._install_use_hooks()
+            if self.param_dtype is not None:  # the parameters are compute copies: give the masters
+                self._install_state_dict_hooks(self.full_state_dict if self.storage.sharded_master
+                                               else self._replicated_master_state)
         self._install_root_hooks()
         module.zero_grad = lambda set_to_none=True: self.zero_grad()  # the module's own zero_grad clears ours
         setattr(module, WRAPPED_MARK, True)
@@ -212,10 +215,14 @@ class Engine:
                 self._handles.append(module.register_forward_hook(
                     _disabled(lambda m, args, output, unit=unit: self.gatherer.post_forward(unit, output))))
 
-    def _install_state_dict_hooks(self) -> None:
-        """Stage 3: ``module.state_dict()`` (nanoGPT's ``raw_model.state_dict()``) returns full
-        tensors, like ``full_state_dict()``, and is therefore a collective: call it on every
-        rank. With ``keep_vars=True`` it returns the Parameter objects, as torch does."""
+    def _install_state_dict_hooks(self, values: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """``module.state_dict()`` (nanoGPT's ``raw_model.state_dict()``, Hugging Face's
+        ``save_pretrained``) returns ``values()`` instead of what the parameters hold: at stage 3
+        full tensors, like ``full_state_dict()`` (a collective: call it on every rank); at stage 0
+        under mixed precision the full-precision masters every rank holds (no collective), not
+        the low-precision compute copies. With ``keep_vars=True`` it returns the Parameter
+        objects, as torch does. At stages 1-2 under mixed precision the masters are sharded, so
+        there it is ``full_state_dict()`` too (a collective), as at stage 3."""
         self._collecting_state = False
         self._internal_state = False
 
@@ -230,7 +237,7 @@ class Engine:
                 return
             self._collecting_state = False
             self._allow_detach.__exit__(None, None, None)
-            for key, value in self.full_state_dict().items():
+            for key, value in values().items():
                 state[prefix + key] = value
 
         self._handles.append(self.module.register_state_dict_pre_hook(pre))
@@ -522,6 +529,21 @@ class Engine:
                 out[key] = params[canonical]
             else:  # a buffer: back in the dtype the model was built with
                 out[key] = value.detach().to(self.original_buffer_dtypes.get(canonical, value.dtype), copy=True)
+        return out
+
+    def _replicated_master_state(self) -> dict[str, torch.Tensor]:
+        """Stage 0 under mixed precision: the module's state-dict entries with the master values
+        (and buffers in the dtype they were built with), from what this rank holds in full."""
+        storage = self.storage
+        masters = {name: buf.layout.view(buf.values, name) for buf in storage.buffers for name in buf.params}
+        masters.update(storage.frozen_values())
+        out = {}
+        for key, value in self._module_state(keep_vars=True).items():
+            canonical = self.aliases.get(key, key)
+            if canonical in masters:
+                out[key] = masters[canonical].detach()
+            else:  # a buffer: in the dtype the model was built with
+                out[key] = value.detach().to(self.original_buffer_dtypes.get(canonical, value.dtype))
         return out
 
     def _module_state(self, keep_vars: bool) -> dict[str, Any]:
