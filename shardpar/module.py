@@ -119,13 +119,7 @@ class ShardedModule(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
         """Load full tensors (keys as in ``module.state_dict()``) into every stage's storage.
         ``strict=False`` loads the keys present and reports the rest, as ``nn.Module`` does."""
-        if assign:
-            raise ValueError(
-                "ShardedModule.load_state_dict(assign=True) is not supported: the parameters live in shardpar's "
-                "buffers and shards, so values are always copied in (use assign=False)"
-            )
-        missing, unexpected = self.engine.load_full_state_dict(dict(state_dict), strict=strict)
-        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+        return self.engine.load_module_state(state_dict, strict=strict, assign=assign)
 
     # ------------------------------------------------------------------ training helpers
 

@@ -452,7 +452,8 @@ def _copies_of_the_module(stage: int, mixed_precision: Any) -> dict[str, Any]:
             "frozen": [n for n, p in copied.named_parameters() if not p.requires_grad],
             "plain": all(type(p) is nn.Parameter for p in copied.parameters()),
             "hooks": sum(len(getattr(m, d)) for m in copied.modules() for d in _HOOK_DICTS),
-            "marks": sorted(k for k in copied.__dict__ if "shardpar" in k or k in ("zero_grad", "__deepcopy__")),
+            "marks": sorted(k for k in copied.__dict__
+                            if "shardpar" in k or k in ("zero_grad", "load_state_dict", "__deepcopy__")),
         }
     comm_before = model.comm_stats()
     calls.clear()
@@ -471,7 +472,8 @@ def _copies_of_the_module(stage: int, mixed_precision: Any) -> dict[str, Any]:
     opt.step()
     out["trains_on"] = not torch.equal(model.full_state_dict()["body.weight"], full["body.weight"])
     model.engine.close()
-    out["after_close"] = sorted(k for k in module.__dict__ if k in ("__deepcopy__", "__reduce_ex__", "zero_grad"))
+    out["after_close"] = sorted(k for k in module.__dict__
+                                if k in ("__deepcopy__", "__reduce_ex__", "zero_grad", "load_state_dict"))
     return out
 
 
@@ -733,3 +735,37 @@ def test_module_state_dict_on_rank_0_only_under_bf16_at_stages_1_2_names_the_mis
         run_ranks(_evaluate_on_rank_0_only, 2, stage, "state_dict", "bf16", timeout=60)
     message = failure.value.failures[0]
     assert "RanksOutOfStep missing=[1]" in message and "rank 1: no report" in message, message[-3000:]
+
+
+def _module_load_state_dict(stage: int, mixed_precision: Any) -> dict[str, Any]:
+    """Other weights loaded through the wrapped module's own ``load_state_dict`` (all keys, then
+    some with strict=False), then a step with lr=0."""
+    torch.manual_seed(0)
+    model = shardpar.wrap(_TiedFrozenBuffered(), stage=stage, mixed_precision=mixed_precision,
+                          **({"min_unit_params": 1} if stage == 3 else {}))
+    opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.0)
+    torch.manual_seed(1)
+    other = _TiedFrozenBuffered().state_dict()
+    result = model.module.load_state_dict(other)
+    partial = {"body.weight": torch.full((8, 8), 0.5)}
+    partial_result = model.module.load_state_dict(partial, strict=False)
+    tokens = torch.tensor([[1, 2, 3]])
+    model(tokens).float().sum().backward()
+    opt.step()
+    state = model.full_state_dict()
+    model.engine.close()
+    want = {**other, **partial}
+    return {"equal": sorted(k for k, v in want.items() if torch.equal(state[k], v)), "keys": sorted(want),
+            "result": tuple(result), "partial_missing": sorted(partial_result.missing_keys)}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("mixed_precision", [None, "bf16"])
+def test_load_state_dict_of_the_wrapped_module_reaches_the_stored_values(stage: int, mixed_precision: Any) -> None:
+    """``model.module.load_state_dict(sd)`` (a script that loads weights into the inner model
+    after wrapping) is kept through the next step at every stage: under mixed precision it
+    loads the fp32 masters and at stage 3 the shards, where it used to change only the bf16
+    compute copies (lost at the next step) or raise at stage 3."""
+    for rank, out in enumerate(run_ranks(_module_load_state_dict, 2, stage, mixed_precision, timeout=120)):
+        assert out["equal"] == out["keys"], (rank, sorted(set(out["keys"]) - set(out["equal"])))
+        assert out["result"] == ([], []) and "emb.weight" in out["partial_missing"], (rank, out)

@@ -140,8 +140,14 @@ class Engine:
                                                else self._replicated_master_state)
         self._install_root_hooks()
         module.zero_grad = lambda set_to_none=True: self.zero_grad()  # the module's own zero_grad clears ours
+        marks = ("zero_grad", WRAPPED_MARK)
+        if self.param_dtype is not None or isinstance(self.storage, ShardedStorage):
+            # Its parameters are compute copies or placeholders: loading into them would be lost
+            # at the next step (or raise), so the module's own load_state_dict loads the masters.
+            module.load_state_dict = self.load_module_state
+            marks += ("load_state_dict",)
         setattr(module, WRAPPED_MARK, True)
-        plain_copy.install(self, marks=("zero_grad", WRAPPED_MARK))  # copy.deepcopy / torch.save of the module
+        plain_copy.install(self, marks=marks)  # copy.deepcopy / torch.save of the module
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -531,6 +537,18 @@ class Engine:
                 out[key] = value.detach().to(self.original_buffer_dtypes.get(canonical, value.dtype), copy=True)
         return out
 
+    def load_module_state(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``load_state_dict`` of the ShardedModule, and of the wrapped module where its parameters
+        are not the stored values (mixed precision, stage 3): the values reach the masters and
+        shards (see :meth:`load_full_state_dict`), not just the compute copies."""
+        if assign:
+            raise ValueError(
+                "load_state_dict(assign=True) is not supported on a model wrapped by shardpar: the parameters live "
+                "in shardpar's buffers and shards, so values are always copied in (use assign=False)"
+            )
+        missing, unexpected = self.load_full_state_dict(dict(state_dict), strict=strict)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
     def _replicated_master_state(self) -> dict[str, torch.Tensor]:
         """Stage 0 under mixed precision: the module's state-dict entries with the master values
         (and buffers in the dtype they were built with), from what this rank holds in full."""
@@ -663,5 +681,6 @@ class Engine:
         self._use_handles.clear()
         self._gather_handles.clear()
         self.module.__dict__.pop("zero_grad", None)
+        self.module.__dict__.pop("load_state_dict", None)
         self.module.__dict__.pop(WRAPPED_MARK, None)
         plain_copy.remove(self.module)
