@@ -59,32 +59,9 @@ class ShardedModule(nn.Module):
         )
 
     def _apply(self, fn: Any, recurse: bool = True) -> "ShardedModule":
-        """``to()``, ``double()``, ``cuda()``, ``half()``... after wrap: a call that would leave
-        every tensor as it is (``model.to(device)`` on the device it is on) does nothing; one
-        that would move or cast a tensor is refused, since the parameters are views of the
-        engine's buffers and shards and a new tensor would silently leave them."""
-        from .core.param_guard import metadata_only
-
-        for name, tensor in [*self.module.named_parameters(remove_duplicate=False),
-                             *self.module.named_buffers(remove_duplicate=False)]:
-            with metadata_only():  # metadata only: a stage-3 parameter has no values to read
-                shape, stride, dtype, device = tensor.shape, tensor.stride(), tensor.dtype, tensor.device
-            # fn on a one-element stand-in of the same dtype, device and shape shows what it
-            # would do to the tensor without reading it: nothing (it returns the stand-in), or
-            # a cast, a move, or a memory format that the tensor does not have already.
-            probe = torch.empty((), dtype=dtype, device=device).expand(shape)
-            try:
-                out = fn(probe)
-                unchanged = out is probe or (out.dtype == dtype and out.device == device and out.stride() == stride)
-            except Exception:
-                unchanged = False
-            if not unchanged:
-                raise ValueError(
-                    f"this call would move or cast '{name}' ({tensor.dtype}, {tensor.device}) of a model wrapped by "
-                    "shardpar, whose parameters live in the engine's buffers and shards; move or cast the module "
-                    "before shardpar.wrap (model.to(device, dtype), then wrap), or use mixed_precision= for "
-                    "low-precision compute"
-                )
+        """``to()``, ``double()``, ``cuda()``, ``half()``... after wrap: see
+        :meth:`Engine.refuse_moves` (the wrapped module's own ``_apply`` does the same)."""
+        self.engine.refuse_moves(fn)
         return self
 
     # ------------------------------------------------------------------ original names

@@ -150,12 +150,13 @@ def test_moving_or_casting_after_wrap_is_refused_and_no_ops_pass(stage: int) -> 
                           **({"min_unit_params": 1} if stage == 3 else {}))
     opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.1)
     before = model.full_state_dict()
-    for call in (lambda m: m.double(), lambda m: m.half(), lambda m: m.to(torch.bfloat16),
-                 lambda m: m.to(memory_format=torch.channels_last), lambda m: m.to("meta")):
-        with pytest.raises(ValueError, match="would move or cast '0.weight'.*before shardpar.wrap"):
-            call(model)
-    for call in (lambda m: m.to("cpu"), lambda m: m.cpu(), lambda m: m.float(), lambda m: m.to(torch.float32)):
-        assert call(model) is model
+    for target in (model, model.module):  # the wrapped module's own .to()/.half() too
+        for call in (lambda m: m.double(), lambda m: m.half(), lambda m: m.to(torch.bfloat16),
+                     lambda m: m.to(memory_format=torch.channels_last), lambda m: m.to("meta")):
+            with pytest.raises(ValueError, match="would move or cast '0.weight'.*before shardpar.wrap"):
+                call(target)
+        for call in (lambda m: m.to("cpu"), lambda m: m.cpu(), lambda m: m.float(), lambda m: m.to(torch.float32)):
+            assert call(target) is target
     after = model.full_state_dict()
     assert all(torch.equal(after[k], v) and after[k].dtype == v.dtype for k, v in before.items())
     model(torch.randn(1, 2, 4, 4)).sum().backward()  # still trains

@@ -453,7 +453,7 @@ def _copies_of_the_module(stage: int, mixed_precision: Any) -> dict[str, Any]:
             "plain": all(type(p) is nn.Parameter for p in copied.parameters()),
             "hooks": sum(len(getattr(m, d)) for m in copied.modules() for d in _HOOK_DICTS),
             "marks": sorted(k for k in copied.__dict__
-                            if "shardpar" in k or k in ("zero_grad", "load_state_dict", "__deepcopy__")),
+                            if "shardpar" in k or k in ("zero_grad", "_apply", "load_state_dict", "__deepcopy__")),
         }
     comm_before = model.comm_stats()
     calls.clear()
@@ -473,7 +473,7 @@ def _copies_of_the_module(stage: int, mixed_precision: Any) -> dict[str, Any]:
     out["trains_on"] = not torch.equal(model.full_state_dict()["body.weight"], full["body.weight"])
     model.engine.close()
     out["after_close"] = sorted(k for k in module.__dict__
-                                if k in ("__deepcopy__", "__reduce_ex__", "zero_grad", "load_state_dict"))
+                                if k in ("__deepcopy__", "__reduce_ex__", "zero_grad", "_apply", "load_state_dict"))
     return out
 
 

@@ -36,7 +36,7 @@ from ..core.gatherer import Unit, UnitGatherer, _grad_tensors, on_first_grad
 from . import plain_copy
 from ..core.inventory import (ParamInventory, check_dense_gradients, check_supported_dtypes, module_device,
                               sparse_gradient_error)
-from ..core.param_guard import allow
+from ..core.param_guard import allow, metadata_only
 from ..core.pieces import TensorPiece
 from ..core.rebuild import ReadyOrder, Relayout, describe_state, merge_descriptions, move_state
 from ..core.reducer import GradBucket, GradientReducer
@@ -140,7 +140,8 @@ class Engine:
                                                else self._replicated_master_state)
         self._install_root_hooks()
         module.zero_grad = lambda set_to_none=True: self.zero_grad()  # the module's own zero_grad clears ours
-        marks = ("zero_grad", WRAPPED_MARK)
+        module._apply = lambda fn, recurse=True: self.refuse_moves(fn) or module  # its own .to()/.half()...
+        marks = ("zero_grad", "_apply", WRAPPED_MARK)
         if self.param_dtype is not None or isinstance(self.storage, ShardedStorage):
             # Its parameters are compute copies or placeholders: loading into them would be lost
             # at the next step (or raise), so the module's own load_state_dict loads the masters.
@@ -537,6 +538,33 @@ class Engine:
                 out[key] = value.detach().to(self.original_buffer_dtypes.get(canonical, value.dtype), copy=True)
         return out
 
+    def refuse_moves(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``to()``, ``double()``, ``cuda()``, ``half()``... of the wrapped model after wrap (they
+        all run ``_apply(fn)``): one that would leave every tensor as it is (``model.to(device)``
+        on the device it is on) does nothing; one that would move or cast a tensor is refused,
+        since the parameters are views of the engine's buffers and shards and a new tensor
+        would silently leave them."""
+        for name, tensor in [*self.module.named_parameters(remove_duplicate=False),
+                             *self.module.named_buffers(remove_duplicate=False)]:
+            with metadata_only():  # metadata only: a stage-3 parameter has no values to read
+                shape, stride, dtype, device = tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+            # fn on a one-element stand-in of the same dtype, device and shape shows what it
+            # would do to the tensor without reading it: nothing (it returns the stand-in), or
+            # a cast, a move, or a memory format that the tensor does not have already.
+            probe = torch.empty((), dtype=dtype, device=device).expand(shape)
+            try:
+                out = fn(probe)
+                unchanged = out is probe or (out.dtype == dtype and out.device == device and out.stride() == stride)
+            except Exception:
+                unchanged = False
+            if not unchanged:
+                raise ValueError(
+                    f"this call would move or cast '{name}' ({tensor.dtype}, {tensor.device}) of a model wrapped by "
+                    "shardpar, whose parameters live in the engine's buffers and shards; move or cast the module "
+                    "before shardpar.wrap (model.to(device, dtype), then wrap), or use mixed_precision= for "
+                    "low-precision compute"
+                )
+
     def load_module_state(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """``load_state_dict`` of the ShardedModule, and of the wrapped module where its parameters
         are not the stored values (mixed precision, stage 3): the values reach the masters and
@@ -681,6 +709,7 @@ class Engine:
         self._use_handles.clear()
         self._gather_handles.clear()
         self.module.__dict__.pop("zero_grad", None)
+        self.module.__dict__.pop("_apply", None)
         self.module.__dict__.pop("load_state_dict", None)
         self.module.__dict__.pop(WRAPPED_MARK, None)
         plain_copy.remove(self.module)
