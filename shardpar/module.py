@@ -60,8 +60,8 @@ class ShardedModule(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> "ShardedModule":
         """``to()``, ``double()``, ``cuda()``, ``half()``... after wrap: see
-        :meth:`Engine.refuse_moves` (the wrapped module's own ``_apply`` does the same)."""
-        self.engine.refuse_moves(fn)
+        :meth:`ModuleState.refuse_moves` (the wrapped module's own ``_apply`` does the same)."""
+        self.engine.module_state.refuse_moves(fn)
         return self
 
     # ------------------------------------------------------------------ original names
@@ -96,7 +96,7 @@ class ShardedModule(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
         """Load full tensors (keys as in ``module.state_dict()``) into every stage's storage.
         ``strict=False`` loads the keys present and reports the rest, as ``nn.Module`` does."""
-        return self.engine.load_module_state(state_dict, strict=strict, assign=assign)
+        return self.engine.module_state.load_module_state(state_dict, strict=strict, assign=assign)
 
     # ------------------------------------------------------------------ training helpers
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm import collectives as C

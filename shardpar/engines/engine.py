@@ -22,7 +22,7 @@ from __future__ import annotations
 import atexit
 import gc
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -33,19 +33,20 @@ from ..comm import watch
 from ..config import ShardConfig
 from ..core.deferred_init import DeferredInit
 from ..core.gatherer import Unit, UnitGatherer, _grad_tensors, on_first_grad
-from . import plain_copy
 from ..core.inventory import (ParamInventory, check_dense_gradients, check_supported_dtypes, module_device,
                               sparse_gradient_error)
-from ..core.param_guard import allow, metadata_only
 from ..core.pieces import TensorPiece
 from ..core.rebuild import ReadyOrder, Relayout, describe_state, merge_descriptions, move_state
 from ..core.reducer import GradBucket, GradientReducer
 from ..core.replicated import ReplicatedStorage
-from ..core.sharded import FromLiveModule, ShardedStorage
+from ..core.sharded import ShardedStorage
 from ..core.sharded_grads import ShardedGradMarks, where_grads_live
 from ..core.training_state import Phase, TrainingState
-from ..core.units import ROOT, _ModuleTree
+from ..core.units import _ModuleTree
 from ..core.wait_clock import WaitClock
+from . import plain_copy
+from .module_state import ModuleState
+
 
 def _collect_cycles_before_exit() -> None:
     """[Note: collecting at exit] Training leaves reference cycles behind that hold autograd
@@ -130,22 +131,24 @@ class Engine:
         self.grad_marks = ShardedGradMarks(self.inventory.trainable, where_grads_live(self.stage)) \
             if hidden else None
         self._handles += self.reducer.register_hooks(self._on_grad_ready)
+        self.module_state = ModuleState(self)
         if isinstance(self.storage, ShardedStorage):
             self._install_unit_hooks()
-            self._install_state_dict_hooks(self.full_state_dict)
+            self._handles += self.module_state.install_state_dict_hooks(self.module_state.full_state_dict)
         else:
             self._install_use_hooks()
             if self.param_dtype is not None:  # the parameters are compute copies: give the masters
-                self._install_state_dict_hooks(self.full_state_dict if self.storage.sharded_master
-                                               else self._replicated_master_state)
+                values = self.module_state.full_state_dict if self.storage.sharded_master \
+                    else self.module_state.replicated_master_state
+                self._handles += self.module_state.install_state_dict_hooks(values)
         self._install_root_hooks()
         module.zero_grad = lambda set_to_none=True: self.zero_grad()  # the module's own zero_grad clears ours
-        module._apply = lambda fn, recurse=True: self.refuse_moves(fn) or module  # its own .to()/.half()...
+        module._apply = lambda fn, recurse=True: self.module_state.refuse_moves(fn) or module  # its .to()/.half()...
         marks = ("zero_grad", "_apply", WRAPPED_MARK)
         if self.param_dtype is not None or isinstance(self.storage, ShardedStorage):
             # Its parameters are compute copies or placeholders: loading into them would be lost
             # at the next step (or raise), so the module's own load_state_dict loads the masters.
-            module.load_state_dict = self.load_module_state
+            module.load_state_dict = self.module_state.load_module_state
             marks += ("load_state_dict",)
         setattr(module, WRAPPED_MARK, True)
         plain_copy.install(self, marks=marks)  # copy.deepcopy / torch.save of the module
@@ -221,34 +224,6 @@ class Engine:
                     prepend=True, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
                     _disabled(lambda m, args, output, unit=unit: self.gatherer.post_forward(unit, output))))
-
-    def _install_state_dict_hooks(self, values: Callable[[], dict[str, torch.Tensor]]) -> None:
-        """``module.state_dict()`` (nanoGPT's ``raw_model.state_dict()``, Hugging Face's
-        ``save_pretrained``) returns ``values()`` instead of what the parameters hold: at stage 3
-        full tensors, like ``full_state_dict()`` (a collective: call it on every rank); at stage 0
-        under mixed precision the full-precision masters every rank holds (no collective), not
-        the low-precision compute copies. With ``keep_vars=True`` it returns the Parameter
-        objects, as torch does. At stages 1-2 under mixed precision the masters are sharded, so
-        there it is ``full_state_dict()`` too (a collective), as at stage 3."""
-        self._collecting_state = False
-        self._internal_state = False
-
-        def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-            if not keep_vars and not self._internal_state:
-                self._collecting_state = True
-                self._allow_detach = allow("detach")
-                self._allow_detach.__enter__()
-
-        def post(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
-            if not self._collecting_state:
-                return
-            self._collecting_state = False
-            self._allow_detach.__exit__(None, None, None)
-            for key, value in values().items():
-                state[prefix + key] = value
-
-        self._handles.append(self.module.register_state_dict_pre_hook(pre))
-        self._handles.append(self.module.register_state_dict_post_hook(post))
 
     # ------------------------------------------------------------------ forward
 
@@ -525,147 +500,8 @@ class Engine:
         self.storage.after_load()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every tensor of ``module.state_dict()``, full, detached and in full precision (the
-        master values), on every rank. Tied aliases map to the same tensor."""
-        self.wait_for_params()
-        params = self.gather_full_params()
-        out = {}
-        for key, value in self._module_state(keep_vars=True).items():
-            canonical = self.aliases.get(key, key)
-            if canonical in params:
-                out[key] = params[canonical]
-            else:  # a buffer: back in the dtype the model was built with
-                out[key] = value.detach().to(self.original_buffer_dtypes.get(canonical, value.dtype), copy=True)
-        return out
-
-    def refuse_moves(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """``to()``, ``double()``, ``cuda()``, ``half()``... of the wrapped model after wrap (they
-        all run ``_apply(fn)``): one that would leave every tensor as it is (``model.to(device)``
-        on the device it is on) does nothing; one that would move or cast a tensor is refused,
-        since the parameters are views of the engine's buffers and shards and a new tensor
-        would silently leave them."""
-        for name, tensor in [*self.module.named_parameters(remove_duplicate=False),
-                             *self.module.named_buffers(remove_duplicate=False)]:
-            with metadata_only():  # metadata only: a stage-3 parameter has no values to read
-                shape, stride, dtype, device = tensor.shape, tensor.stride(), tensor.dtype, tensor.device
-            # fn on a one-element stand-in of the same dtype, device and shape shows what it
-            # would do to the tensor without reading it: nothing (it returns the stand-in), or
-            # a cast, a move, or a memory format that the tensor does not have already.
-            probe = torch.empty((), dtype=dtype, device=device).expand(shape)
-            try:
-                out = fn(probe)
-                unchanged = out is probe or (out.dtype == dtype and out.device == device and out.stride() == stride)
-            except Exception:
-                unchanged = False
-            if not unchanged:
-                raise ValueError(
-                    f"this call would move or cast '{name}' ({tensor.dtype}, {tensor.device}) of a model wrapped by "
-                    "shardpar, whose parameters live in the engine's buffers and shards; move or cast the module "
-                    "before shardpar.wrap (model.to(device, dtype), then wrap), or use mixed_precision= for "
-                    "low-precision compute"
-                )
-
-    def load_module_state(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """``load_state_dict`` of the ShardedModule, and of the wrapped module where its parameters
-        are not the stored values (mixed precision, stage 3): the values reach the masters and
-        shards (see :meth:`load_full_state_dict`), not just the compute copies."""
-        if assign:
-            raise ValueError(
-                "load_state_dict(assign=True) is not supported on a model wrapped by shardpar: the parameters live "
-                "in shardpar's buffers and shards, so values are always copied in (use assign=False)"
-            )
-        missing, unexpected = self.load_full_state_dict(dict(state_dict), strict=strict)
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-    def _replicated_master_state(self) -> dict[str, torch.Tensor]:
-        """Stage 0 under mixed precision: the module's state-dict entries with the master values
-        (and buffers in the dtype they were built with), from what this rank holds in full."""
-        storage = self.storage
-        masters = {name: buf.layout.view(buf.values, name) for buf in storage.buffers for name in buf.params}
-        masters.update(storage.frozen_values())
-        out = {}
-        for key, value in self._module_state(keep_vars=True).items():
-            canonical = self.aliases.get(key, key)
-            if canonical in masters:
-                out[key] = masters[canonical].detach()
-            else:  # a buffer: in the dtype the model was built with
-                out[key] = value.detach().to(self.original_buffer_dtypes.get(canonical, value.dtype))
-        return out
-
-    def _module_state(self, keep_vars: bool) -> dict[str, Any]:
-        """The module's state-dict entries without touching parameter values."""
-        previous, self._internal_state = getattr(self, "_internal_state", False), True
-        try:
-            return self.module.state_dict(keep_vars=keep_vars)
-        finally:
-            self._internal_state = previous
-
-    def gather_full_params(self) -> dict[str, torch.Tensor]:
-        """``name -> full tensor`` of every parameter, assembled on every rank from all ranks'
-        save pieces (each element is written by exactly one rank, so one all-reduce per dtype
-        of the zero-filled rest reproduces the values exactly)."""
-        by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
-        for name, param in self.named_params:
-            by_dtype.setdefault(self.original_dtypes[name], []).append((name, param))
-        pieces: dict[str, list[TensorPiece]] = {}
-        for piece in self.save_pieces():
-            pieces.setdefault(piece.name, []).append(piece)
-        out: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for dtype, named in by_dtype.items():
-                flat = torch.zeros(sum(p.numel() for _, p in named), dtype=dtype, device=self.device)
-                offset = 0
-                for name, param in named:
-                    full = flat[offset : offset + param.numel()]
-                    for piece in pieces.get(name, []):
-                        full[piece.param_range[0] : piece.param_range[1]].copy_(piece.tensor)
-                    out[name] = full.view(param.shape)
-                    offset += param.numel()
-                if dtype == torch.bool:  # gloo sums no bools: gather the bytes as uint8
-                    reduced = flat.view(torch.uint8)
-                    C.all_reduce(reduced, group=self.group, op="max")
-                else:
-                    C.all_reduce(flat, group=self.group)
-        return out
-
-    def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> tuple[list[str], list[str]]:
-        """Inverse of :meth:`full_state_dict` (every rank passes the same full tensors).
-
-        Values go through :meth:`load_pieces`, so master copies and stage-3 shards get the
-        full-precision values, not a low-precision compute copy. As ``nn.Module`` does,
-        ``strict=False`` loads the keys that are there, keeps the current values of the rest
-        and returns ``(missing, unexpected)``; a wrong shape is an error either way. A tied
-        parameter takes its value from whichever of its keys is present.
-        """
-        self.wait_for_params()
-        expected = {name: tuple(t.shape) for name, t in self._module_state(keep_vars=True).items()}
-        missing = [name for name in expected if name not in state]  # torch's orders: the module's, the input's
-        unexpected = [name for name in state if name not in expected]
-        wrong_shape = [
-            f"{name}: {tuple(state[name].shape)} vs model {shape}"
-            for name, shape in expected.items()
-            if name in state and tuple(state[name].shape) != shape
-        ]
-        problems = [("shape", wrong_shape)] + ([("missing", sorted(missing)), ("unexpected", sorted(unexpected))]
-                                               if strict else [])
-        if any(items for _, items in problems):
-            raise ValueError(
-                "state dict does not match the model: "
-                + "; ".join(f"{label}: {', '.join(items)}" for label, items in problems if items)
-                + ("" if not strict or wrong_shape else " (strict=False loads only the keys present)")
-            )
-        # Each canonical name's value: its own key, or any tied alias's.
-        source = {self.aliases.get(key, key): value for key, value in state.items() if key in expected}
-        with torch.no_grad():
-            for piece in self.load_pieces():
-                if piece.name in source:
-                    start, end = piece.param_range
-                    piece.tensor.copy_(source[piece.name].reshape(-1)[start:end])
-            for name, buffer in self.module.named_buffers():
-                if name in state:
-                    buffer.copy_(state[name])
-            self.after_load()
-        return missing, unexpected
+        """See :meth:`ModuleState.full_state_dict`."""
+        return self.module_state.full_state_dict()
 
     # ------------------------------------------------------------------ memory
 
