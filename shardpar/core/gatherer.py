@@ -387,10 +387,15 @@ class UnitGatherer:
             tensors = _grad_tensors(output)
             if tensors:
                 on_first_grad(tensors, self._pre_backward_hooks[unit])
-        if self.state.is_recompute() or (self.leftovers_held and not unit.from_policy) or self.hold_for_double_backward:
-            return  # the recomputed graph is about to use the storage; held leftovers follow the root
+        if self.state.is_recompute() or self._kept_gathered(unit):
+            return  # the recomputed graph is about to use the storage
         if self.reshard_after_forward or not torch.is_grad_enabled():
             self.reshard(unit)
+
+    def _kept_gathered(self, unit: Unit) -> bool:
+        """Whether ``unit`` stays gathered past its use: held leftovers follow the root, and a
+        graph made by a double backward still multiplies by every gathered unit."""
+        return self.hold_for_double_backward or (self.leftovers_held and not unit.from_policy)
 
     def _hook_inputs(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not torch.is_grad_enabled():
@@ -427,8 +432,7 @@ class UnitGatherer:
     def post_backward(self, unit: Unit) -> None:
         if unit.active_backward > 0:
             unit.active_backward -= 1
-        if unit.active_backward == 0 and (unit.from_policy or not self.leftovers_held) \
-                and not self.hold_for_double_backward:
+        if unit.active_backward == 0 and not self._kept_gathered(unit):
             self.reshard(unit)
 
     def grads_final(self, flat: FlatParamGroup) -> None:

@@ -330,7 +330,8 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
     def clear_params(self, names: set[str]) -> None:
         _FullGradBuffer.clear_params(self, names)  # the owned slices of the buffer included
         for space in self.spaces:
-            for shards in (self.master_grad_shards.get(space), self._carry and self._carry.get(space)):
+            carry = self._carry[space] if self._carry is not None else None
+            for shards in (self.master_grad_shards.get(space), carry):
                 if shards is not None:
                     _zero_pieces(space, self.rank, names, shards)
 

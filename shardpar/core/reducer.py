@@ -348,11 +348,10 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ between steps
 
-    def zero_grad(self, names: Iterable[str] | None = None) -> None:
-        """Forget the gradients of ``names`` (None: of every parameter); see [Note: zero_grad
-        of some parameters]."""
-        some = None if names is None else self.flag_index.keys() & names
-        if some is None or len(some) == len(self.names):
+    def zero_grad(self, some: set[str] | None = None) -> None:
+        """Forget the gradients of the parameters ``some`` (None: of every parameter); see
+        [Note: zero_grad of some parameters]."""
+        if some is None:
             self.strategy.clear()
             self.used.zero_()
             self.unused = set()

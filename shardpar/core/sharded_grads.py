@@ -111,7 +111,7 @@ class ShardedGradMarks:
             for param in params.values():
                 if isinstance(param.grad, ShardedGrad):
                     param.grad = None
-        self._on = names is not None and any(isinstance(p.grad, ShardedGrad) for p in self.params.values())
+            self._on = names is not None and any(isinstance(p.grad, ShardedGrad) for p in self.params.values())
 
 
 # --------------------------------------------------------------------------- torch optimizers

@@ -142,16 +142,25 @@ class Engine:
                     else self.module_state.replicated_master_state
                 self._handles += self.module_state.install_state_dict_hooks(values)
         self._install_root_hooks()
-        module.zero_grad = lambda set_to_none=True: self.zero_grad()  # the module's own zero_grad clears ours
-        module._apply = lambda fn, recurse=True: self.module_state.refuse_moves(fn) or module  # its .to()/.half()...
-        marks = ("zero_grad", "_apply", WRAPPED_MARK)
+        self._module_attributes = self._install_module_attributes()
+
+    def _install_module_attributes(self) -> tuple[str, ...]:
+        """Instance attributes on the wrapped module that route its own torch methods to this
+        engine (``close`` takes them off again); returns their names."""
+        module = self.module
+        attributes: dict[str, Any] = {
+            "zero_grad": lambda set_to_none=True: self.zero_grad(),  # the module's own zero_grad clears ours
+            "_apply": lambda fn, recurse=True: self.module_state.refuse_moves(fn) or module,  # .to()/.half()...
+            WRAPPED_MARK: True,
+        }
         if self.param_dtype is not None or isinstance(self.storage, ShardedStorage):
             # Its parameters are compute copies or placeholders: loading into them would be lost
             # at the next step (or raise), so the module's own load_state_dict loads the masters.
-            module.load_state_dict = self.module_state.load_module_state
-            marks += ("load_state_dict",)
-        setattr(module, WRAPPED_MARK, True)
-        plain_copy.install(self, marks=marks)  # copy.deepcopy / torch.save of the module
+            attributes["load_state_dict"] = self.module_state.load_module_state
+        attributes.update(plain_copy.copy_hooks(self, marks=tuple(attributes)))  # copy.deepcopy / torch.save
+        for name, value in attributes.items():
+            setattr(module, name, value)
+        return tuple(attributes)
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -422,9 +431,13 @@ class Engine:
 
     def zero_grad(self, names: Iterable[str] | None = None) -> None:
         """Forget the gradients of ``names`` (None: every parameter's); see [Note: zero_grad
-        of some parameters] in core/reducer.py."""
-        self._take_off_grad_marks(names)
-        self.reducer.zero_grad(names)
+        of some parameters] in core/reducer.py. Names that cover every trainable parameter (an
+        optimizer over the whole model, the usual case) take the plain clear."""
+        some = None if names is None else self.reducer.flag_index.keys() & names
+        if some is not None and len(some) == len(self.reducer.names):
+            some = None
+        self._take_off_grad_marks(some)
+        self.reducer.zero_grad(some)
 
     def _take_off_grad_marks(self, names: Iterable[str] | None = None) -> None:
         if self.grad_marks is not None:
@@ -544,8 +557,5 @@ class Engine:
         self._handles.clear()
         self._use_handles.clear()
         self._gather_handles.clear()
-        self.module.__dict__.pop("zero_grad", None)
-        self.module.__dict__.pop("_apply", None)
-        self.module.__dict__.pop("load_state_dict", None)
-        self.module.__dict__.pop(WRAPPED_MARK, None)
-        plain_copy.remove(self.module)
+        for name in self._module_attributes:
+            self.module.__dict__.pop(name, None)

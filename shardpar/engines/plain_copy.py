@@ -33,12 +33,13 @@ COPY_HOOKS = ("__deepcopy__", "__reduce_ex__")
 """The instance attributes through which ``copy`` and ``pickle`` reach :func:`plain_copy`."""
 
 
-def install(engine: "Engine", marks: tuple[str, ...]) -> None:
-    """Give ``engine.module`` its copy hooks; ``marks`` are the other instance attributes the
-    engine set on it, which a copy must not carry."""
-    module = engine.module
-    module.__deepcopy__ = lambda memo: plain_copy(engine, memo, marks)
-    module.__reduce_ex__ = lambda protocol: plain_copy(engine, {}, marks).__reduce_ex__(protocol)
+def copy_hooks(engine: "Engine", marks: tuple[str, ...]) -> dict[str, Any]:
+    """The instance attributes that give ``engine.module`` its plain copies; ``marks`` are the
+    other instance attributes the engine sets on it, which a copy must not carry."""
+    return {
+        "__deepcopy__": lambda memo: plain_copy(engine, memo, marks),
+        "__reduce_ex__": lambda protocol: plain_copy(engine, {}, marks).__reduce_ex__(protocol),
+    }
 
 
 def plain_copy(engine: "Engine", memo: dict[int, Any], marks: tuple[str, ...]) -> nn.Module:
@@ -69,7 +70,3 @@ def plain_copy(engine: "Engine", memo: dict[int, Any], marks: tuple[str, ...]) -
     finally:
         module.__dict__.update(saved)
 
-
-def remove(module: nn.Module) -> None:
-    for key in COPY_HOOKS:
-        module.__dict__.pop(key, None)
