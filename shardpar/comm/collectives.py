@@ -61,8 +61,10 @@ undefined (the caller raises or gathers again).
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import pickle
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -72,6 +74,33 @@ import torch.distributed as dist
 from . import watch
 
 ProcessGroup = Any  # torch's ProcessGroup; kept loose so world size 1 needs no torch.distributed
+
+# [Note: no group outlives destroy_process_group]
+# After ``dist.destroy_process_group()`` nothing of shardpar's may hold a process group, as
+# nothing of plain torch's does: a group still referenced keeps its backend's threads running
+# into the interpreter's exit, where gloo's can abort a run that finished ("terminate called
+# without an active exception"). Three things held them:
+# - some torch modules give their functions ``group=group.WORLD`` as a default argument,
+#   evaluated once at import, so importing them after ``init_process_group`` keeps that group
+#   alive for good; ``torch.compiler.disable`` (which shardpar's hooks need) imports them
+#   through Dynamo at the first wrap. They are imported here instead, with shardpar, when no
+#   group exists yet and the default is None (milliseconds);
+# - the parameter hooks held the engine, which holds the group (see [Note: hooks hold their
+#   owner weakly] in core/reducer.py);
+# - the sibling groups below are kept per parent group, weakly.
+# tests/test_lifetime.py checks that the groups are freed at every stage.
+_IMPORTED_BEFORE_ANY_GROUP = (
+    "torch.distributed.nn.functional",
+    "torch.distributed._shard.sharded_tensor",
+    "torch.distributed._shard.sharding_spec.chunk_sharding_spec_ops.embedding",
+    "torch.distributed._shard.sharding_spec.chunk_sharding_spec_ops.embedding_bag",
+)
+if dist.is_available():
+    for _name in _IMPORTED_BEFORE_ANY_GROUP:
+        try:
+            importlib.import_module(_name)
+        except ImportError:  # another torch version's layout: the lifetime test says what to list
+            pass
 
 # Ring-algorithm multiplier of S·(N-1)/N per collective kind (see the note above).
 # "used_flags" is the all-reduce that tells every rank which parameters got a gradient on
@@ -535,23 +564,26 @@ def in_place_windows(full: torch.Tensor, rank: int, world_size: int, payload_byt
     return {src: room[src * payload_bytes : (src + 1) * payload_bytes + TAG_BYTES] for src in peers}
 
 
-_SIBLING_GROUPS: dict[Any, Any] = {}
+_SIBLING_GROUPS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+"""Parent group -> its sibling. Weak in the parent, so a sibling lives no longer than its parent
+(the default group too, once ``destroy_process_group`` dropped it; a later default group is
+another key): [Note: no group outlives destroy_process_group]."""
 
 
 def sibling_group(group: ProcessGroup | None, timeout_s: float) -> ProcessGroup | None:
-    """A second process group over the same ranks as ``group`` (created once per process),
+    """A second process group over the same ranks as ``group`` (created once per parent),
     so that two independent streams of collectives (stage 3's gathers and its gradient
     reductions) can never be paired with each other when ranks issue them in a different
     interleaving. None at world size 1."""
     if get_world_size(group) == 1:
         return None
-    key = group if group is not None else "default"
-    if key not in _SIBLING_GROUPS:
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        _SIBLING_GROUPS[key] = dist.new_group(
-            ranks=ranks, timeout=backend_timeout(timeout_s, dist.get_backend(group)), use_local_synchronization=True
+    parent = group if group is not None else dist.group.WORLD
+    if parent not in _SIBLING_GROUPS:
+        _SIBLING_GROUPS[parent] = dist.new_group(
+            ranks=dist.get_process_group_ranks(parent), timeout=backend_timeout(timeout_s, dist.get_backend(parent)),
+            use_local_synchronization=True,
         )
-    return _SIBLING_GROUPS[key]
+    return _SIBLING_GROUPS[parent]
 
 
 def retire_sibling_group(group: ProcessGroup | None) -> None:
@@ -559,7 +591,9 @@ def retire_sibling_group(group: ProcessGroup | None) -> None:
     have gathers outstanding that will never be matched): the next :func:`sibling_group`
     call creates a fresh one. Every rank retires it at the same point, since every rank sees
     the same mismatch."""
-    _SIBLING_GROUPS.pop(group if group is not None else "default", None)
+    parent = group if group is not None else dist.group.WORLD
+    if parent is not None:
+        _SIBLING_GROUPS.pop(parent, None)
 
 
 def broadcast(

@@ -52,12 +52,22 @@ and the reducer marks them *cleared*: they have no gradient for the optimizer un
 synchronising backward's used-flags say again who has one. Every other parameter keeps its
 gradient, and its bucket stays in "add" mode, so the next backward accumulates on top as
 torch does. A ``zero_grad`` that covers every parameter is the plain clear.
+
+[Note: hooks hold their owner weakly]
+A tensor hook lives in C++ state that Python's cycle collector cannot see into, so a hook
+that held the engine strongly (parameter -> hook -> engine -> parameter) made every wrapped
+model immortal: dropping the model and its optimizer freed neither their tensors nor the
+process group they use, whose threads then outlived ``destroy_process_group`` into the
+interpreter's exit (where gloo's can abort a finished run). The parameter hooks therefore
+reach the engine through a weak reference; the engine lives exactly as long as the user
+holds the model or the optimizer. Module hooks are plain Python and need no such care.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+import weakref
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
@@ -365,10 +375,13 @@ class GradientReducer:
         self.cleared |= some
 
     def register_hooks(self, on_ready: Callable[[str, nn.Parameter], None]) -> list[Any]:
+        """One post-accumulate-grad hook per trainable parameter, calling ``on_ready`` (a bound
+        method) through a weak reference: see [Note: hooks hold their owner weakly]."""
+        receiver = weakref.WeakMethod(on_ready)  # type: ignore[arg-type]
         handles = []
         for name in self.names:
             param = self.bucket_of[name].params[name]
             handles.append(param.register_post_accumulate_grad_hook(
-                torch.compiler.disable(lambda p, name=name: on_ready(name, p))
+                torch.compiler.disable(lambda p, name=name: receiver()(name, p))  # type: ignore[misc]
             ))
         return handles

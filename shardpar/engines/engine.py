@@ -49,11 +49,13 @@ from .module_state import ModuleState
 
 
 def _collect_cycles_before_exit() -> None:
-    """[Note: collecting at exit] Training leaves reference cycles behind that hold autograd
-    hooks (the per-use backward hooks of stage 3, closures over the engine). Left to the
-    interpreter's finalisation they are destroyed after torch's own state, which can abort the
+    """[Note: collecting at exit] A wrapped model is a reference cycle (its modules' hooks
+    hold the engine, which holds the modules), so a script that drops it leaves it to the
+    cycle collector, with the process group the engine holds. Left to the interpreter's
+    finalisation, the group would be destroyed after torch's own state, which can abort the
     process ("terminate called without an active exception") after a run that succeeded.
-    Collecting them at exit, while everything is alive, frees them in a healthy state."""
+    Collecting at exit, while everything is alive, frees them in a healthy state; see also
+    [Note: no group outlives destroy_process_group] in comm/collectives.py."""
     gc.collect()
 
 
