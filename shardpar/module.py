@@ -124,9 +124,10 @@ class ShardedModule(nn.Module):
         self.engine.require_grad_sync = value
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero this rank's gradients wherever the stage keeps them (``set_to_none`` is
-        accepted for compatibility: the gradient buffers persist, they are zeroed)."""
-        self.engine.zero_grad()
+        """Forget this rank's gradients wherever the stage keeps them, as ``nn.Module.zero_grad``;
+        with ``set_to_none=False`` zero the gradients that exist and keep them, so that a step
+        still updates those parameters (torch's semantics)."""
+        self.engine.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False

@@ -668,6 +668,91 @@ def test_two_optimizers_under_bf16_reductions_match_stage_0(stage: int) -> None:
             assert torch.allclose(out["state"][name], value, rtol=2e-2, atol=2e-3), (rank, name)
 
 
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.c = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, use_c: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h + self.c(h) if use_c else h)
+
+
+def _kept_zeros_loop(model: nn.Module, inner: _Branchy, opt: Any, rank: int, world: int, no_sync: Any,
+                     stage_0_grads: bool) -> dict[str, Any]:
+    """torch's zero_grad(set_to_none=False) keeps zeroed gradients, which later steps still
+    apply (AdamW decays the parameter, moves its moments): a step straight after it, and steps
+    after backwards that skip the branch ``c``. ``set_to_none=True`` ends that again."""
+    g = torch.Generator().manual_seed(1)
+    grads_none = []
+
+    def backward(use_c: bool, micro_batches: int = 1) -> None:
+        for micro in range(micro_batches):
+            x = torch.randn(8, 4, generator=g).chunk(world)[rank]
+            with no_sync() if micro < micro_batches - 1 else contextlib.nullcontext():
+                (model(x, use_c=use_c).square().mean() / 2).backward()
+
+    backward(use_c=True)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    if stage_0_grads:  # where .grad is the gradient: zeros, not None, as torch keeps them
+        grads_none.append([p.grad is None for p in inner.parameters()])
+    opt.step()  # no backward: the kept zeros still decay every parameter
+    backward(use_c=False, micro_batches=2)  # c gets nothing, but keeps its zero gradient
+    opt.step()
+    model.zero_grad(set_to_none=False)  # the module's own, as in many scripts
+    backward(use_c=False)
+    opt.step()
+    opt.zero_grad()  # set_to_none=True: c has no gradient again, so the next step skips it
+    backward(use_c=False)
+    if stage_0_grads:
+        grads_none.append([p.grad is None for p in inner.parameters()])
+    opt.step()
+    state = model.full_state_dict() if hasattr(model, "full_state_dict") else inner.state_dict()
+    return {"state": state, "grads_none": grads_none}
+
+
+def _kept_zeros(stage: int, mixed_precision: Any = None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    inner = _Branchy()
+    model = shardpar.wrap(inner, stage=stage, mixed_precision=mixed_precision,
+                          **({"min_unit_params": 1} if stage == 3 else {}))
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.5)
+    out = _kept_zeros_loop(model, inner, opt, C.get_rank(), C.get_world_size(), model.no_sync,
+                           stage == 0 and mixed_precision is None)
+    model.engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_grad_without_set_to_none_keeps_zero_gradients_that_later_steps_apply(stage: int) -> None:
+    """The same parameters as plain torch on one process with the global batch: a step right
+    after ``zero_grad(set_to_none=False)`` and steps after backwards that skip a branch decay
+    every parameter whose gradient was kept; after ``zero_grad()`` the skipped branch is left
+    alone again. Before, shardpar treated the kept gradients as None and skipped them."""
+    torch.manual_seed(0)
+    plain = _Branchy()
+    want = _kept_zeros_loop(plain, plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.5), 0, 1,
+                            contextlib.nullcontext, True)
+    assert want["grads_none"] == [[False] * 6, [False, False, True, True, False, False]]
+    for rank, out in enumerate(run_ranks(_kept_zeros, 2, stage, timeout=120)):
+        if stage == 0:
+            assert out["grads_none"] == want["grads_none"], (rank, out["grads_none"])
+        for name, value in plain.state_dict().items():
+            assert torch.allclose(out["state"][name], value, rtol=1e-5, atol=1e-6), (rank, name)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_grad_without_set_to_none_under_bf16_matches_stage_0(stage: int) -> None:
+    policy = shardpar.MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    reference = run_ranks(_kept_zeros, 2, 0, policy, timeout=120)
+    for rank, out in enumerate(run_ranks(_kept_zeros, 2, stage, policy, timeout=120)):
+        for name, value in reference[rank]["state"].items():
+            assert torch.allclose(out["state"][name], value, rtol=2e-2, atol=2e-3), (rank, name)
+
+
 # --------------------------------------------------------------------------- module.state_dict() under mixed precision
 
 

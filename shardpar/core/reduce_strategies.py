@@ -112,6 +112,8 @@ class _FullGradBuffer:
     parameters' dtype, ``param.grad`` are views into it (autograd accumulates in place);
     otherwise each finished gradient is added into it and ``param.grad`` is released."""
 
+    full_grads_on_params: bool
+
     def __init__(self, spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype) -> None:
         self.spaces = list(spaces)
         self.data = {s: torch.zeros(s.layout.numel, dtype=reduce_dtype(s), device=s.device) for s in spaces}
@@ -160,15 +162,18 @@ class _FullGradBuffer:
             for param in space.params.values():
                 param.grad = None
 
-    def clear_params(self, names: set[str]) -> None:
+    def clear_params(self, names: set[str], set_to_none: bool = True) -> None:
         """``zero_grad`` of some parameters only (an optimizer over part of the model; see
         [Note: zero_grad of some parameters] in reducer.py): their gradients become zero and
-        ``.grad`` None; every other parameter keeps what it holds."""
+        ``.grad`` None (``set_to_none=False`` at stage 0: the zeroed view, as torch keeps a
+        zeroed ``.grad``); every other parameter keeps what it holds."""
+        keep_view = not set_to_none and self.full_grads_on_params
         for space in self.spaces:
             for name, param in space.params.items():
                 if name in names:
-                    self.views[name].zero_()
-                    param.grad = None
+                    view = self.views[name]
+                    view.zero_()
+                    param.grad = view if keep_view and view.dtype == param.dtype else None
 
     def after_sync_backward(self) -> None:
         pass
@@ -220,8 +225,8 @@ class AllReduceStrategy(_FullGradBuffer):
                 if name in names:
                     param.grad = None
 
-    def clear_params(self, names: set[str]) -> None:
-        super().clear_params(names)
+    def clear_params(self, names: set[str], set_to_none: bool = True) -> None:
+        super().clear_params(names, set_to_none)
         for space, master in self.master_grads.items():
             if master is not self.data[space]:
                 for name in names & space.params.keys():
@@ -327,8 +332,8 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
         _FullGradBuffer.clear(self)
         self._carry = None
 
-    def clear_params(self, names: set[str]) -> None:
-        _FullGradBuffer.clear_params(self, names)  # the owned slices of the buffer included
+    def clear_params(self, names: set[str], set_to_none: bool = True) -> None:
+        _FullGradBuffer.clear_params(self, names, set_to_none)  # the owned slices of the buffer included
         for space in self.spaces:
             carry = self._carry[space] if self._carry is not None else None
             for shards in (self.master_grad_shards.get(space), carry):
@@ -495,7 +500,7 @@ class StagedReduceScatter(_ShardedAverage):
                 for param in space.params.values():
                     param.grad = None
 
-    def clear_params(self, names: set[str]) -> None:
+    def clear_params(self, names: set[str], set_to_none: bool = True) -> None:
         for space in self.spaces:
             _zero_pieces(space, self.rank, names, self.grad_shards[space])
             if space in self._accumulated:

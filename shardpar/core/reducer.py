@@ -53,6 +53,15 @@ synchronising backward's used-flags say again who has one. Every other parameter
 gradient, and its bucket stays in "add" mode, so the next backward accumulates on top as
 torch does. A ``zero_grad`` that covers every parameter is the plain clear.
 
+[Note: zero_grad(set_to_none=False)]
+torch's ``zero_grad(set_to_none=False)`` zeroes each ``.grad`` that exists and keeps it; one
+that was None stays None. A kept zero gradient stays a gradient: a ``step()`` right after
+(no backward), or after a backward that did not use the parameter, still updates it --
+AdamW decays it and moves its moments. The reducer keeps those names (*kept as zeros*) until
+a ``zero_grad`` that sets them to None: they have a gradient whatever the used-flags say, its
+values are zeroed wherever the strategy keeps them (``clear_params``), and at stage 0,
+where ``.grad`` is a view of the full buffer, ``.grad`` stays that zeroed view.
+
 [Note: hooks hold their owner weakly]
 A tensor hook lives in C++ state that Python's cycle collector cannot see into, so a hook
 that held the engine strongly (parameter -> hook -> engine -> parameter) made every wrapped
@@ -144,7 +153,7 @@ class ReduceStrategy(Protocol):
     def finish(self, bucket: GradBucket) -> None: ...
     def after_sync_backward(self) -> None: ...
     def clear(self) -> None: ...
-    def clear_params(self, names: set[str]) -> None: ...
+    def clear_params(self, names: set[str], set_to_none: bool = True) -> None: ...
     def release_unused(self, names: set[str]) -> None: ...
 
 
@@ -227,6 +236,9 @@ class GradientReducer:
         self.cleared: set[str] = set()
         """Parameters whose gradients a ``zero_grad`` of some parameters forgot since the last
         synchronising backward (see [Note: zero_grad of some parameters])."""
+        self.kept_as_zeros: set[str] = set()
+        """Parameters whose gradient ``zero_grad(set_to_none=False)`` zeroed and kept (see
+        [Note: zero_grad(set_to_none=False)])."""
         self._cursor = 0
         self._in_flight: list[GradBucket] = []
         self.last_backward_wait_s = 0.0
@@ -334,7 +346,7 @@ class GradientReducer:
         if tail[:k] != [-c for c in tail[k:]]:
             self._raise_diverged()
         self.unused = {name for name, flag in zip(self.names, values[: -2 * k]) if not flag}
-        self.strategy.release_unused(self.unused)
+        self.strategy.release_unused(self.unused - self.kept_as_zeros)
         self.strategy.after_sync_backward()
         self.cleared = set()  # this backward's flags say who has a gradient now
         self.grads_ready = True
@@ -354,13 +366,31 @@ class GradientReducer:
         )
 
     def has_gradient(self, name: str) -> bool:
-        return self.grads_ready and name not in self.unused and name not in self.cleared
+        return name in self.kept_as_zeros or (
+            self.grads_ready and name not in self.unused and name not in self.cleared)
+
+    @property
+    def any_gradient(self) -> bool:
+        """Whether a ``step()`` now has something to update."""
+        return self.grads_ready or bool(self.kept_as_zeros)
 
     # ------------------------------------------------------------------ between steps
 
-    def zero_grad(self, some: set[str] | None = None) -> None:
-        """Forget the gradients of the parameters ``some`` (None: of every parameter); see
-        [Note: zero_grad of some parameters]."""
+    def zero_grad(self, some: set[str] | None = None, set_to_none: bool = True) -> None:
+        """Forget the gradients of the parameters ``some`` (None: of every parameter), or with
+        ``set_to_none=False`` zero those that have one and keep them; see [Note: zero_grad of
+        some parameters] and [Note: zero_grad(set_to_none=False)]."""
+        kept: set[str] = set()
+        if not set_to_none:  # (a name already kept has a gradient, so it is kept again)
+            kept = {name for name in (self.names if some is None else some) if self.has_gradient(name)}
+            self.kept_as_zeros |= kept
+        elif self.kept_as_zeros:
+            self.kept_as_zeros = set() if some is None else self.kept_as_zeros - some
+        self._forget(some)
+        if kept:
+            self.strategy.clear_params(kept, set_to_none=False)
+
+    def _forget(self, some: set[str] | None) -> None:
         if some is None:
             self.strategy.clear()
             self.used.zero_()

@@ -151,7 +151,7 @@ class Engine:
         engine (``close`` takes them off again); returns their names."""
         module = self.module
         attributes: dict[str, Any] = {
-            "zero_grad": lambda set_to_none=True: self.zero_grad(),  # the module's own zero_grad clears ours
+            "zero_grad": lambda set_to_none=True: self.zero_grad(set_to_none=set_to_none),  # the module's own clears ours
             "_apply": lambda fn, recurse=True: self.module_state.refuse_moves(fn) or module,  # .to()/.half()...
             WRAPPED_MARK: True,
         }
@@ -426,20 +426,27 @@ class Engine:
         return self.reducer.grads_ready
 
     @property
+    def any_gradient(self) -> bool:
+        """Whether a ``step()`` has something to update: reduced gradients, or gradients that
+        ``zero_grad(set_to_none=False)`` kept as zeros."""
+        return self.reducer.any_gradient
+
+    @property
     def last_backward_wait_s(self) -> float:
         return self.reducer.last_backward_wait_s
 
     # ------------------------------------------------------------------ optimizer
 
-    def zero_grad(self, names: Iterable[str] | None = None) -> None:
-        """Forget the gradients of ``names`` (None: every parameter's); see [Note: zero_grad
-        of some parameters] in core/reducer.py. Names that cover every trainable parameter (an
-        optimizer over the whole model, the usual case) take the plain clear."""
+    def zero_grad(self, names: Iterable[str] | None = None, set_to_none: bool = True) -> None:
+        """Forget the gradients of ``names`` (None: every parameter's), or zero and keep them
+        (``set_to_none=False``); see [Note: zero_grad of some parameters] and [Note:
+        zero_grad(set_to_none=False)] in core/reducer.py. Names that cover every trainable
+        parameter (an optimizer over the whole model, the usual case) take the plain clear."""
         some = None if names is None else self.reducer.flag_index.keys() & names
         if some is not None and len(some) == len(self.reducer.names):
             some = None
         self._take_off_grad_marks(some)
-        self.reducer.zero_grad(some)
+        self.reducer.zero_grad(some, set_to_none)
 
     def _take_off_grad_marks(self, names: Iterable[str] | None = None) -> None:
         if self.grad_marks is not None:

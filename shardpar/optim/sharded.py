@@ -151,8 +151,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         self.engine.count_optimizer_step()
         # No backward reduced gradients since zero_grad(): as torch does when every .grad is
-        # None, the step changes nothing (no weight decay, no moment update).
-        if self.engine.grads_ready:
+        # None, the step changes nothing (no weight decay, no moment update). Gradients that
+        # zero_grad(set_to_none=False) kept are zeros torch would step with.
+        if self.engine.any_gradient:
             self.engine.before_optimizer_step()
             self._attach_grads()
             self.inner.step()
@@ -172,8 +173,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of this optimizer's parameters only, as torch's ``zero_grad``
-        (another optimizer over other parameters of the model keeps its own)."""
-        self.engine.zero_grad(self._names)
+        (another optimizer over other parameters of the model keeps its own); with
+        ``set_to_none=False`` zero those that exist and keep them, as torch does."""
+        self.engine.zero_grad(self._names, set_to_none)
 
     # ------------------------------------------------------------------ bucket rebuild
 
