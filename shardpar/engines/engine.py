@@ -159,6 +159,7 @@ class Engine:
             # Its parameters are compute copies or placeholders: loading into them would be lost
             # at the next step (or raise), so the module's own load_state_dict loads the masters.
             attributes["load_state_dict"] = self.module_state.load_module_state
+            self._handles += self.module_state.install_submodule_load_hooks()
         attributes.update(plain_copy.copy_hooks(self, marks=tuple(attributes)))  # copy.deepcopy / torch.save
         for name, value in attributes.items():
             setattr(module, name, value)

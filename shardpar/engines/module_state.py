@@ -113,6 +113,48 @@ class ModuleState:
         missing, unexpected = self.load_full_state_dict(dict(state_dict), strict=strict)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
+    def install_submodule_load_hooks(self) -> list[Any]:
+        """``model.module.encoder.load_state_dict(sd)`` -- a submodule's own load, where the
+        parameters are not the stored values (mixed precision, stage 3) -- loads the masters and
+        shards like the module's (:meth:`load_module_state`), instead of writing compute copies
+        the next step overwrites, or placeholders that hold nothing. A pre-hook on each
+        submodule acts only where the load started (``prefix`` empty: a load of the whole module
+        is taken over before torch recurses); it loads the keys it recognises through
+        :meth:`load_full_state_dict` and takes them out of torch's way, and the matching
+        post-hook takes them off torch's missing keys. Keys torch would call missing or
+        unexpected stay so. A collective wherever loading the whole module is: call it on
+        every rank. Returns the hooks' handles."""
+        handled: dict[int, list[str]] = {}
+
+        def pre(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                missing_keys: list, unexpected_keys: list, error_msgs: list, qualified: str = "") -> None:
+            if prefix:
+                return  # one module of a larger load, which the load's own top module handles
+            if local_metadata.get("assign_to_params_buffers"):
+                raise ValueError(
+                    f"load_state_dict(assign=True) of '{qualified}' is not supported on a model wrapped by shardpar: "
+                    "the parameters live in shardpar's buffers and shards, so values are always copied in "
+                    "(use assign=False)"
+                )
+            expected = {key for key in self.module_entries(keep_vars=True) if key.startswith(qualified + ".")}
+            ours = {qualified + "." + key: value for key, value in state_dict.items() if qualified + "." + key in expected}
+            self.load_full_state_dict(ours, strict=False)
+            for key in ours:
+                del state_dict[key[len(qualified) + 1:]]
+            handled[id(module)] = [key[len(qualified) + 1:] for key in ours]
+
+        def post(module: nn.Module, incompatible: Any) -> None:
+            loaded = set(handled.pop(id(module), ()))
+            incompatible.missing_keys[:] = [key for key in incompatible.missing_keys if key not in loaded]
+
+        handles = []
+        for qualified, submodule in self.engine.module.named_modules():
+            if qualified:
+                handles.append(submodule.register_load_state_dict_pre_hook(
+                    lambda *args, qualified=qualified: pre(*args, qualified=qualified)))
+                handles.append(submodule.register_load_state_dict_post_hook(post))
+        return handles
+
     def replicated_master_state(self) -> dict[str, torch.Tensor]:
         """Stage 0 under mixed precision: the module's state-dict entries with the master values
         (and buffers in the dtype they were built with), from what this rank holds in full."""
