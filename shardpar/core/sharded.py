@@ -9,7 +9,7 @@ is built, so building never holds more than the shards plus one group.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch import nn
