@@ -408,10 +408,16 @@ class GradientReducer:
         """One post-accumulate-grad hook per trainable parameter, calling ``on_ready`` (a bound
         method) through a weak reference: see [Note: hooks hold their owner weakly]."""
         receiver = weakref.WeakMethod(on_ready)  # type: ignore[arg-type]
+
+        def hook(param: nn.Parameter, name: str) -> None:
+            engine_method = receiver()
+            if engine_method is not None:  # else the engine is gone: the parameter is plain again
+                engine_method(name, param)
+
         handles = []
         for name in self.names:
             param = self.bucket_of[name].params[name]
             handles.append(param.register_post_accumulate_grad_hook(
-                torch.compiler.disable(lambda p, name=name: receiver()(name, p))  # type: ignore[misc]
+                torch.compiler.disable(lambda p, name=name: hook(p, name))
             ))
         return handles
