@@ -206,6 +206,37 @@ def test_training_after_a_skipped_step_equals_training_without_that_step(world_s
             assert torch.equal(state[name], tensor), f"stage {stage}: '{name}' differs at state {index}"
 
 
+def _step_without_backward_after_an_overflow(stage: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = shardpar.wrap(module, stage=stage, mixed_precision="fp16", **({"min_unit_params": 1} if stage == 3 else {}))
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    scaler = shardpar.GradScaler(model, init_scale=2.0**40, growth_interval=1000)  # fp16 gradients overflow
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(C.get_rank()))
+    scaler.scale(model(x).float().square().mean()).backward()
+    scaler.step(opt)
+    found = [scaler.found_inf]
+    scaler.update()
+    opt.zero_grad()
+    before = model.full_state_dict()
+    scaler.step(opt)  # a skipped batch: no backward since zero_grad
+    found.append(scaler.found_inf)
+    scaler.update()
+    unchanged = all(torch.equal(before[k], v) for k, v in model.full_state_dict().items())
+    model.engine.close()
+    return {"found": found, "scale": scaler.get_scale(), "skipped": scaler.skipped_steps, "unchanged": unchanged}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_step_without_backward_after_an_overflow_is_not_another_overflow(stage: int) -> None:
+    # The gradient buffers still held the overflowed step's inf after zero_grad(); at stages
+    # 2-3 the unscale read them, so the step was skipped as an overflow and the scale backed
+    # off twice. With every gradient None there is nothing to check (torch's scaler records
+    # no inf check then): the step changes nothing and the scale stays.
+    for rank, out in enumerate(run_ranks(_step_without_backward_after_an_overflow, 2, stage, timeout=120)):
+        assert out == {"found": [True, False], "scale": 2.0**39, "skipped": 1, "unchanged": True}, (rank, out)
+
+
 # --------------------------------------------------------------------------- single process
 
 
