@@ -134,7 +134,7 @@ class ShardedModule(nn.Module):
     ) -> torch.Tensor:
         """Scale gradients so their global norm (over all ranks' shards) is at most
         ``max_norm``; return the norm before clipping, as ``torch.nn.utils.clip_grad_norm_``."""
-        grads, sharded = self._grads_to_clip()
+        grads, sharded = self.engine.owned_grads()
         norm_type = float(norm_type)
         device = self.engine.device
         with torch.no_grad():
@@ -174,16 +174,10 @@ class ShardedModule(nn.Module):
         clip_value = float(clip_value)
         if not clip_value >= 0:
             raise ValueError(f"clip_value must be a non-negative number, got {clip_value!r}")
-        grads, _ = self._grads_to_clip()
+        grads, _ = self.engine.owned_grads()
         with torch.no_grad():
             for grad in grads:
                 grad.clamp_(-clip_value, clip_value)
-
-    def _grads_to_clip(self) -> tuple[list[torch.Tensor], bool]:
-        """The gradients this rank clips, and whether they are shards. After zero_grad and
-        before a backward there are none (torch: every .grad None), whatever the stage's
-        buffers still hold: the norm is 0 and nothing changes."""
-        return self.engine.owned_grads() if self.engine.grads_ready else ([], False)
 
     def comm_stats(self) -> dict[str, dict[str, float]]:
         """Bytes this rank sent since wrap (or the last reset), per collective kind; see

@@ -120,6 +120,7 @@ dist.destroy_process_group()
 gc.collect()
 alive = [name for name, ref in [("the default group", world), ("stage 3's gather group", siblings[3])]
          if ref() is not None]
+# Thread names are readable on Linux (/proc); elsewhere the groups' own lifetime is the check.
 threads = sorted(open(path).read().strip() for path in glob.glob("/proc/self/task/*/comm"))
 gloo_threads = [name for name in threads if "gloo" in name]
 print(f"rank {rank}: alive={alive} gloo_threads={gloo_threads}", flush=True)
@@ -127,7 +128,6 @@ sys.exit(1 if alive or gloo_threads else 0)
 '''
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc")
 def test_no_process_group_outlives_destroy_process_group(tmp_path: Path) -> None:
     # Three holders kept the groups (and gloo's threads) alive past destroy_process_group:
     # torch modules with `group=group.WORLD` defaults imported by Dynamo at the first wrap, the

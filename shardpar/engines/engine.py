@@ -459,8 +459,10 @@ class Engine:
 
     def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
         """Final gradients this rank is responsible for, and whether they are a shard (so a
-        global norm needs an all-reduce of partial sums)."""
-        return self.strategy.owned_grads()
+        global norm needs an all-reduce of partial sums). After ``zero_grad`` and before a
+        synchronising backward there are none (torch: every ``.grad`` None, or a zero that
+        ``set_to_none=False`` kept), whatever the stage's buffers still hold."""
+        return self.strategy.owned_grads() if self.grads_ready else ([], False)
 
     def has_gradient(self, name: str) -> bool:
         """Whether the optimizer should update ``name`` in the coming step (plain torch skips

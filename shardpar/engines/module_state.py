@@ -24,6 +24,13 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
+def _refuse_assign(what: str) -> None:
+    raise ValueError(
+        f"load_state_dict(assign=True){what} is not supported on a model wrapped by shardpar: the parameters live "
+        "in shardpar's buffers and shards, so values are always copied in (use assign=False)"
+    )
+
+
 class ModuleState:
     """One engine's full state dicts and the module-level methods built on them."""
 
@@ -106,10 +113,7 @@ class ModuleState:
         are not the stored values (mixed precision, stage 3): the values reach the masters and
         shards (see :meth:`load_full_state_dict`), not just the compute copies."""
         if assign:
-            raise ValueError(
-                "load_state_dict(assign=True) is not supported on a model wrapped by shardpar: the parameters live "
-                "in shardpar's buffers and shards, so values are always copied in (use assign=False)"
-            )
+            _refuse_assign("")
         missing, unexpected = self.load_full_state_dict(dict(state_dict), strict=strict)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
@@ -131,17 +135,13 @@ class ModuleState:
             if prefix:
                 return  # one module of a larger load, which the load's own top module handles
             if local_metadata.get("assign_to_params_buffers"):
-                raise ValueError(
-                    f"load_state_dict(assign=True) of '{qualified}' is not supported on a model wrapped by shardpar: "
-                    "the parameters live in shardpar's buffers and shards, so values are always copied in "
-                    "(use assign=False)"
-                )
-            expected = {key for key in self.module_entries(keep_vars=True) if key.startswith(qualified + ".")}
-            ours = {qualified + "." + key: value for key, value in state_dict.items() if qualified + "." + key in expected}
-            self.load_full_state_dict(ours, strict=False)
+                _refuse_assign(f" of '{qualified}'")
+            entries = self.module_entries(keep_vars=True)
+            ours = [key for key in state_dict if f"{qualified}.{key}" in entries]
+            self.load_full_state_dict({f"{qualified}.{key}": state_dict[key] for key in ours}, strict=False)
             for key in ours:
-                del state_dict[key[len(qualified) + 1:]]
-            handled[id(module)] = [key[len(qualified) + 1:] for key in ours]
+                del state_dict[key]
+            handled[id(module)] = ours
 
         def post(module: nn.Module, incompatible: Any) -> None:
             loaded = set(handled.pop(id(module), ()))

@@ -75,10 +75,7 @@ class GradScaler:
         if self._unscaled:
             raise RuntimeError("unscale_() was already called since the last update()")
         engine = self.model.engine
-        # No backward since zero_grad(): the buffers hold stale values (an earlier overflow's
-        # inf among them), which torch's scaler would never see -- every .grad is None (or a
-        # zero kept by set_to_none=False). Nothing to check, as in torch.
-        grads, _ = engine.owned_grads() if engine.grads_ready else ([], False)
+        grads, _ = engine.owned_grads()  # none since zero_grad(), not an earlier overflow's stale inf
         found = torch.zeros(1, dtype=torch.float32, device=engine.device)
         inv_scale = torch.full((1,), 1.0 / self._scale, dtype=torch.float32, device=engine.device)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
