@@ -261,7 +261,7 @@ def _tagged_gather(numel: int, max_numel: int, tag: list[int], in_place: bool) -
     full.fill_(-1.0)
     if in_place:
         torch.empty(0, dtype=torch.int64).set_(full.untyped_storage(), 0, (2,)).zero_()  # the room in front
-    tags = C.all_gather_tagged(full, send, torch.tensor(tag, dtype=torch.int64), max_shard_bytes=4 * max_numel).wait()
+    tags = C.all_gather_tagged(full, send, tag, max_shard_bytes=4 * max_numel).wait()
     return tags, full
 
 
@@ -276,14 +276,14 @@ def _tagged_gathers() -> list[dict]:
         expected = torch.cat([_value(r, numel) for r in range(n)])
         # The 16 bytes in front of the full buffer: peer 0's tag, if it was received in place.
         front = torch.empty(0, dtype=torch.int64).set_(full.untyped_storage(), 0, (2,)).tolist() if in_place else []
-        results.append({"tags": tags.tolist(), "exact": torch.equal(full, expected),
+        results.append({"tags": tags, "exact": torch.equal(full, expected),
                         "in_place": sorted(windows) if in_place else [], "front": front})
     # Mismatched tags, same sizes: every rank sees every rank's tag.
     tags, _ = _tagged_gather(5, 5, [3, rank], True)
-    results.append({"tags": tags.tolist()})
+    results.append({"tags": tags})
     # Mismatched sizes (another unit's shard, shorter than the largest): no abort, tags say so.
     tags, _ = _tagged_gather(5 if rank == 0 else 2, 5, [4, 0 if rank == 0 else 9], True)
-    results.append({"tags": tags.tolist()})
+    results.append({"tags": tags})
     return results
 
 

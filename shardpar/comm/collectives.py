@@ -64,9 +64,10 @@ import datetime
 import importlib
 import os
 import pickle
+import struct
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -482,7 +483,7 @@ def tagged_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple
 def all_gather_tagged(
     full: torch.Tensor,
     send: torch.Tensor,
-    tag: torch.Tensor,
+    tag: torch.Tensor | Sequence[int],
     *,
     max_shard_bytes: int,
     group: ProcessGroup | None = None,
@@ -492,63 +493,109 @@ def all_gather_tagged(
 ) -> Handle:
     """All-gather every rank's shard into ``full`` (1-D, N x the shard's elements) with a tag
     per rank; see [Note: tagged all-gather]. ``send`` is a :func:`tagged_buffer` holding this
-    rank's shard (the tag is written into it here); ``tag`` is 16 bytes (two int64).
-    Asynchronous: ``wait()`` returns an (N, 2) int64 tensor of every rank's tag; ``full`` holds
-    the gathered payload only when every rank sent the tag this rank sent (otherwise its
-    contents are undefined; the caller decides what a mismatch means). ``full`` made by
+    rank's shard (the tag is written into it here); ``tag`` is two int64s. Asynchronous:
+    ``wait()`` returns every rank's tag (a list of N two-int lists); ``full`` holds the
+    gathered payload only when every rank sent the tag this rank sent (otherwise its contents
+    are undefined; the caller decides what a mismatch means). ``full`` made by
     :func:`gather_target` receives peers in place where that is safe. ``what`` names the
-    payload in reports (``unit 'blocks.0'``)."""
-    world_size = get_world_size(group)
-    rank = get_rank(group)
+    payload in reports (``unit 'blocks.0'``). One gather; :class:`TaggedAllGather` prepares
+    the gathers into one ``full`` buffer once."""
     payload_bytes = send.numel() - TAG_BYTES
-    if full.numel() * full.element_size() != payload_bytes * world_size:
-        raise ValueError(f"all_gather_tagged: output of {full.numel()} x {full.dtype} is not {world_size} x the "
-                         f"{payload_bytes} payload bytes sent")
-    tag_bytes = tag.contiguous().view(torch.uint8)
-    assert tag_bytes.numel() == TAG_BYTES, "a tag is 16 bytes"
-    assert payload_bytes <= max_shard_bytes, "max_shard_bytes must cover this shard"
-    if stats is not None:
+    return TaggedAllGather(full, payload_bytes, max_shard_bytes=max_shard_bytes, group=group, stats=stats,
+                           padding_numel=padding_numel, what=what).start(send, tag)
+
+
+_TAG = struct.Struct("=2q")
+"""A tag's 16 bytes as two native int64s, as ``tag.view(torch.uint8)`` lays them out."""
+
+
+class TaggedAllGather:
+    """Tagged all-gathers ([Note: tagged all-gather]) into one ``full`` buffer, each rank
+    sending ``payload_bytes``, with what is the same from one gather to the next (the group's
+    rank and backend, the in-place windows, the byte counts) worked out once: stage 3 gathers
+    every unit twice per step. The windows are views of ``full``'s storage, so they follow it
+    through a ``resize_(0)`` and back; make one while ``full``'s storage is allocated."""
+
+    def __init__(self, full: torch.Tensor, payload_bytes: int, *, max_shard_bytes: int,
+                 group: ProcessGroup | None = None, stats: CommStats | None = None, padding_numel: int = 0,
+                 what: str = "") -> None:
+        self.world_size, self.rank = get_world_size(group), get_rank(group)
+        if full.numel() * full.element_size() != payload_bytes * self.world_size:
+            raise ValueError(f"all_gather_tagged: output of {full.numel()} x {full.dtype} is not "
+                             f"{self.world_size} x the {payload_bytes} payload bytes sent")
+        assert payload_bytes <= max_shard_bytes, "max_shard_bytes must cover this shard"
+        self.full, self.payload_bytes, self.max_shard_bytes = full, payload_bytes, max_shard_bytes
+        self.group, self.stats = group, stats
         element = full.element_size()
-        stats.record_bytes("all_gather", (full.numel() - padding_numel) * element,
-                           padding_numel * element + world_size * TAG_BYTES, world_size)
-    send[:TAG_BYTES].copy_(tag_bytes)
-    own = send[TAG_BYTES:]
-    chunk_bytes = full.view(torch.uint8).view(world_size, -1)
-    if world_size == 1:
-        chunk_bytes[0].copy_(own)
-        return Handle(then=lambda: tag.detach().clone().view(1, -1))
-    # windows[src]: where peer src's tagged message is received (None: this rank's own).
-    windows: list[torch.Tensor | None] = [None] * world_size
-    in_place: dict[int, torch.Tensor] = {}
-    if _is_gloo(group):
+        self._counted = ((full.numel() - padding_numel) * element, padding_numel * element + self.world_size * TAG_BYTES)
+        self._chunk_bytes = full.view(torch.uint8).view(self.world_size, -1)
+        self._gloo = self.world_size > 1 and _is_gloo(group)
+        # Peers received straight into ``full`` (gloo only; the rest through a receive buffer).
+        self._in_place = (in_place_windows(full, self.rank, self.world_size, payload_bytes, max_shard_bytes)
+                          if self._gloo else {})
+        self._peers = [src for src in range(self.world_size) if src != self.rank]
+        self._through_buffer = [src for src in range(self.world_size) if src != self.rank and src not in self._in_place]
+        self._op = f"tagged all_gather of {what}" if what else "tagged all_gather"
+
+    def start(self, send: torch.Tensor, tag: torch.Tensor | Sequence[int]) -> Handle:
+        """Send ``send`` (a :func:`tagged_buffer` of ``payload_bytes``) tagged with ``tag``."""
+        assert send.numel() - TAG_BYTES == self.payload_bytes, "send another size than prepared"
+        if isinstance(tag, torch.Tensor):
+            mine = tag.tolist()
+        else:
+            mine, tag = list(tag), torch.tensor(tag, dtype=torch.int64)
+        assert len(mine) == TAG_BYTES // 8, "a tag is two int64s"
+        if self.stats is not None:
+            self.stats.record_bytes("all_gather", *self._counted, self.world_size)
+        send[:TAG_BYTES].copy_(tag.view(torch.uint8))
+        own = send[TAG_BYTES:]
+        if self.world_size == 1:
+            self._chunk_bytes[0].copy_(own)
+            return Handle(then=lambda: [mine])
+        if not self._gloo:
+            return self._start_all_gather(send, own, mine)
         # One broadcast per rank of its tagged shard, received in place where the note says
         # it is safe and otherwise into a buffer sized for the largest shard, so another
         # unit's message always fits.
-        in_place = in_place_windows(full, rank, world_size, payload_bytes, max_shard_bytes)
-        received = torch.empty(world_size - 1 - len(in_place), TAG_BYTES + max_shard_bytes, dtype=torch.uint8,
-                               device=send.device)
-        spare = iter(received)
-        for src in range(world_size):
-            if src != rank:
-                windows[src] = in_place[src] if src in in_place else next(spare)
-        works = [dist.broadcast(send if src == rank else windows[src], group_src=src, group=group, async_op=True)
-                 for src in range(world_size)]
-    else:
-        received = torch.empty(world_size, TAG_BYTES + payload_bytes, dtype=torch.uint8, device=send.device)
-        works = [dist.all_gather_into_tensor(received.view(-1), send, group=group, async_op=True)]
-        windows = [None if src == rank else row for src, row in enumerate(received)]
+        windows: list[torch.Tensor | None] = [None] * self.world_size
+        if self._through_buffer:
+            received = torch.empty(len(self._through_buffer), TAG_BYTES + self.max_shard_bytes, dtype=torch.uint8,
+                                   device=send.device)
+            for src, row in zip(self._through_buffer, received):
+                windows[src] = row
+        for src, window in self._in_place.items():
+            windows[src] = window
+        works = [dist.broadcast(send if src == self.rank else windows[src], group_src=src, group=self.group,
+                                async_op=True) for src in range(self.world_size)]
 
-    def copy_out() -> torch.Tensor:
-        # Every tag is read before anything is written: a peer's tag may sit in this rank's chunk.
-        tags = torch.stack([tag_bytes if w is None else w[:TAG_BYTES] for w in windows]).view(torch.int64)
-        if torch.equal(tags, tags[rank].expand_as(tags)):
-            for src, window in enumerate(windows):
-                if window is not None and src not in in_place:
-                    chunk_bytes[src].copy_(window[TAG_BYTES : TAG_BYTES + payload_bytes])
-            chunk_bytes[rank].copy_(own)
-        return tags
+        def check_then_copy() -> list[list[int]]:
+            # Every tag is read before anything is written: a peer's tag may sit in this rank's
+            # chunk. One read of the peers' tags, as bytes (a window need not be aligned for int64).
+            peers = [windows[src][:TAG_BYTES] for src in self._peers]
+            raw = [peers[0].tolist()] if len(peers) == 1 else torch.stack(peers).tolist()
+            tags = [mine] * self.world_size
+            for src, tag_bytes in zip(self._peers, raw):
+                tags[src] = list(_TAG.unpack(bytes(tag_bytes)))
+            if all(t == mine for t in tags):
+                for src in self._through_buffer:
+                    self._chunk_bytes[src].copy_(windows[src][TAG_BYTES : TAG_BYTES + self.payload_bytes])
+                self._chunk_bytes[self.rank].copy_(own)
+            return tags
 
-    return Handle(works, then=copy_out, op=f"tagged all_gather of {what}" if what else "tagged all_gather", group=group)
+        return Handle(works, then=check_then_copy, op=self._op, group=self.group)
+
+    def _start_all_gather(self, send: torch.Tensor, own: torch.Tensor, mine: list[int]) -> Handle:
+        """Other backends: their all-gather of the tagged buffers (no size mismatch survives it)."""
+        received = torch.empty(self.world_size, TAG_BYTES + self.payload_bytes, dtype=torch.uint8, device=send.device)
+        work = dist.all_gather_into_tensor(received.view(-1), send, group=self.group, async_op=True)
+
+        def check_then_copy() -> list[list[int]]:
+            tags = received[:, :TAG_BYTES].contiguous().view(torch.int64).tolist()  # one device sync
+            if all(t == mine for t in tags):
+                self._chunk_bytes.copy_(received[:, TAG_BYTES:])
+            return tags
+
+        return Handle([work], then=check_then_copy, op=self._op, group=self.group)
 
 
 def in_place_windows(full: torch.Tensor, rank: int, world_size: int, payload_bytes: int,

@@ -200,6 +200,8 @@ class UnitGatherer:
         self.unit_of = {flat: unit for unit in units for flat in unit.flats}
         self._reported_as = {flat: f"unit '{unit.name}' ({flat.label})" for flat, unit in self.unit_of.items()}
         self.max_shard_bytes = max(f.layout.shard_numel * f.full.element_size() for f in self.flats)
+        self._plans: dict[FlatParamGroup, C.TaggedAllGather] = {}
+        """Each group's prepared gather (remade when ``max_shard_bytes`` grows)."""
         self.wait_clock = wait_clock
         for flat in self.flats:
             flat.on_unsharded = self._check_tags
@@ -233,11 +235,15 @@ class UnitGatherer:
         else:  # mixed precision: gather the compute dtype
             send, payload = C.tagged_buffer(flat.shard.numel(), flat.dtype, flat.device)
             payload.copy_(flat.shard)
-        tag = torch.tensor([self._sequence, self.flat_index[flat]], dtype=torch.int64, device=flat.device)
+        plan = self._plans.get(flat)
+        if plan is None or plan.max_shard_bytes != self.max_shard_bytes:
+            # Made here, while the full buffer's storage is allocated (the plan's windows view it).
+            plan = self._plans[flat] = C.TaggedAllGather(
+                flat.full, flat.layout.shard_numel * flat.full.element_size(), max_shard_bytes=self.max_shard_bytes,
+                group=self.group, stats=self.comm, padding_numel=flat.layout.padding, what=self._reported_as[flat])
+        tag = (self._sequence, self.flat_index[flat])
         self._sequence += 1
-        return C.all_gather_tagged(flat.full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group,
-                                   stats=self.comm, padding_numel=flat.layout.padding,
-                                   what=self._reported_as[flat])
+        return plan.start(send, tag)
 
     def exchange(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (equal lengths), through the tagged gathers' own channel: a
@@ -248,15 +254,14 @@ class UnitGatherer:
         send, payload = C.tagged_buffer(len(values), torch.int32, device)
         payload.copy_(torch.tensor(values, dtype=torch.int32))
         full = torch.empty(len(values) * C.get_world_size(self.group), dtype=torch.int32, device=device)
-        tag = torch.tensor([self._sequence, len(self.flats)], dtype=torch.int64, device=device)
+        tag = (self._sequence, len(self.flats))
         self._sequence += 1
         self.max_shard_bytes = max(self.max_shard_bytes, size)
         tags = C.all_gather_tagged(full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group).wait()
         self._check_tags(None, tags)
         return full.view(C.get_world_size(self.group), -1).tolist()
 
-    def _check_tags(self, flat: FlatParamGroup | None, tags: torch.Tensor) -> None:
-        rows = [tuple(row) for row in tags.tolist()]
+    def _check_tags(self, flat: FlatParamGroup | None, rows: list[list[int]]) -> None:
         if all(row == rows[self.rank] for row in rows):
             return
         if self._recoverable(rows):
@@ -267,7 +272,7 @@ class UnitGatherer:
         if self.retire_group is not None:
             self.retire_group()
 
-        def describe(row: tuple[int, ...]) -> str:
+        def describe(row: list[int]) -> str:
             index = row[1]
             if 0 <= index < len(self.flats):
                 return f"unit '{self.unit_of[self.flats[index]].name}' ({self.flats[index].label}), gather #{row[0]}"
@@ -282,7 +287,7 @@ class UnitGatherer:
             "backward (put the modules a data-dependent branch chooses between in one unit)"
         )
 
-    def _recoverable(self, rows: list[tuple[int, ...]]) -> bool:
+    def _recoverable(self, rows: list[list[int]]) -> bool:
         """Every rank at the same gather number, each gathering a leftover unit."""
         if self.leftovers_held or len({row[0] for row in rows}) != 1:
             return False
