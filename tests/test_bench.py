@@ -132,12 +132,14 @@ def test_report_has_the_exposure_table_and_the_limits_section(report) -> None:
 
 def test_step_profile_prints_each_figure_per_step() -> None:
     """tools/step_profile.py at world size 1 on the tiny model: every figure it promises,
-    with the Python-call count and the reference-cycle count present and sane."""
+    with the Python-call count and the reference-cycle count present and sane, and a timed
+    function (``--time``) called once per parameter per step, as the gradient hook is."""
     import subprocess
 
+    timed = "engines.engine:Engine._on_grad_ready"
     result = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "step_profile.py"), "--model", "mlp:tiny", "--steps", "2",
-         "--warmup", "1", "--calls", "--cycles"],
+         "--warmup", "1", "--calls", "--cycles", "--time", timed],
         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -145,6 +147,13 @@ def test_step_profile_prints_each_figure_per_step() -> None:
     assert set(figures) == {"wall ms", "process CPU ms", "main-thread CPU ms", "main-thread CPU ms, forward",
                             "main-thread CPU ms, backward", "main-thread CPU ms, step", "Python calls",
                             "garbage collections (any generation)",
-                            "objects in reference cycles"}, figures
+                            "objects in reference cycles", f"{timed}: calls", f"{timed}: CPU ms",
+                            f"{timed}: page faults"}, figures
     assert "mlp:tiny stage 3, shardpar of" in result.stdout.splitlines()[0]
     assert float(figures["Python calls"]) > 100 and float(figures["objects in reference cycles"]) == 0.0
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench
+
+    params = len(list(bench.parse_models("mlp:tiny")[0].build().parameters()))
+    assert float(figures[f"{timed}: calls"]) == params, (figures, params)
+    assert float(figures[f"{timed}: CPU ms"]) > 0 and float(figures[f"{timed}: page faults"]) >= 0

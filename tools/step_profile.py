@@ -4,6 +4,8 @@
     torchrun --standalone --nproc_per_node 2 tools/step_profile.py --candidate ../old --model mlp:large --stage 3
     torchrun --standalone --nproc_per_node 2 tools/step_profile.py --model mlp:small --stage 3 --calls
     torchrun --standalone --nproc_per_node 2 tools/step_profile.py --model mlp:large --stage 3 --cycles
+    torchrun --standalone --nproc_per_node 2 tools/step_profile.py --model gpt:large --stage 3 \
+        --time core.flat_param:FlatParamGroup.wait_unsharded --time engines.engine:Engine._on_grad_ready
 
 ``tools/bench.py`` times every configuration interleaved in one launch, which is what its
 ratios need; this tool answers the follow-up question about one of them, with nothing else
@@ -11,7 +13,9 @@ in the process: wall and CPU time per step (the whole process, and its main thre
 phase), how often Python's garbage collector ran, Python function calls per step
 (``--calls``: under cProfile, so the times printed with it are cProfile's, not the
 configuration's), and the objects per step that only the
-cyclic garbage collector frees (``--cycles``). The model, batch, optimizer (AdamW), step and
+cyclic garbage collector frees (``--cycles``). ``--time MODULE:QUALNAME`` (repeatable; the
+module relative to the profiled shardpar package) adds, per function, its calls, main-thread
+CPU time and minor page faults per step, inclusive of what it calls. The model, batch, optimizer (AdamW), step and
 allocator settings are the benchmark's (``--model`` takes its names); stage 3 uses its
 blocks as units. ``--candidate PATH`` profiles the shardpar of another checkout instead of
 this one (loaded as the benchmark's ``--candidate`` is), so two versions can be compared
@@ -24,9 +28,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import gc
+import importlib
 import io
 import pstats
+import resource
 import sys
 import time
 from pathlib import Path
@@ -51,17 +58,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top", type=int, default=0, help="with --calls: print the N functions with most calls")
     parser.add_argument("--cycles", action="store_true",
                         help="count objects per step that only the cyclic garbage collector frees")
+    parser.add_argument("--time", action="append", default=[], metavar="MODULE:QUALNAME",
+                        help="per-step calls, CPU ms and page faults of this shardpar function (repeatable)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     return args
 
 
-def build(args: argparse.Namespace) -> tuple[Any, Any, tuple[torch.Tensor, torch.Tensor], str]:
-    library = bench.shardpar
-    if args.candidate is not None:
-        bench.load_candidate(args.candidate.resolve())
-        library = bench.LIBRARIES[bench.CANDIDATE]
+def load_library(args: argparse.Namespace) -> Any:
+    """This checkout's shardpar, or the ``--candidate`` checkout's."""
+    if args.candidate is None:
+        return bench.shardpar
+    bench.load_candidate(args.candidate.resolve())
+    return bench.LIBRARIES[bench.CANDIDATE]
+
+
+def build(args: argparse.Namespace, library: Any) -> tuple[Any, Any, tuple[torch.Tensor, torch.Tensor], str]:
     spec = bench.parse_models(args.model)[0]
     torch.manual_seed(0)
     options = {"wrap_policy": [spec.unit_class]} if args.stage == 3 else {}
@@ -71,12 +84,57 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, tuple[torch.Tensor, torch
     return model, optimizer, batch, Path(library.__file__).resolve().parent.parent.name
 
 
+class FunctionTimer:
+    """Wraps named functions of the profiled package to count, per call, the calling thread's
+    CPU time and minor page faults (``getrusage(RUSAGE_THREAD)``; Linux)."""
+
+    def __init__(self, package: str, targets: list[str]) -> None:
+        self.targets = targets
+        self.calls = dict.fromkeys(targets, 0)
+        self.cpu_ns = dict.fromkeys(targets, 0)
+        self.faults = dict.fromkeys(targets, 0)
+        for target in targets:
+            module_name, _, qualname = target.partition(":")
+            owner: Any = importlib.import_module(f"{package}.{module_name}")
+            *path, name = qualname.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            setattr(owner, name, self._wrap(getattr(owner, name), target))
+
+    def _wrap(self, fn: Any, target: str) -> Any:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            cpu, faults = time.thread_time_ns(), resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.calls[target] += 1
+                self.cpu_ns[target] += time.thread_time_ns() - cpu
+                self.faults[target] += resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults
+        return timed
+
+    def reset(self) -> None:
+        for counter in (self.calls, self.cpu_ns, self.faults):
+            counter.update(dict.fromkeys(counter, 0))
+
+    def per_step(self, steps: int) -> dict[str, float]:
+        out = {}
+        for target in self.targets:
+            out[f"{target}: calls"] = self.calls[target] / steps
+            out[f"{target}: CPU ms"] = self.cpu_ns[target] / 1e6 / steps
+            out[f"{target}: page faults"] = self.faults[target] / steps
+        return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     bench.init_group()
     torch.set_num_threads(1)
     bench.set_allocator(bench.TIMING_MMAP_BYTES)  # the benchmark's timing-phase allocator
-    model, optimizer, (inputs, targets), checkout = build(args)
+    library = load_library(args)
+    # Wrapped before the model is built, so that hooks bound at construction call the wrappers.
+    timer = FunctionTimer(library.__name__, args.time) if args.time else None
+    model, optimizer, (inputs, targets), checkout = build(args, library)
     phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}
 
     def step() -> None:
@@ -95,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.warmup):
         step()
     phases.update(dict.fromkeys(phases, 0.0))
+    if timer is not None:
+        timer.reset()
     profile = cProfile.Profile() if args.calls else None
     collections = [0]
 
@@ -116,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "main-thread CPU ms": (time.thread_time() - main_cpu) * 1e3 / args.steps,
         **{f"main-thread CPU ms, {phase}": seconds * 1e3 / args.steps for phase, seconds in phases.items()},
         "garbage collections (any generation)": collections[0] / args.steps,
+        **(timer.per_step(args.steps) if timer is not None else {}),
     }
     if profile is not None:
         stats = pstats.Stats(profile, stream=io.StringIO())
@@ -135,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.model} stage {args.stage}, shardpar of {checkout}, {dist.get_world_size()} rank(s), "
               f"{args.steps} steps; per step, the slowest rank's:")
         for key in per_step:
-            print(f"  {key}: {max(rank[key] for rank in slowest):.1f}")
+            digits = 2 if key.endswith("CPU ms") else 1
+            print(f"  {key}: {max(rank[key] for rank in slowest):.{digits}f}")
         if profile is not None and args.top:
             out = io.StringIO()
             pstats.Stats(profile, stream=out).sort_stats("ncalls").print_stats(args.top)
