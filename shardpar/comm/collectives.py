@@ -483,7 +483,7 @@ def tagged_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple
 def all_gather_tagged(
     full: torch.Tensor,
     send: torch.Tensor,
-    tag: torch.Tensor | Sequence[int],
+    tag: Sequence[int],
     *,
     max_shard_bytes: int,
     group: ProcessGroup | None = None,
@@ -524,7 +524,7 @@ class TaggedAllGather:
             raise ValueError(f"all_gather_tagged: output of {full.numel()} x {full.dtype} is not "
                              f"{self.world_size} x the {payload_bytes} payload bytes sent")
         assert payload_bytes <= max_shard_bytes, "max_shard_bytes must cover this shard"
-        self.full, self.payload_bytes, self.max_shard_bytes = full, payload_bytes, max_shard_bytes
+        self.payload_bytes, self.max_shard_bytes = payload_bytes, max_shard_bytes
         self.group, self.stats = group, stats
         element = full.element_size()
         self._counted = ((full.numel() - padding_numel) * element, padding_numel * element + self.world_size * TAG_BYTES)
@@ -534,20 +534,17 @@ class TaggedAllGather:
         self._in_place = (in_place_windows(full, self.rank, self.world_size, payload_bytes, max_shard_bytes)
                           if self._gloo else {})
         self._peers = [src for src in range(self.world_size) if src != self.rank]
-        self._through_buffer = [src for src in range(self.world_size) if src != self.rank and src not in self._in_place]
+        self._through_buffer = [src for src in self._peers if src not in self._in_place]
         self._op = f"tagged all_gather of {what}" if what else "tagged all_gather"
 
-    def start(self, send: torch.Tensor, tag: torch.Tensor | Sequence[int]) -> Handle:
+    def start(self, send: torch.Tensor, tag: Sequence[int]) -> Handle:
         """Send ``send`` (a :func:`tagged_buffer` of ``payload_bytes``) tagged with ``tag``."""
         assert send.numel() - TAG_BYTES == self.payload_bytes, "send another size than prepared"
-        if isinstance(tag, torch.Tensor):
-            mine = tag.tolist()
-        else:
-            mine, tag = list(tag), torch.tensor(tag, dtype=torch.int64)
+        mine = list(tag)
         assert len(mine) == TAG_BYTES // 8, "a tag is two int64s"
         if self.stats is not None:
             self.stats.record_bytes("all_gather", *self._counted, self.world_size)
-        send[:TAG_BYTES].copy_(tag.view(torch.uint8))
+        send[:TAG_BYTES].copy_(torch.tensor(mine, dtype=torch.int64).view(torch.uint8))
         own = send[TAG_BYTES:]
         if self.world_size == 1:
             self._chunk_bytes[0].copy_(own)
