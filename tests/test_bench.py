@@ -63,6 +63,7 @@ def test_bytes_and_model_state_match_the_closed_forms(report) -> None:
         for config in CONFIGS:
             row = result["configs"][config]
             assert row["step_s"]["median"] > 0
+            assert isinstance(row["minor_faults"], (int, float)) and row["minor_faults"] >= 0, config
             assert max(row["model_state"]) == pytest.approx(row["formula"], rel=0.10)
             if config.startswith("stage"):
                 assert max(row["sent_bytes"]) == pytest.approx(row["closed_form_bytes"], rel=0.01)

@@ -28,7 +28,9 @@ is reused from the heap. The memory phase sets the threshold to 64 KiB so every 
 pages come and go with it (exact RSS). That would make the timing phase pay page faults
 for every activation every step, which no real run does: glibc's dynamic threshold climbs
 to 32 MiB after the first frees. So the timing phase sets 32 MiB (and trim at 64 MiB)
-explicitly, the steady state every configuration sees from its first step.
+explicitly, the steady state every configuration sees from its first step. The JSON summary
+gives each configuration's minor page faults per timed step (``minor_faults``, the process's,
+the slowest rank's median), which shows whether that holds.
 - Bytes: ``comm_stats()`` over the timed steps / steps, against ``estimate_communication``
   (payload and, in the JSON summary, padding, with the configuration's bucket cap and
   alignment).
@@ -62,6 +64,7 @@ import json
 import math
 import os
 import platform
+import resource
 import shlex
 import statistics
 import sys
@@ -434,6 +437,7 @@ class Measured:
     phases: list[tuple[float, float, float]] = field(default_factory=list)  # fwd+bwd, opt step, zero_grad
     cpu: list[float] = field(default_factory=list)  # CPU seconds per timed step, all threads of the process
     cpu_other: list[float] = field(default_factory=list)  # of which not the main thread (gloo's threads)
+    minor_faults: list[int] = field(default_factory=list)  # minor page faults per timed step, whole process
     phase_cpu_main: list[tuple[float, float, float]] = field(default_factory=list)  # main-thread CPU per phase
     exposed: list[dict[str, float]] = field(default_factory=list)  # wait-clock seconds per phase, per step
     state: dict[str, int] = field(default_factory=dict)
@@ -453,6 +457,12 @@ def _clock() -> tuple[float, float, float]:
     return time.perf_counter(), time.process_time(), time.thread_time()
 
 
+def _minor_faults() -> int:
+    """Minor page faults of the whole process so far: pages touched for the first time since
+    the allocator got them from the OS, which a step pays for every buffer it allocates anew."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def run_step(runner: Runner, batch, measured: Measured | None = None, before_zero: Callable | None = None) -> float:
     """One training step after a barrier; ``before_zero`` runs between the optimizer step
     and zero_grad, outside the timed phases."""
@@ -460,6 +470,7 @@ def run_step(runner: Runner, batch, measured: Measured | None = None, before_zer
     wait_clock = getattr(runner.engine, "wait_clock", None)  # None: a peer, or a --candidate from before it
     if wait_clock is not None:
         wait_clock.reset()
+    faults = _minor_faults()
     start = _clock()
     loss = runner.forward_backward(batch)
     after_backward = _clock()
@@ -470,7 +481,9 @@ def run_step(runner: Runner, batch, measured: Measured | None = None, before_zer
     before_zero_grad = _clock()
     runner.zero_grad()
     end = _clock()
+    faults = _minor_faults() - faults
     if measured is not None:
+        measured.minor_faults.append(faults)
         spans = [(start, after_backward), (after_backward, after_step), (before_zero_grad, end)]
         measured.phases.append(tuple(b[0] - a[0] for a, b in spans))
         measured.phase_cpu_main.append(tuple(b[2] - a[2] for a, b in spans))
@@ -668,6 +681,7 @@ def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], 
             "phase_s": {k: statistics.median(p[i] for p in phases) for i, k in enumerate(("fwd_bwd", "opt", "zero"))},
             "cpu_s": max(statistics.median(m["cpu"]) for m in per_rank),
             "cpu_other_s": max(statistics.median(m["cpu_other"]) for m in per_rank),
+            "minor_faults": max(statistics.median(m["minor_faults"]) for m in per_rank),
             "phase_cpu_main_s": {
                 k: max(statistics.median(p[i] for p in m["phase_cpu_main"]) for m in per_rank)
                 for i, k in enumerate(("fwd_bwd", "opt", "zero"))
