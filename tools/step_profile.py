@@ -12,10 +12,10 @@ ratios need; this tool answers the follow-up question about one of them, with no
 in the process: wall and CPU time per step (the whole process, and its main thread per
 phase), how often Python's garbage collector ran, Python function calls per step
 (``--calls``: under cProfile, so the times printed with it are cProfile's, not the
-configuration's), and the objects per step that only the
-cyclic garbage collector frees (``--cycles``). ``--time MODULE:QUALNAME`` (repeatable; the
-module relative to the profiled shardpar package) adds, per function, its calls, main-thread
-CPU time and minor page faults per step, inclusive of what it calls. The model, batch, optimizer (AdamW), step and
+configuration's), and the objects per step that only the cyclic garbage collector frees
+(``--cycles``). ``--time MODULE:QUALNAME`` (repeatable; the module relative to the profiled
+shardpar package) adds, per function, its calls, the calling thread's CPU time and minor page
+faults per step, inclusive of what it calls. The model, batch, optimizer (AdamW), step and
 allocator settings are the benchmark's (``--model`` takes its names); stage 3 uses its
 blocks as units. ``--candidate PATH`` profiles the shardpar of another checkout instead of
 this one (loaded as the benchmark's ``--candidate`` is), so two versions can be compared
