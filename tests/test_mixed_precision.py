@@ -504,9 +504,10 @@ def test_parameter_gathers_move_bf16(stage: int) -> None:
 def _closed_form(stage: int, layout: dict[str, Any], p: int, r: int, buffer_bytes: int, world_size: int,
                  rebuilt: bool = False) -> dict[str, float]:
     """Bytes one rank sends per step, by op (payload only, ring model): DESIGN.md's
-    ``2Ψ·r·f`` (stage 0), ``Ψ·r·f + Ψ·p·f`` (1, 2), ``Ψ·r·f + 2·Σ uses·(unit elements)·p·f`` (3:
-    every unit, frozen parameters included, gathered before each use in forward and again
-    before its backward), plus the buffers broadcast before forward and the used-parameter
+    ``2Ψ·r·f`` (stage 0), ``Ψ·r·f + Ψ·p·f`` (1, 2), ``Ψ·r·f + Σ (2·uses - kept)·(unit elements)·p·f``
+    (3: every unit, frozen parameters included, gathered before each use in forward and again
+    before its backward, except that the units kept gathered from forward into backward skip
+    the second gather of their last use), plus the buffers broadcast before forward and the used-parameter
     flags (4 bytes per trainable tensor, and three counters with their negatives, all-reduced).
 
     ``rebuilt``: the step whose backward rebuilt the buckets ([Note: bucket rebuild]) also
@@ -527,8 +528,14 @@ def _closed_form(stage: int, layout: dict[str, Any], p: int, r: int, buffer_byte
     else:
         sent["reduce_scatter"] = psi * r * f
         uses = {tuple(hooks): sum(h in KITCHEN_CALLS for h in hooks) for hooks, _ in layout["units"]}
+        # ``out`` is the last unit module forward runs (``head`` belongs to the root's unit), so
+        # its unit and the root's (which encloses every module) stay gathered from forward into
+        # backward, whose first uses they are: one gather fewer each.
+        kept = {tuple(hooks): int("out" in hooks or "" in hooks) for hooks, _ in layout["units"]}
+        assert sum(kept.values()) == 2, layout["units"]
         assert sum(numel for _, numel in layout["units"]) == psi + layout["frozen_numel"]
-        sent["all_gather"] = 2 * sum(uses[tuple(h)] * numel for h, numel in layout["units"]) * p * f  # frozen in p too
+        sent["all_gather"] = sum((2 * uses[tuple(h)] - kept[tuple(h)]) * numel
+                                 for h, numel in layout["units"]) * p * f  # frozen in p too
     return sent
 
 
@@ -955,9 +962,11 @@ def counting_host_reads(counts: dict[str, int]) -> Iterator[None]:
             setattr(torch.Tensor, name, method)
 
 
-def host_reads_per_step(stage: int, mixed_precision: str, options: dict[str, Any]) -> tuple[list[dict], list[int], int]:
+def host_reads_per_step(stage: int, mixed_precision: str, options: dict[str, Any],
+                        with_forward: bool = False) -> tuple[list[dict], list[int], int]:
     """Host reads inside backward + ``unscale_`` of 3 steps (fp16 runs use shardpar's
-    GradScaler), the all-gathers issued in that window, and the number of reduce buckets."""
+    GradScaler; ``with_forward``: the forward and loss too), the all-gathers issued in that
+    window, and the number of reduce buckets."""
     rank, world_size = C.get_rank(), C.get_world_size()
     recipe = Recipe(KITCHEN, steps=3)
     module = KITCHEN.build()
@@ -967,9 +976,12 @@ def host_reads_per_step(stage: int, mixed_precision: str, options: dict[str, Any
     reads, gathers = [], []
     for step in range(recipe.steps):
         x, y = global_batch(module, recipe, step)
-        loss = module.loss(model(rank_slice(x, rank, world_size)), rank_slice(y, rank, world_size))
         counts: dict[str, int] = {}
         before = model.comm_stats().get("all_gather", {}).get("calls", 0)
+        with counting_host_reads(counts) if with_forward else contextlib.nullcontext():
+            loss = module.loss(model(rank_slice(x, rank, world_size)), rank_slice(y, rank, world_size))
+        if not with_forward:
+            before = model.comm_stats().get("all_gather", {}).get("calls", 0)
         with counting_host_reads(counts):
             (scaler.scale(loss) if scaler is not None else loss).backward()
             if scaler is not None:
@@ -1004,9 +1016,11 @@ def test_reduction_and_overflow_check_read_the_host_once_per_backward(stage: int
 @pytest.mark.parametrize("mixed_precision", ["fp16", "bf16"])
 def test_stage3_reads_the_host_once_per_backward_plus_each_gather_tag(mixed_precision: str) -> None:
     """At stage 3 each unit gather's tags are compared on the host ([Note: tagged all-gather]);
-    the gradient reduction and the overflow check add one read per backward."""
+    the gradient reduction and the overflow check add one read per backward. Counted over
+    forward and backward, so that several gathers fall in the window: backward alone gathers
+    only ``body`` here (the root's unit and ``out`` stay gathered from forward into backward)."""
     reads, gathers, _ = run_ranks(host_reads_per_step, 2, 3, mixed_precision,
-                                  {"wrap_policy": kitchen_units, "prefetch_units": 0}, timeout=120)[0]
+                                  {"wrap_policy": kitchen_units, "prefetch_units": 0}, True, timeout=120)[0]
     assert all(g >= 2 for g in gathers[1:]), gathers
     assert reads[1:] == [{"tolist": 1 + g} for g in gathers[1:]], (reads, gathers)
 

@@ -495,19 +495,28 @@ def _check_units_of_main(units: list[dict]) -> None:
     }, hooks
 
 
+KEPT_FOR_BACKWARD = ("tok+head", "<root>")
+"""MAIN's units whose forward ends last -- the tied embedding/head (its second use, the head,
+is the last module to start) and the root's own unit, which encloses it -- and whose backward
+comes first: with ``reshard_after_forward`` they stay gathered from forward into backward
+instead of being freed and gathered again ([Note: kept for backward] in core/gatherer.py)."""
+
+
 def _check_bytes(results: list[dict], world_size: int, gathers_per_use: int) -> None:
     """Every unit is gathered ``gathers_per_use`` times per use of it in forward (a use = one
-    of its hook modules running: 2 for the tied embedding/head), each gather carrying one
-    16-byte tag per rank and group (counted as padding); the trainable parameters are
-    reduce-scattered once; one small all-reduce of a 4-byte flag per trainable tensor plus two
-    counters tells every rank which parameters got gradients."""
+    of its hook modules running: 2 for the tied embedding/head), less one for each unit kept
+    gathered from forward into backward (with 2 per use: KEPT_FOR_BACKWARD), each gather
+    carrying one 16-byte tag per rank and group (counted as padding); the trainable parameters
+    are reduce-scattered once; one small all-reduce of a 4-byte flag per trainable tensor plus
+    two counters tells every rank which parameters got gradients."""
     psi_all, psi = _psi(MAIN)
     fraction = (world_size - 1) / world_size
     tensors = sum(1 for p in MAIN.build().parameters() if p.requires_grad)
     for result in results:
         units = result["units"]
         _check_units_of_main(units)
-        gathers = {u["name"]: gathers_per_use * len(u["hooks"]) for u in units}
+        gathers = {u["name"]: gathers_per_use * len(u["hooks"]) - (gathers_per_use == 2 and u["name"] in KEPT_FOR_BACKWARD)
+                   for u in units}
         gather_payload = sum(gathers[u["name"]] * u["payload"] * 4 for u in units)
         gather_padding = sum(gathers[u["name"]] * (u["padding"] * 4 + u["groups"] * world_size * 16) for u in units)
         pad = sum(u["trainable_padding"] for u in units)
@@ -536,7 +545,8 @@ def _check_bytes(results: list[dict], world_size: int, gathers_per_use: int) -> 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_bytes_per_step_with_reshard_after_forward(world_size: int) -> None:
-    """2 all-gathers per use of every unit (frozen included) + 1 reduce-scatter of the trainable ones."""
+    """2 all-gathers per use of every unit (frozen included; 1 fewer for the units kept from
+    forward into backward) + 1 reduce-scatter of the trainable ones."""
     _check_bytes(_results(Run(fsdp2=True), world_size), world_size, gathers_per_use=2)
 
 
@@ -653,6 +663,41 @@ def test_peak_parameter_bytes_do_not_grow_with_frozen_units() -> None:
     for result in results:
         bound, detail = _peak_bound(result["units"])
         assert result["peak_params"] <= bound, f"peak {result['peak_params']} B > {detail}"
+
+
+def _kept_units_after_a_forward_without_backward() -> dict[str, Any]:
+    """A forward with autograd and no backward keeps its last units gathered (see [Note: kept
+    for backward]); new weights loaded before the next forward must still be what it
+    computes with, and the kept units must not outlive the next forward."""
+    torch.manual_seed(0)
+    model = shardpar.wrap(MAIN.build(), stage=3, **Run().wrap_options())
+    x, _ = _global_batch(0)
+    model(x[:2])  # no backward follows
+    kept = [unit.name for unit in model.engine.gatherer.last_kept]
+    gathered_between = model.memory_stats()["params"] - sum(f.shard_bytes for f in model.engine.gatherer.flats)
+    fresh = {k: v * 0.5 for k, v in model.full_state_dict().items()}
+    model.load_state_dict(fresh)
+    with torch.no_grad():
+        out = model(x[:2])
+    reference = MAIN.build()
+    reference.load_state_dict(fresh)
+    with torch.no_grad():
+        expected = reference(x[:2])
+    after = model.memory_stats()["params"] - sum(f.shard_bytes for f in model.engine.gatherer.flats)
+    model.engine.close()
+    return {"kept": kept, "gathered_between": gathered_between, "max_diff": (out - expected).abs().max().item(),
+            "gathered_after": after}
+
+
+def test_units_kept_for_backward_are_released_when_no_backward_follows() -> None:
+    """MAIN's last units (the tied head and the root) stay gathered after a forward with
+    autograd; a load_state_dict and a no_grad forward later, the output is plain torch's with
+    the loaded weights, and nothing is gathered any more."""
+    for rank, result in enumerate(run_ranks(_kept_units_after_a_forward_without_backward, 2, timeout=SHORT)):
+        assert sorted(result["kept"]) == sorted(KEPT_FOR_BACKWARD), (rank, result)
+        assert result["gathered_between"] > 0, (rank, result)
+        assert result["max_diff"] <= 1e-6, (rank, result)
+        assert result["gathered_after"] == 0, (rank, result)
 
 
 # --------------------------------------------------------------------------- prefetch counts

@@ -45,7 +45,8 @@ the slowest rank's median), which shows whether that holds.
   the gradient collectives (one per bucket, of the bucket's size and reduce dtype: stage 0
   all-reduce, stages 1-3 reduce-scatter), then, timed on their own, the parameter
   all-gathers (stages 1-2: one per bucket; stage 3: one per flat group of every unit, twice,
-  forward and backward, unless ``reshard_after_forward=False``; in the compute dtype; stage 3's
+  forward and backward, unless ``reshard_after_forward=False`` or the unit was kept gathered
+  from forward into backward; in the compute dtype; stage 3's
   16-byte gather tags and the few bytes of the used-parameter flags are left out).
   hidden = 1 - exposed / (gradients alone + gathers alone), clamped to [0, 1].
 """
@@ -507,8 +508,8 @@ def gradient_buckets(engine: Any) -> list[tuple[Any, torch.dtype]]:
 def parameter_gathers(engine: Any) -> list[tuple[int, torch.dtype]] | None:
     """(full numel, dtype) of every parameter all-gather of one step: none at stage 0, one
     per bucket at stages 1-2, one per flat group of every unit and use at stage 3 (twice
-    with ``reshard_after_forward``: forward and backward; the bench's models use every unit
-    once). None where the engine does not say (a ``--candidate`` from before the gatherers)."""
+    with ``reshard_after_forward``: forward and backward, except for the units the last
+    forward kept gathered into backward; the bench's models use every unit once). None where the engine does not say (a ``--candidate`` from before the gatherers)."""
     if engine.stage == 0:
         return []
     gatherer = getattr(engine, "gatherer", None)
@@ -516,7 +517,12 @@ def parameter_gathers(engine: Any) -> list[tuple[int, torch.dtype]] | None:
     if flats is None:
         return None
     uses = 2 if engine.stage == 3 and engine.config.reshard_after_forward else 1
-    return [(flat.layout.numel, flat.dtype) for flat in flats] * uses
+    gathers = [(flat.layout.numel, flat.dtype) for flat in flats] * uses
+    if uses == 2:  # the units kept gathered from forward into backward are gathered once
+        for unit in getattr(gatherer, "last_kept", []):
+            for flat in unit.flats:
+                gathers.remove((flat.layout.numel, flat.dtype))
+    return gathers
 
 
 def _alone_s(launch: Callable[[], list[Any]], reps: int) -> float:

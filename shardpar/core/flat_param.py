@@ -128,6 +128,9 @@ class FlatParamGroup:
         """Stage 3: the shard's storage as bytes, with room for a gather tag in front."""
         self.on_unsharded: Callable[["FlatParamGroup", object], None] | None = None
         """Called with the group and what the gather's handle returned (stage 3 checks tags)."""
+        self.before_wait: Callable[["FlatParamGroup"], None] | None = None
+        """Called as a wait for this group's gather begins (stage 3: completes the gathers
+        issued before it first, see [Note: unit order across ranks] in gatherer.py)."""
         self.meter: GatheredBytes | None = None
         """Told of every allocation and release of the full buffer's storage (stage 3)."""
         self.wait_clock: WaitClock | None = None
@@ -205,6 +208,8 @@ class FlatParamGroup:
         if self.state is ShardState.UNSHARDED:
             return
         assert self.state is ShardState.GATHERING, f"'{self.label}' is {self.state.value}, not gathering"
+        if self.before_wait is not None:
+            self.before_wait(self)
         handle, self.handle = self.handle, None
         result = handle.wait() if self.wait_clock is None else self.wait_clock.wait(handle, gather=True)
         self.state = ShardState.UNSHARDED

@@ -2,10 +2,11 @@
 and free with prefetch at stage 3.
 
 [Note: one step at stage 3]
-forward:  a unit's hook module is about to run -> gather the unit (or wait for its
-          prefetched gather) -> prefetch the next ``forward_prefetch`` units of the last
-          forward's order -> run -> free it (``reshard_after_forward``, or no autograd) and
-          hook its outputs.
+forward:  a unit's hook module is about to run -> free the units whose forward ended
+          since the last unit started -> gather the unit (or wait for its prefetched
+          gather) -> prefetch the next ``forward_prefetch`` units of the last forward's order
+          -> run -> hook its outputs; it is freed when the next unit starts
+          (``reshard_after_forward``, or no autograd), or kept for backward (below).
 backward: a hook on a use's outputs fires before that use's backward -> gather again,
           prefetch the next ``backward_prefetch`` units of the last backward's order (the
           first backward: the reverse of the forward's) -> once backward reaches the use's
@@ -17,6 +18,27 @@ recompute (activation checkpointing: a unit's forward runs again *inside* backwa
           nothing is freed after it -- the recomputed graph is about to use the storage. So
           checkpointing changes neither results nor the number of gathers.
 end of backward: every unit still gathered is freed.
+
+[Note: kept for backward]
+The units whose forward ends last -- the unit that starts last and those enclosing it, such
+as the root's own unit -- are the first that backward needs. Freeing them when the root's
+forward ends would only gather them again a moment later, with nothing to overlap that
+gather with. So a unit is freed when the *next* unit's forward starts, not when its own
+ends (the peak is unchanged: the next unit was prefetched while this one ran), and the units
+still waiting when the root's forward ends stay gathered into backward: one gather fewer
+each per step, as FSDP2 does for its root. A kept unit is freed like any other once its
+backward is done; if another unit's backward starts first (a kept unit the loss does not
+use), or another forward starts, or the forward raised, it is freed then.
+
+A kept unit changes what [Note: unit order across ranks] relies on: backward no longer
+starts with a gather, so a rank that departed from the others' order could compute and
+post gradient reductions before any gather of its backward showed the mismatch -- and a
+rank that raises then leaves the others' reductions unmatched on the process group. Hence
+no reduction of a backward is posted until a gather of that backward has been checked
+(``may_reduce``: it completes the gathers in flight, usually the prefetch the first kept
+unit issued; with no prefetch the reductions wait for the next unit's gather), and gathers
+are always completed in the order they were issued (``_complete_earlier``), so every rank
+meets the first mismatching gather before any later collective.
 double backward (``torch.autograd.grad(..., create_graph=True)``, a gradient penalty): the
           graph that backward creates saves the gathered parameters it multiplied by, and a
           later backward runs through it. So from a backward that creates a graph until the
@@ -48,6 +70,7 @@ one unit.
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable, Sequence
 
 import torch
@@ -55,7 +78,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm import collectives as C
 from .flat_param import FlatParamGroup, GatheredBytes, ShardState
-from .training_state import TrainingState
+from .training_state import Phase, TrainingState
 from .wait_clock import WaitClock
 
 
@@ -203,8 +226,11 @@ class UnitGatherer:
         self._plans: dict[FlatParamGroup, C.TaggedAllGather] = {}
         """Each group's prepared gather (remade when ``max_shard_bytes`` grows)."""
         self.wait_clock = wait_clock
+        self._in_flight: collections.deque[FlatParamGroup] = collections.deque()
+        """Groups whose gathers are issued and not yet waited for, in issue order."""
         for flat in self.flats:
             flat.on_unsharded = self._check_tags
+            flat.before_wait = self._complete_earlier
             flat.wait_clock = wait_clock
         self._sequence = 0
         self._forward_uses: list[Unit] = []
@@ -218,6 +244,18 @@ class UnitGatherer:
         self.leftovers = [unit for unit in units if not unit.from_policy]
         self.leftovers_held = False
         """Set once ranks ran different leftover units (see [Note: unit order across ranks])."""
+        self._forward_ended: list[Unit] = []
+        """Units whose forward ended since the last unit's forward started: freed when another
+        unit's forward starts, kept for backward if the root's forward ends first."""
+        self._kept_for_backward: list[Unit] = []
+        self.last_kept: list[Unit] = []
+        """The units the last forward kept gathered into backward (read by tools/bench.py)."""
+        self._checked_in_backward = False
+        """A gather completed in this backward with every rank's tag equal."""
+        self._reductions_waiting = False
+        """The reducer asked to post a reduction before that (see may_reduce)."""
+        self.on_reductions_allowed: Callable[[], None] | None = None
+        """Called once reductions that waited for a checked gather may be posted."""
         # Made once: a hook per unit output per forward is only registered, not built.
         self._pre_backward_hooks = {
             unit: torch.compiler.disable(lambda grad, unit=unit: self.pre_backward(unit)) for unit in units
@@ -243,7 +281,38 @@ class UnitGatherer:
                 group=self.group, stats=self.comm, padding_numel=flat.layout.padding, what=self._reported_as[flat])
         tag = (self._sequence, self.flat_index[flat])
         self._sequence += 1
-        return plan.start(send, tag)
+        handle = plan.start(send, tag)
+        self._in_flight.append(flat)
+        return handle
+
+    def complete_in_flight(self) -> None:
+        """Wait for (and check) every gather issued so far."""
+        while self._in_flight:
+            self._in_flight[0].wait_unsharded()
+
+    def may_reduce(self) -> bool:
+        """Whether this backward's gradient reductions may be posted: once a gather of this
+        backward has been checked (see [Note: kept for backward]). Completes the gathers in
+        flight first if none has been."""
+        if not self._checked_in_backward and self._in_flight:
+            self.complete_in_flight()
+        self._reductions_waiting = not self._checked_in_backward
+        return self._checked_in_backward
+
+    def _allow_waiting_reductions(self) -> None:
+        if self._reductions_waiting and self._checked_in_backward:
+            self._reductions_waiting = False
+            if self.on_reductions_allowed is not None:
+                self.on_reductions_allowed()
+
+    def _complete_earlier(self, flat: FlatParamGroup) -> None:
+        """Before waiting for ``flat``'s gather, wait for (and check the tags of) every gather
+        issued before it: a rank that departed from the others' order must meet the first
+        mismatching gather before any later one, which the others may never issue."""
+        if flat not in self._in_flight:  # being completed by this loop, further up the stack
+            return
+        while (first := self._in_flight.popleft()) is not flat:
+            first.wait_unsharded()
 
     def exchange(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (equal lengths), through the tagged gathers' own channel: a
@@ -257,12 +326,16 @@ class UnitGatherer:
         tag = (self._sequence, len(self.flats))
         self._sequence += 1
         self.max_shard_bytes = max(self.max_shard_bytes, size)
-        tags = C.all_gather_tagged(full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group).wait()
+        handle = C.all_gather_tagged(full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group)
+        self.complete_in_flight()  # issued before it: checked first, as in _complete_earlier
+        tags = handle.wait()
         self._check_tags(None, tags)
         return full.view(C.get_world_size(self.group), -1).tolist()
 
     def _check_tags(self, flat: FlatParamGroup | None, rows: list[list[int]]) -> None:
         if all(row == rows[self.rank] for row in rows):
+            if self.state.phase is Phase.BACKWARD:
+                self._checked_in_backward = True
             return
         if self._recoverable(rows):
             self._hold_leftovers()
@@ -304,6 +377,7 @@ class UnitGatherer:
                 self.wait_clock.wait(handle, gather=True)  # paired: every rank issued as many; values not used
                 flat.state = ShardState.UNSHARDED
                 flat.reshard()
+        self._in_flight.clear()
         for unit in self.leftovers:
             for flat in unit.flats:
                 if flat.state is not ShardState.SHARDED:
@@ -358,18 +432,26 @@ class UnitGatherer:
         if self._forward_uses:
             self._last_forward = self._forward_uses
         self._forward_uses = []
+        self._free_forward_ended(None)
+        self._free_kept()  # no backward ran since that forward: the shards may have changed
         if self.leftovers_held:
             self._gather_leftovers()
 
     def begin_backward(self) -> None:
         """The root's backward starts."""
+        self._checked_in_backward = self._reductions_waiting = False
         if self.leftovers_held:
             self._gather_leftovers()
 
     def end_forward(self) -> None:
         """The root's forward ended: gathers prefetched for units that never ran are done and
         freed (a branch not taken), as are gathered units when no backward will follow."""
+        keep = self._forward_ended if torch.is_grad_enabled() else []
+        self._kept_for_backward, self._forward_ended = list(keep), []
+        self.last_kept = list(keep)
         for unit in self.units:
+            if unit in keep:
+                continue
             for flat in unit.flats:
                 if flat.state is ShardState.GATHERING or (
                     flat.state is ShardState.UNSHARDED and not self.hold_for_double_backward
@@ -377,12 +459,21 @@ class UnitGatherer:
                 ):
                     flat.reshard()
 
+    def abandon_forward(self) -> None:
+        """The root's forward raised: the units whose release was deferred to the next unit or
+        the forward's end are freed now. Nothing else is touched: gathers in flight may be
+        ones other ranks never issued (a unit order mismatch)."""
+        self._free_forward_ended(None)
+        self._free_kept()
+
     def pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.state.is_recompute():
             self.wait(unit)  # usually gathered by its pre-backward already
+            self._allow_waiting_reductions()
             return self._hook_inputs(unit, args, kwargs)
         self._forward_uses.append(unit)
         self.on_forward_use(unit)
+        self._free_forward_ended(unit)
         self.wait(unit)
         self._prefetch(self._predict(self._forward_uses, self._last_forward, self.forward_prefetch))
         return self._hook_inputs(unit, args, kwargs)
@@ -394,8 +485,18 @@ class UnitGatherer:
                 on_first_grad(tensors, self._pre_backward_hooks[unit])
         if self.state.is_recompute() or self._kept_gathered(unit):
             return  # the recomputed graph is about to use the storage
-        if self.reshard_after_forward or not torch.is_grad_enabled():
-            self.reshard(unit)
+        if not (self.reshard_after_forward or not torch.is_grad_enabled()):
+            return
+        if self.state.phase is not Phase.FORWARD:
+            self.reshard(unit)  # called outside the root's forward: nothing to keep it for
+        elif unit not in self._forward_ended:
+            self._forward_ended.append(unit)  # see [Note: kept for backward]
+
+    def _free_forward_ended(self, starting: Unit | None) -> None:
+        for unit in self._forward_ended:
+            if unit is not starting:
+                self.reshard(unit)
+        self._forward_ended.clear()
 
     def _kept_gathered(self, unit: Unit) -> bool:
         """Whether ``unit`` stays gathered past its use: held leftovers follow the root, and a
@@ -423,12 +524,27 @@ class UnitGatherer:
             self._backward_creates_graph = self.hold_for_double_backward = True
         if unit.backward_done:
             return
+        if self._kept_for_backward:
+            self._release_kept(unit)
         unit.active_backward += 1
         self._backward_uses.append(unit)
         self.wait(unit)
+        self._allow_waiting_reductions()  # before the prefetch below, which it would wait for
         history = self._last_backward or self._last_forward_reversed()
         predicted = self._predict(self._backward_uses, history, self.backward_prefetch)
         self._prefetch([u for u in predicted if not u.backward_done])
+
+    def _release_kept(self, starting: Unit) -> None:
+        if starting in self._kept_for_backward:
+            self._kept_for_backward.remove(starting)
+            return
+        self._free_kept()
+
+    def _free_kept(self) -> None:
+        for unit in self._kept_for_backward:
+            if not self._kept_gathered(unit):
+                self.reshard(unit)
+        self._kept_for_backward = []
 
     def _last_forward_reversed(self) -> list[Unit]:
         uses = self._forward_uses or self._last_forward
@@ -457,6 +573,7 @@ class UnitGatherer:
                 self.reshard(unit)
             unit.active_backward = 0
             unit.final.clear()
+        self._kept_for_backward = []
         if self._backward_uses:
             self._last_backward = self._backward_uses
         self._backward_uses = []

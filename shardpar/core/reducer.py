@@ -245,6 +245,10 @@ class GradientReducer:
         """Seconds the end of the last backward waited for gradient collectives."""
         self.timeline: list[tuple[str, object]] | None = None
         """Set to a list to record ("grad", name) and ("launch", bucket position) events."""
+        self.may_launch: Callable[[], bool] | None = None
+        """Stage 3: whether this backward's reductions may be posted yet; until then complete
+        buckets wait and :meth:`launch_ready` is called again (see [Note: kept for backward]
+        in gatherer.py). The end of backward launches regardless."""
         self.ready_order = ready_order
         """Recorded in synchronising backwards until the buckets are rebuilt (see
         [Note: bucket rebuild]); None once they are, or where they never are."""
@@ -290,9 +294,12 @@ class GradientReducer:
         if bucket.phase is BucketPhase.COMPLETE:
             if self.on_bucket_complete is not None:
                 self.on_bucket_complete(bucket)
-            self._launch_ready()
+            self.launch_ready()
 
-    def _launch_ready(self) -> None:
+    def launch_ready(self) -> None:
+        """Launch the complete buckets whose turn it is."""
+        if self.may_launch is not None and not self.may_launch():
+            return
         order = self.launch_order.order
         while self._cursor < len(order) and self.buckets[order[self._cursor]].phase is BucketPhase.COMPLETE:
             self._launch(self.buckets[order[self._cursor]])
@@ -319,6 +326,8 @@ class GradientReducer:
         """End of a synchronising backward: launch what is left (zeros for gradients that never
         came), agree on which parameters were used, wait for everything."""
         started = time.perf_counter()
+        if self.may_launch is not None:
+            self.may_launch()  # its answer does not matter now; what it completes first does
         order = self.launch_order.order
         for position in order[self._cursor :]:
             bucket = self.buckets[position]

@@ -192,6 +192,7 @@ class Engine:
     def _install_root_hooks(self) -> None:
         self._handles.append(self.module.register_forward_pre_hook(_disabled(self._root_pre_forward), prepend=True))
         self._handles.append(self.module.register_forward_hook(_disabled(self._root_post_forward)))
+        self._handles.append(self.module.register_forward_hook(_disabled(self._root_forward_raised), always_call=True))
 
     def _install_use_hooks(self) -> None:
         """Stages 0-2: the modules that register parameters (lifted out of compiled regions)
@@ -226,6 +227,9 @@ class Engine:
         )
         self.gatherer = storage.gatherer
         self.gatherer.retire_group = lambda: C.retire_sibling_group(self.group)
+        if self.world_size > 1:  # one rank cannot depart from the others' order
+            self.reducer.may_launch = self.gatherer.may_reduce
+            self.gatherer.on_reductions_allowed = self._launch_waiting_reductions
         self._bucket_of_group = {b.space: b for b in self.reducer.buckets}
         modules = self._tree.modules
         for unit in storage.units:
@@ -284,6 +288,15 @@ class Engine:
                 self._remove_use_hooks()  # stage 0 needs them for the first forward only
         if isinstance(self.gatherer, UnitGatherer):
             self.gatherer.end_forward()
+
+    def _root_forward_raised(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Runs after every root forward, raising or not; acts only when it raised (the
+        post-forward hook did not run): no backward will follow, so nothing stays gathered."""
+        if self.state.phase is not Phase.FORWARD or self.state.is_recompute():
+            return
+        self.state.phase = Phase.IDLE
+        if isinstance(self.gatherer, UnitGatherer):
+            self.gatherer.abandon_forward()
 
     @property
     def storage_is_sharded(self) -> bool:
@@ -350,6 +363,10 @@ class Engine:
             return
         with torch.no_grad():
             self.reducer.on_grad_ready(name, param)
+
+    def _launch_waiting_reductions(self) -> None:
+        with torch.no_grad():
+            self.reducer.launch_ready()
 
     def _on_bucket_complete(self, bucket: GradBucket) -> None:
         if isinstance(self.gatherer, UnitGatherer):

@@ -54,7 +54,11 @@ reduce-scatter S·f, all-gather S·f. Per step:
                 reduce-scatter of its gradients                resharding after forward)
 
 with g = bytes of the gathered parameters (= r unless mixed precision gathers in p). A unit
-used k times per forward (a tied embedding/head: k = 2) is gathered k times as often; each
+used k times per forward (a tied embedding/head: k = 2) is gathered k times as often. With
+resharding after forward, the units whose forward ends last stay gathered into backward and
+are gathered once less ([Note: kept for backward] in core/gatherer.py): from a module, the
+unit of the hook module registered last and the units enclosing it (the root's own unit);
+from a bare count, none (2Ψ·g·f is then an upper bound by one unit's gather). Each
 gather also carries a 16-byte tag per rank (counted as padding). Every stage adds one
 all-reduce per step of a 4-byte flag per trainable tensor plus three counters and their
 negatives (the reducer's "used_flags", [Note: used parameters] in core/reducer.py; the
@@ -158,6 +162,9 @@ class _UnitShape:
     """Times its hook modules run per forward (each one gathers it)."""
     held: bool = False
     """Registered on the wrapped module itself: gathered for its whole forward and backward."""
+    kept: bool = False
+    """Its forward ends last (the last hook module registered, or one enclosing it): it stays
+    gathered into backward, one gather fewer per step ([Note: kept for backward])."""
     trainable_padding: int = 0
     """Padding elements of its trainable flat groups (stored, gathered and reduced with them)."""
     frozen_padding_bytes: int = 0
@@ -208,6 +215,13 @@ def _layout(shapes: list[tuple[str, torch.Size]], world_size: int, cap: int | No
             alignment: Alignment) -> BufferLayout:
     """The layout an engine would build for these tensors (see [Note: storage model])."""
     return BufferLayout(shapes, world_size, cap, **alignment._asdict())
+
+
+def _last_hook_module(module: nn.Module, plans: list) -> str:
+    """The units' hook module registered last: taken as the one whose forward runs last, as
+    modules usually run in the order they are registered."""
+    position = {name: i for i, (name, _) in enumerate(module.named_modules())}
+    return max((m for plan in plans for m in plan.hook_modules), key=lambda m: position.get(m, -1), default=ROOT)
 
 
 def _unit_of_count(numel: int, world_size: int, alignment: Alignment) -> _UnitShape:
@@ -273,7 +287,9 @@ def _shape_of_module(
     else:
         params = dict(named)
         shapes = []
-        for plan in plan_units(module, wrap_policy, min_unit_params):
+        plans = plan_units(module, wrap_policy, min_unit_params)
+        last = _last_hook_module(module, plans)
+        for plan in plans:
             mine = [(n, params[n]) for n in plan.params]
             train = [x for x in mine if x[1].requires_grad]
             frozen = [x for x in mine if not x[1].requires_grad]
@@ -286,6 +302,7 @@ def _shape_of_module(
                 t_flats,
                 uses=len(plan.hook_modules),
                 held=ROOT in plan.hook_modules,
+                kept=any(m == ROOT or m == last or last.startswith(m + ".") for m in plan.hook_modules),
                 trainable_padding=sum(pad for pad, _ in _flat_paddings(train, world_size, alignment)),
                 frozen_padding_bytes=sum(pad * size for pad, size in _flat_paddings(frozen, world_size, alignment)),
             ))
@@ -644,19 +661,27 @@ def estimate_communication(
         padding["reduce_scatter"] = shape.bucket_padding * reduce_bytes * f
         padding["all_gather"] = shape.bucket_padding * g * f
     else:
-        gathers = 2 if reshard_after_forward else 1
         units = shape.units
-        gather_calls = buckets or sum(u.uses * u.flats for u in units)
+
+        def gathers(u: _UnitShape) -> int:
+            """Gathers of the unit per step: each use in forward and again in backward, but
+            once for a use whose unit stays gathered from forward into backward."""
+            if not reshard_after_forward:
+                return u.uses
+            return 2 * u.uses - u.kept
+
+        gather_calls = 2 * buckets if buckets and reshard_after_forward else buckets
+        gather_calls = gather_calls or sum(gathers(u) * u.flats for u in units)
         scatter_calls = buckets or sum(u.trainable_flats for u in units)
-        calls = gathers * gather_calls + scatter_calls
+        calls = gather_calls + scatter_calls
         reduce_scatter = psi * reduce_bytes * f
         # Frozen parameters are gathered in the gather dtype too when one is given.
         frozen_ratio = gather_bytes * shape.frozen / shape.frozen_bytes if gather_bytes is not None and shape.frozen else 1
-        all_gather = gathers * sum(u.uses * (u.trainable * g + u.frozen_bytes * frozen_ratio) for u in units) * f
+        all_gather = sum(gathers(u) * (u.trainable * g + u.frozen_bytes * frozen_ratio) for u in units) * f
         padding["reduce_scatter"] = sum(u.trainable_padding for u in units) * reduce_bytes * f
         # Every gather of a flat group also carries one tag per rank (see [Note: tagged all-gather]).
-        padding["all_gather"] = gathers * sum(
-            u.uses * (u.trainable_padding * g + u.frozen_padding_bytes * frozen_ratio + u.flats * n * TAG_BYTES)
+        padding["all_gather"] = sum(
+            gathers(u) * (u.trainable_padding * g + u.frozen_padding_bytes * frozen_ratio + u.flats * n * TAG_BYTES)
             for u in units) * f
     broadcast_bytes = shape.buffer_bytes
     if buffer_dtype is not None:  # floating buffers are broadcast in the cast dtype
