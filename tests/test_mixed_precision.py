@@ -974,19 +974,23 @@ def host_reads_per_step(stage: int, mixed_precision: str, options: dict[str, Any
     opt, _ = build_optimizer(recipe, model, lambda cls, params, **kw: shardpar.optimizer(model, cls, params, **kw))
     scaler = shardpar.GradScaler(model, init_scale=2.0**12) if mixed_precision == "fp16" else None
     reads, gathers = [], []
+
+    def gather_calls() -> int:
+        return model.comm_stats().get("all_gather", {}).get("calls", 0)
+
     for step in range(recipe.steps):
         x, y = global_batch(module, recipe, step)
         counts: dict[str, int] = {}
-        before = model.comm_stats().get("all_gather", {}).get("calls", 0)
+        before = gather_calls()
         with counting_host_reads(counts) if with_forward else contextlib.nullcontext():
             loss = module.loss(model(rank_slice(x, rank, world_size)), rank_slice(y, rank, world_size))
         if not with_forward:
-            before = model.comm_stats().get("all_gather", {}).get("calls", 0)
+            before = gather_calls()  # the window starts at backward
         with counting_host_reads(counts):
             (scaler.scale(loss) if scaler is not None else loss).backward()
             if scaler is not None:
                 scaler.unscale_(opt)
-        gathers.append(model.comm_stats().get("all_gather", {}).get("calls", 0) - before)
+        gathers.append(gather_calls() - before)
         if scaler is not None:
             scaler.step(opt)
             scaler.update()

@@ -432,8 +432,7 @@ class UnitGatherer:
         if self._forward_uses:
             self._last_forward = self._forward_uses
         self._forward_uses = []
-        self._free_forward_ended(None)
-        self._free_kept()  # no backward ran since that forward: the shards may have changed
+        self._free_deferred()  # no backward ran since that forward: the shards may have changed
         if self.leftovers_held:
             self._gather_leftovers()
 
@@ -463,6 +462,10 @@ class UnitGatherer:
         """The root's forward raised: the units whose release was deferred to the next unit or
         the forward's end are freed now. Nothing else is touched: gathers in flight may be
         ones other ranks never issued (a unit order mismatch)."""
+        self._free_deferred()
+
+    def _free_deferred(self) -> None:
+        """Free every unit whose release was deferred ([Note: kept for backward])."""
         self._free_forward_ended(None)
         self._free_kept()
 
@@ -485,8 +488,8 @@ class UnitGatherer:
                 on_first_grad(tensors, self._pre_backward_hooks[unit])
         if self.state.is_recompute() or self._kept_gathered(unit):
             return  # the recomputed graph is about to use the storage
-        if not (self.reshard_after_forward or not torch.is_grad_enabled()):
-            return
+        if not self.reshard_after_forward and torch.is_grad_enabled():
+            return  # stays gathered until its backward
         if self.state.phase is not Phase.FORWARD:
             self.reshard(unit)  # called outside the root's forward: nothing to keep it for
         elif unit not in self._forward_ended:

@@ -668,10 +668,12 @@ def estimate_communication(
             once for a use whose unit stays gathered from forward into backward."""
             if not reshard_after_forward:
                 return u.uses
-            return 2 * u.uses - u.kept
+            return 2 * u.uses - int(u.kept)
 
-        gather_calls = 2 * buckets if buckets and reshard_after_forward else buckets
-        gather_calls = gather_calls or sum(gathers(u) * u.flats for u in units)
+        if buckets:
+            gather_calls = buckets * (2 if reshard_after_forward else 1)
+        else:
+            gather_calls = sum(gathers(u) * u.flats for u in units)
         scatter_calls = buckets or sum(u.trainable_flats for u in units)
         calls = gather_calls + scatter_calls
         reduce_scatter = psi * reduce_bytes * f
