@@ -17,7 +17,7 @@ configuration's), and the objects per step that only the cyclic garbage collecto
 shardpar package) adds, per function, its calls, the calling thread's CPU time and minor page
 faults per step, inclusive of what it calls. The model, batch, optimizer (AdamW), step and
 allocator settings are the benchmark's (``--model`` takes its names); stage 3 uses its
-blocks as units. ``--candidate PATH`` profiles the shardpar of another checkout instead of
+blocks as units, and ``--wrap-option KEY=VALUE`` passes another ``shardpar.wrap`` option. ``--candidate PATH`` profiles the shardpar of another checkout instead of
 this one (loaded as the benchmark's ``--candidate`` is), so two versions can be compared
 by running the tool alternately for each. Rank 0 prints one line per figure; CPU and wall
 figures are the mean over ``--steps`` timed steps after ``--warmup`` steps, each step
@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="timed steps (default 30)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--candidate", type=Path, help="profile this checkout's shardpar instead of this one's")
+    parser.add_argument("--wrap-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a shardpar.wrap option, as in tools/bench.py (repeatable)")
     parser.add_argument("--calls", action="store_true", help="count Python calls per step under cProfile")
     parser.add_argument("--top", type=int, default=0, help="with --calls: print the N functions with most calls")
     parser.add_argument("--cycles", action="store_true",
@@ -78,6 +80,7 @@ def build(args: argparse.Namespace, library: Any) -> tuple[Any, Any, tuple[torch
     spec = bench.parse_models(args.model)[0]
     torch.manual_seed(0)
     options = {"wrap_policy": [spec.unit_class]} if args.stage == 3 else {}
+    options.update(bench.parse_option(text) for text in args.wrap_option)
     model = library.wrap(spec.build(), stage=args.stage, **options)
     optimizer = library.optimizer(model, torch.optim.AdamW, lr=1e-3)
     batch = spec.batch_for(torch.Generator().manual_seed(1 + dist.get_rank()))
