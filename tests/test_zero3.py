@@ -515,7 +515,8 @@ def _check_bytes(results: list[dict], world_size: int, gathers_per_use: int) -> 
     for result in results:
         units = result["units"]
         _check_units_of_main(units)
-        gathers = {u["name"]: gathers_per_use * len(u["hooks"]) - (gathers_per_use == 2 and u["name"] in KEPT_FOR_BACKWARD)
+        kept = gathers_per_use == 2
+        gathers = {u["name"]: gathers_per_use * len(u["hooks"]) - (kept and u["name"] in KEPT_FOR_BACKWARD)
                    for u in units}
         gather_payload = sum(gathers[u["name"]] * u["payload"] * 4 for u in units)
         gather_padding = sum(gathers[u["name"]] * (u["padding"] * 4 + u["groups"] * world_size * 16) for u in units)
@@ -672,9 +673,14 @@ def _kept_units_after_a_forward_without_backward() -> dict[str, Any]:
     torch.manual_seed(0)
     model = shardpar.wrap(MAIN.build(), stage=3, **Run().wrap_options())
     x, _ = _global_batch(0)
+    shard_bytes = sum(f.shard_bytes for f in model.engine.gatherer.flats)
+
+    def gathered() -> int:
+        return model.memory_stats()["params"] - shard_bytes
+
     model(x[:2])  # no backward follows
     kept = [unit.name for unit in model.engine.gatherer.last_kept]
-    gathered_between = model.memory_stats()["params"] - sum(f.shard_bytes for f in model.engine.gatherer.flats)
+    gathered_between = gathered()
     fresh = {k: v * 0.5 for k, v in model.full_state_dict().items()}
     model.load_state_dict(fresh)
     with torch.no_grad():
@@ -683,10 +689,10 @@ def _kept_units_after_a_forward_without_backward() -> dict[str, Any]:
     reference.load_state_dict(fresh)
     with torch.no_grad():
         expected = reference(x[:2])
-    after = model.memory_stats()["params"] - sum(f.shard_bytes for f in model.engine.gatherer.flats)
+    gathered_after = gathered()
     model.engine.close()
     return {"kept": kept, "gathered_between": gathered_between, "max_diff": (out - expected).abs().max().item(),
-            "gathered_after": after}
+            "gathered_after": gathered_after}
 
 
 def test_units_kept_for_backward_are_released_when_no_backward_follows() -> None:

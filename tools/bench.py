@@ -509,7 +509,8 @@ def parameter_gathers(engine: Any) -> list[tuple[int, torch.dtype]] | None:
     """(full numel, dtype) of every parameter all-gather of one step: none at stage 0, one
     per bucket at stages 1-2, one per flat group of every unit and use at stage 3 (twice
     with ``reshard_after_forward``: forward and backward, except for the units the last
-    forward kept gathered into backward; the bench's models use every unit once). None where the engine does not say (a ``--candidate`` from before the gatherers)."""
+    forward kept gathered into backward; the bench's models use every unit once). None where
+    the engine does not say (a ``--candidate`` from before the gatherers)."""
     if engine.stage == 0:
         return []
     gatherer = getattr(engine, "gatherer", None)

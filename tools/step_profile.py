@@ -17,8 +17,9 @@ configuration's), and the objects per step that only the cyclic garbage collecto
 shardpar package) adds, per function, its calls, the calling thread's CPU time and minor page
 faults per step, inclusive of what it calls. The model, batch, optimizer (AdamW), step and
 allocator settings are the benchmark's (``--model`` takes its names); stage 3 uses its
-blocks as units, and ``--wrap-option KEY=VALUE`` passes another ``shardpar.wrap`` option. ``--candidate PATH`` profiles the shardpar of another checkout instead of
-this one (loaded as the benchmark's ``--candidate`` is), so two versions can be compared
+blocks as units, and ``--wrap-option KEY=VALUE`` passes another ``shardpar.wrap`` option.
+``--candidate PATH`` profiles the shardpar of another checkout instead of this one (loaded
+as the benchmark's ``--candidate`` is), so two versions can be compared
 by running the tool alternately for each. Rank 0 prints one line per figure; CPU and wall
 figures are the mean over ``--steps`` timed steps after ``--warmup`` steps, each step
 after a barrier, the slowest rank's.

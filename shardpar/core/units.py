@@ -35,6 +35,12 @@ ROOT = ""
 """Qualified name of the wrapped module itself."""
 
 
+def encloses(outer: str, name: str) -> bool:
+    """Whether module ``outer`` is module ``name`` or one of its ancestors (qualified names;
+    the root encloses every module)."""
+    return outer == ROOT or name == outer or name.startswith(outer + ".")
+
+
 def is_compiled(module: nn.Module) -> bool:
     from torch._dynamo.eval_frame import OptimizedModule
 
@@ -78,7 +84,7 @@ class _ModuleTree:
     def lift(self, name: str) -> str:
         """The outermost compiled module enclosing ``name`` (or ``name`` itself)."""
         for outer in self.compiled:
-            if name == outer or name.startswith(outer + "."):
+            if encloses(outer, name):
                 return outer
         return name
 
@@ -142,7 +148,7 @@ def _hook_module(tree: _ModuleTree, owner: str, units: list[str]) -> str:
     """See [Note: units]: the outermost module on the root -> owner path that contains no
     policy unit and runs a forward (lifted out of compiled modules)."""
     for name in tree.path(owner):
-        contains_unit = any(u == name or u.startswith(name + ".") for u in units)
+        contains_unit = any(encloses(name, u) for u in units)
         if not contains_unit and runs_forward(tree.modules[name]):
             return tree.lift(name)
     return tree.lift(owner) if owner and runs_forward(tree.modules[owner]) else ROOT
@@ -158,9 +164,7 @@ def plan_units(root: nn.Module, policy: Any, min_params: int) -> list[UnitPlan]:
     assigned: dict[str, list[str]] = {u: [] for u in policy_units}
     leftovers: dict[tuple[str, ...], list[str]] = {}
     for param, name in canonical.items():
-        enclosing = [
-            u for u in policy_units if all(o == u or o.startswith(u + ".") for o in owners[param])
-        ]
+        enclosing = [u for u in policy_units if all(encloses(u, o) for o in owners[param])]
         if enclosing:
             assigned[max(enclosing, key=len)].append(name)
             continue

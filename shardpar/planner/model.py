@@ -89,7 +89,7 @@ from ..comm.collectives import TAG_BYTES
 from ..core.inventory import group_by_dtype
 from ..core.layout import Alignment, BufferLayout, alignment_for
 from ..core.training_state import TrainingState
-from ..core.units import ROOT, plan_units
+from ..core.units import ROOT, encloses, plan_units
 from ..config import MixedPrecision, MixedPrecisionOption, WrapPolicy
 
 __all__ = [
@@ -302,7 +302,7 @@ def _shape_of_module(
                 t_flats,
                 uses=len(plan.hook_modules),
                 held=ROOT in plan.hook_modules,
-                kept=any(m == ROOT or m == last or last.startswith(m + ".") for m in plan.hook_modules),
+                kept=any(encloses(m, last) for m in plan.hook_modules),
                 trainable_padding=sum(pad for pad, _ in _flat_paddings(train, world_size, alignment)),
                 frozen_padding_bytes=sum(pad * size for pad, size in _flat_paddings(frozen, world_size, alignment)),
             ))
