@@ -210,12 +210,27 @@ class FlatParamGroup:
         assert self.state is ShardState.GATHERING, f"'{self.label}' is {self.state.value}, not gathering"
         if self.before_wait is not None:
             self.before_wait(self)
+            if self.state is not ShardState.GATHERING:
+                return  # completed or dropped by a recovery while earlier gathers were waited for
+        result = self._complete_gather()
+        if self.on_unsharded is not None:
+            self.on_unsharded(self, result)
+
+    def drop_gather(self) -> object:
+        """Complete the gather in flight without using what arrived, and free the full buffer
+        (stage 3: a gather drained after ranks' gathers fell out of step); returns what the
+        gather's handle returned."""
+        assert self.state is ShardState.GATHERING, f"'{self.label}' is {self.state.value}, not gathering"
+        result = self._complete_gather()
+        self.reshard()
+        return result
+
+    def _complete_gather(self) -> object:
         handle, self.handle = self.handle, None
         result = handle.wait() if self.wait_clock is None else self.wait_clock.wait(handle, gather=True)
         self.state = ShardState.UNSHARDED
         self.point_params_at_full()
-        if self.on_unsharded is not None:
-            self.on_unsharded(self, result)
+        return result
 
     def reshard(self) -> None:
         """Free the full buffer (stage 3); a gather still in flight is waited for first, so no

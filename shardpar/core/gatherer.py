@@ -62,10 +62,12 @@ tags show every rank the same mismatch, so all ranks then take the same decision
 on the leftover units are *held* -- gathered together, in one fixed order, when the root's
 forward starts and again when its backward starts, freed after the root's forward and at the
 end of backward -- which makes the sequence of gathers independent of which branch a rank
-takes. The gather that mismatched and any still in flight are completed (they are paired:
-every rank issued the same number) and the leftover units gathered again in that order. A
-divergence involving a policy unit is an error: put the modules a branch chooses between in
-one unit.
+takes. The gathers still in flight are drained: a rank may have issued more of them after
+the mismatched one than another (a prefetch, then a unit the others do not run), so each
+completes its own and then sends empty fillers until a round in which every rank sent one.
+Then the leftover units are gathered again in that order, and a unit whose gather was
+drained is gathered anew when it is waited for. A divergence involving a policy unit is an
+error: put the modules a branch chooses between in one unit.
 """
 
 from __future__ import annotations
@@ -228,6 +230,8 @@ class UnitGatherer:
         self.wait_clock = wait_clock
         self._in_flight: collections.deque[FlatParamGroup] = collections.deque()
         """Groups whose gathers are issued and not yet waited for, in issue order."""
+        self._exchange_index, self._filler_index = len(self.flats), len(self.flats) + 1
+        """Tag indices of what is not a flat group: :meth:`exchange`, a drain's filler."""
         for flat in self.flats:
             flat.on_unsharded = self._check_tags
             flat.before_wait = self._complete_earlier
@@ -309,10 +313,10 @@ class UnitGatherer:
         """Before waiting for ``flat``'s gather, wait for (and check the tags of) every gather
         issued before it: a rank that departed from the others' order must meet the first
         mismatching gather before any later one, which the others may never issue."""
-        if flat not in self._in_flight:  # being completed by this loop, further up the stack
-            return
-        while (first := self._in_flight.popleft()) is not flat:
-            first.wait_unsharded()
+        while flat in self._in_flight:  # not there: completed further up the stack, or drained
+            first = self._in_flight.popleft()
+            if first is not flat:
+                first.wait_unsharded()
 
     def exchange(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (equal lengths), through the tagged gathers' own channel: a
@@ -323,12 +327,11 @@ class UnitGatherer:
         send, payload = C.tagged_buffer(len(values), torch.int32, device)
         payload.copy_(torch.tensor(values, dtype=torch.int32))
         full = torch.empty(len(values) * C.get_world_size(self.group), dtype=torch.int32, device=device)
-        tag = (self._sequence, len(self.flats))
+        self.complete_in_flight()  # checked first, as in _complete_earlier, and nothing left to drain
+        tag = (self._sequence, self._exchange_index)
         self._sequence += 1
         self.max_shard_bytes = max(self.max_shard_bytes, size)
-        handle = C.all_gather_tagged(full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group)
-        self.complete_in_flight()  # issued before it: checked first, as in _complete_earlier
-        tags = handle.wait()
+        tags = C.all_gather_tagged(full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group).wait()
         self._check_tags(None, tags)
         return full.view(C.get_world_size(self.group), -1).tolist()
 
@@ -349,7 +352,7 @@ class UnitGatherer:
             index = row[1]
             if 0 <= index < len(self.flats):
                 return f"unit '{self.unit_of[self.flats[index]].name}' ({self.flats[index].label}), gather #{row[0]}"
-            if index == len(self.flats):
+            if index == self._exchange_index:
                 return f"the start of backward (the launch-order agreement), gather #{row[0]}"
             return f"something else (tag {row})"
 
@@ -368,21 +371,36 @@ class UnitGatherer:
         return all(0 <= i < len(self.flats) and not self.unit_of[self.flats[i]].from_policy for i in indices)
 
     def _hold_leftovers(self) -> None:
-        """See [Note: unit order across ranks]: complete what is in flight, then gather every
+        """See [Note: unit order across ranks]: drain what is in flight, then gather every
         leftover unit again in unit order, identically on every rank."""
         self.leftovers_held = True
-        for flat in self.flats:
-            if flat.state is ShardState.GATHERING and flat.handle is not None:
-                handle, flat.handle = flat.handle, None
-                self.wait_clock.wait(handle, gather=True)  # paired: every rank issued as many; values not used
-                flat.state = ShardState.UNSHARDED
-                flat.reshard()
-        self._in_flight.clear()
+        self._drain_in_flight()
         for unit in self.leftovers:
             for flat in unit.flats:
                 if flat.state is not ShardState.SHARDED:
                     flat.reshard()  # its values may be another unit's: gathered again below
         self._gather_leftovers()
+
+    def _drain_in_flight(self) -> None:
+        """Pair up the gathers issued after a recovered mismatch, whose values are not used.
+        Ranks may have issued different numbers of them (a prefetch, then a gather of a unit
+        the others do not run), so each rank completes its own in issue order and, with none
+        left, sends empty fillers, a round at a time, until a round in which every rank sent
+        one: every rank sees every tag of every round, so all stop at the same one."""
+        pending = collections.deque(self._in_flight)
+        self._in_flight.clear()
+        while True:
+            if pending:
+                rows = pending.popleft().drop_gather()
+            else:
+                send, _ = C.tagged_buffer(0, torch.uint8, self.flats[0].device)
+                filler = torch.empty(0, dtype=torch.uint8, device=self.flats[0].device)
+                tag = (self._sequence, self._filler_index)
+                self._sequence += 1
+                rows = self.wait_clock.wait(C.all_gather_tagged(
+                    filler, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group), gather=True)
+            if all(row[1] == self._filler_index for row in rows):
+                return
 
     def _gather_leftovers(self) -> None:
         for unit in self.leftovers:
@@ -396,8 +414,11 @@ class UnitGatherer:
 
     def wait(self, unit: Unit) -> None:
         self.unshard(unit)
-        for flat in unit.needed():
+        needed = unit.needed()
+        for flat in needed:
             flat.wait_unsharded()
+        if any(flat.state is ShardState.SHARDED for flat in needed):
+            self.wait(unit)  # a recovery drained a gather of it (see _drain_in_flight): again
 
     def reshard(self, unit: Unit, flats: Sequence[FlatParamGroup] | None = None) -> None:
         for flat in flats if flats is not None else unit.flats:
