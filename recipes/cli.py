@@ -13,10 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["MANIFEST", "ArgumentParser", "DistEnv", "dist_env", "resume_dir_problem"]
+__all__ = ["DEVICES", "MANIFEST", "ArgumentParser", "DistEnv", "add_device_flag", "dist_env", "pin_device",
+           "resume_dir_problem"]
 
 MANIFEST = "shardpar.json"
 """Name of shardpar's checkpoint manifest (API.md, "Checkpoint on disk")."""
+
+
+DEVICES = ("auto", "cpu", "cuda")
+"""``--device`` choices: ``auto`` is ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -62,3 +67,24 @@ def resume_dir_problem(resume: str) -> str | None:
         return None
     return (f"--resume {resume}: no checkpoint there (no {MANIFEST} in it or in a directory under it); "
             "--resume latest starts fresh when there is none")
+
+
+def add_device_flag(parser: argparse.ArgumentParser) -> None:
+    """``--device {auto,cpu,cuda}``, the same in every recipe."""
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="auto (default): cuda:LOCAL_RANK with NCCL when CUDA is available, else CPU with gloo; "
+                             "cpu: CPU and gloo even on a GPU machine (the GPUs are hidden from the process); "
+                             "cuda: require a GPU per local rank")
+
+
+def pin_device(choice: str) -> None:
+    """Make ``--device cpu`` hold for everything in this process: hide the GPUs.
+
+    Choosing the CPU device in the recipe is not enough on a GPU machine: a model built on the
+    meta device is materialised by shardpar on the current CUDA device when CUDA is available.
+    An empty ``CUDA_VISIBLE_DEVICES`` makes CUDA unavailable to the whole process, which is the
+    same pin the tests use. It takes effect only if CUDA is not initialised yet, so call this
+    right after parsing, before anything touches the GPU.
+    """
+    if choice == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""

@@ -89,14 +89,26 @@ def setup_logging(env: DistEnv) -> None:
     logging.captureWarnings(True)
 
 
-def setup_device(env: DistEnv) -> torch.device:
-    """`cuda:LOCAL_RANK` when CUDA is available (and made current), else CPU."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", env.local_rank)
-        # Must precede any CUDA work so NCCL and allocations land on this rank's GPU.
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
+def setup_device(env: DistEnv, choice: str = "auto") -> torch.device:
+    """The device ``--device`` names (recipes/cli.py ``DEVICES``): ``cuda:LOCAL_RANK`` (made
+    current) for ``cuda``, and for ``auto`` when CUDA is available; else the CPU.
+
+    A rank without a GPU of its own is a :class:`RecipeError` naming both counts, not a crash
+    deep inside NCCL (two ranks on a one-GPU machine: run with ``--device cpu``).
+    """
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RecipeError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False); "
+                          "use --device cpu or auto")
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        raise RecipeError(f"--device {choice}: local rank {env.local_rank} needs a GPU of its own but only {count} "
+                          f"CUDA device(s) are visible; start at most {count} rank(s) per node, or use --device cpu")
+    device = torch.device("cuda", env.local_rank)
+    # Must precede any CUDA work so NCCL and allocations land on this rank's GPU.
+    torch.cuda.set_device(device)
+    return device
 
 
 def init_distributed(env: DistEnv, device: torch.device, timeout_s: float | None = None) -> None:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import shardpar
-from recipes.cli import ArgumentParser, DistEnv, dist_env
+from recipes.cli import ArgumentParser, DistEnv, add_device_flag, dist_env, pin_device
 from recipes.common import (
     RecipeError,
     all_reduce_mean,
@@ -126,6 +126,7 @@ def parse_args(argv: list[str] | None, env: DistEnv) -> argparse.Namespace:
                    help="train even if the checkpoint lacks some of the model's tensors (they keep their init)")
     p.add_argument("--timeout-s", type=float, default=None,
                    help="seconds a collective waits for a missing rank (default: shardpar's, 300)")
+    add_device_flag(p)
     args = p.parse_args(argv)  # an unknown flag exits 2 with one `error:` line
 
     if args.make_pretrained is not None:
@@ -234,12 +235,16 @@ def finetune(model: shardpar.ShardedModule, opt: shardpar.ShardedOptimizer, data
 def main(argv: list[str] | None = None) -> None:
     env = dist_env()
     args = parse_args(argv, env)
+    pin_device(args.device)  # nothing has touched CUDA yet: --device cpu hides the GPUs
     if args.make_pretrained is not None:
         print(f"wrote {write_tiny_pretrained(args.make_pretrained)}", flush=True)
         return
     setup_logging(env)
     data = load_dataset()
-    device = setup_device(env)
+    try:
+        device = setup_device(env, args.device)
+    except RecipeError as error:
+        report_and_exit(error, env)
     init_distributed(env, device, args.timeout_s)
     try:
         try:

@@ -26,7 +26,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Nothing imported here imports torch: see main().
-from recipes.cli import ArgumentParser, DistEnv, dist_env, resume_dir_problem
+from recipes.cli import ArgumentParser, DistEnv, add_device_flag, dist_env, pin_device, resume_dir_problem
 
 MODELS = ("tiny", "small", "hf-llama")
 """--model choices; recipes/trainer.py maps them to factories."""
@@ -70,6 +70,7 @@ def parse_args(argv: list[str] | None, env: DistEnv) -> argparse.Namespace:
                    help="checkpoint directory, or 'latest' for the newest valid one in --ckpt-dir")
     p.add_argument("--timeout-s", type=float, default=None,
                    help="seconds a collective waits for a missing rank (default: shardpar's, 300)")
+    add_device_flag(p)
     args = p.parse_args(argv)  # an unknown flag exits 2 with one `error:` line
 
     for name in ("steps", "batch_size", "grad_accum", "block_size", "log_every", "eval_iters"):
@@ -94,6 +95,7 @@ def parse_args(argv: list[str] | None, env: DistEnv) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     env = dist_env()
     args = parse_args(argv, env)
+    pin_device(args.device)  # before torch is imported: --device cpu hides the GPUs
     from recipes import trainer  # torch, shardpar, the model: seconds to import
 
     trainer.main(args, env)

@@ -194,7 +194,10 @@ def memory_report(model: shardpar.ShardedModule) -> str:
 def main(args: argparse.Namespace, env: DistEnv) -> None:
     """Build and train as recipes/train_gpt.py parsed ``args``; print the summary on rank 0."""
     setup_logging(env)
-    device = setup_device(env)
+    try:
+        device = setup_device(env, args.device)
+    except RecipeError as error:
+        report_and_exit(error, env)
     init_distributed(env, device, args.timeout_s)
     try:
         try:

@@ -7,7 +7,7 @@ Public API:
 - ``run_script(args, timeout, env=None, cwd=None) -> CompletedProcess`` runs a command
   (typically ``torchrun``) in its own process group and kills the whole group on timeout.
 - ``free_port()``, ``shutdown_pools()``; exceptions ``RankFailure``, ``RankTimeout``,
-  ``ScriptTimeout``.
+  ``ScriptTimeout``; ``CPU_ONLY_ENV``, the environment that keeps a script on the CPU.
 
 [Note: rank pools]
 Starting a rank costs a Python interpreter plus ``import torch`` (seconds on a small
@@ -66,6 +66,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Callable
 
 __all__ = [
+    "CPU_ONLY_ENV",
     "RankFailure",
     "RankTimeout",
     "ScriptTimeout",
@@ -95,6 +96,12 @@ FAILURE_GRACE_S = 2.0
 
 SHUTDOWN_TIMEOUT_S = 10.0
 """How long a clean shutdown waits for workers to exit before killing them."""
+
+CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+"""Hides every GPU from a process, so a script that picks CUDA when it is available (the
+recipes' ``--device auto``, torchrun jobs, tools) runs on the CPU with gloo even on a GPU
+machine: there, a 2-rank torchrun job on a one-GPU machine would otherwise put both ranks on
+NCCL and rank 1 would fail. ``run_script`` applies it unless ``env`` sets the variable."""
 
 _POLL_S = 0.1  # longest single wait, so deadlines are checked often
 _TAIL_CHARS = 4000  # output kept in a ScriptTimeout message
@@ -615,11 +622,13 @@ def run_script(
 ) -> subprocess.CompletedProcess[str]:
     """Run a command in its own process group, capturing stdout and stderr as text.
 
-    ``env`` entries are added to a copy of the current environment. On timeout the whole
+    ``env`` entries are added to a copy of the current environment, after ``CPU_ONLY_ENV``:
+    the command runs on the CPU unless ``env`` names ``CUDA_VISIBLE_DEVICES`` itself (a test
+    that wants the GPUs asks for them). On timeout the whole
     process group is killed, so no rank that torchrun started outlives the test, and
     ScriptTimeout is raised with the tail of the output. The exit code is not checked.
     """
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**os.environ, **CPU_ONLY_ENV, **(env or {})}
     process = subprocess.Popen(
         args,
         stdout=subprocess.PIPE,

@@ -44,7 +44,7 @@ from shardpar.comm import collectives as C
 from shardpar import ShardedGradError
 from shardpar.checkpoint.sharded import TEST_CRASH_ENV
 from shardpar.checkpoint.format import CheckpointReader, read_manifest
-from tests.harness import free_port, run_ranks
+from tests.harness import CPU_ONLY_ENV, free_port, run_ranks
 from tests.models import MLPStack
 from tests.parity import cap_mb, rank_slice
 
@@ -66,7 +66,7 @@ JOB_TIMEOUT_S = 400.0
 
 pytestmark = pytest.mark.timeout(900)  # the fixture's first test waits for every job
 
-JOB_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", TEST_CRASH_ENV: ""}
+JOB_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", TEST_CRASH_ENV: "", **CPU_ONLY_ENV}  # CPU/gloo even with GPUs
 
 RECIPE_STEPS, RECIPE_SAVE_EVERY, RECIPE_KILL_STEP = 12, 4, 6
 RECIPE_ARGS = [

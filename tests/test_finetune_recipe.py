@@ -32,7 +32,7 @@ import shardpar
 from recipes.data import VOCAB_SIZE, load_dataset
 from recipes.finetune_hf import write_tiny_pretrained
 from recipes.hf_llama import HFCausalLM
-from tests.harness import run_script
+from tests.harness import CPU_ONLY_ENV, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = [sys.executable]
@@ -40,7 +40,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 STEPS, BATCH, BLOCK, SEED = 6, 16, 64, 1337
 FLAGS = ["--steps", str(STEPS), "--batch-size", str(BATCH), "--block-size", str(BLOCK), "--seed", str(SEED),
          "--log-every", "1", "--export"]
-ENV = {"OMP_NUM_THREADS": "1"}  # the ranks share 2 cores
+ENV = {"OMP_NUM_THREADS": "1", **CPU_ONLY_ENV}  # the ranks share 2 cores; CPU/gloo even with GPUs
 TIMEOUT_S = 180.0  # per run; generous because all runs share a loaded machine
 
 STEP_LOSS = re.compile(r"^step (?P<step>\d+): loss (?P<loss>\S+) ", re.MULTILINE)

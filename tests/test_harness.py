@@ -155,6 +155,14 @@ def test_run_script_captures_output() -> None:
     assert done.stdout == "out\n" and done.stderr == "err\n"
 
 
+def test_run_script_hides_the_gpus_unless_asked() -> None:
+    # torchrun jobs in tests run on CPU/gloo even on a GPU machine (CPU_ONLY_ENV); a test that
+    # names CUDA_VISIBLE_DEVICES itself gets what it names.
+    show = [sys.executable, "-c", "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"]
+    assert run_script(show, timeout=30).stdout == "''\n"
+    assert run_script(show, timeout=30, env={"CUDA_VISIBLE_DEVICES": "0"}).stdout == "'0'\n"
+
+
 def test_run_script_timeout_kills_the_process_group() -> None:
     # The child starts a grandchild, as torchrun starts ranks; both must die.
     script = (

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardpar
-from tests.harness import run_script
+from tests.harness import CPU_ONLY_ENV, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = str(ROOT / "recipes" / "train_gpt.py")
@@ -41,7 +41,7 @@ BASE = ["--model", "tiny", "--block-size", "32", "--batch-size", "16", "--warmup
 K = 10
 """Steps between checkpoints in the resume runs (2K steps in all). The kill must land between
 the first checkpoint and the end of the run, so those K steps are the window a poll has to hit."""
-ENV = {"OMP_NUM_THREADS": "1"}  # ranks share 2 cores: no intra-op thread oversubscription
+ENV = {"OMP_NUM_THREADS": "1", **CPU_ONLY_ENV}  # ranks share 2 cores (no oversubscription); CPU/gloo even with GPUs
 TIMEOUT_S = 300.0  # per run; generous because all runs share a loaded machine
 
 SUMMARY = re.compile(
@@ -197,6 +197,8 @@ BAD_INPUT = {
     "unknown-flag": (["--learning-rate", "1e-3"], "unrecognized arguments: --learning-rate"),
     "resume-no-checkpoint": (["--resume", "{tmp}/empty"], "no checkpoint"),
     "resume-latest-no-ckpt-dir": (["--resume", "latest"], "--resume latest needs --ckpt-dir"),
+    # run_script hides the GPUs (CPU_ONLY_ENV), so this holds on a GPU machine too.
+    "device-cuda-without-gpu": (["--device", "cuda"], "--device cuda: no CUDA device is visible"),
 }
 
 SCENARIOS: dict[str, Callable[..., Any]] = {
@@ -392,6 +394,27 @@ def test_memory_budget_no_stage_fits_is_one_error_line(runs: Runs) -> None:
 @pytest.mark.parametrize("name", list(BAD_INPUT))
 def test_bad_input_is_one_error_line(runs: Runs, name: str) -> None:
     one_error_line(runs.get(f"bad-{name}"), BAD_INPUT[name][1])
+
+
+def test_device_flag_pins_the_cpu_and_names_a_rank_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--device cpu`` hides the GPUs from the process (so a meta-built model cannot land on
+    one either) and gives the CPU; ``auto``/``cuda`` with more local ranks than GPUs (two ranks
+    on a one-GPU machine) is one error naming both counts, not a failure inside NCCL."""
+    from recipes import cli, common
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    cli.pin_device("auto")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    cli.pin_device("cpu")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert common.setup_device(common.DistEnv(rank=1, local_rank=1, world_size=2), "cpu") == torch.device("cpu")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for choice in ("auto", "cuda"):
+        with pytest.raises(common.RecipeError, match=f"--device {choice}: local rank 1 needs a GPU of its own "
+                                                     r"but only 1 CUDA device\(s\) are visible"):
+            common.setup_device(common.DistEnv(rank=1, local_rank=1, world_size=2), choice)
 
 
 def test_the_corpus_does_not_depend_on_what_was_imported_before(monkeypatch: pytest.MonkeyPatch) -> None:
