@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
 from .comm import collectives as C
+from .comm import devices as D
 from .checkpoint.io import is_storable
 from .config import ShardConfig
-from .core.deferred_init import DeferredInit, InitFn, materialise_whole, target_device
+from .core.deferred_init import DeferredInit, InitFn, materialise_whole
 from .core.inventory import check_initialized, first_difference, model_signature, module_device
 from .engines import WRAPPED_MARK, build_engine
 from .module import ShardedModule
@@ -46,7 +48,7 @@ def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[Sha
             # The default group that wrap is about to create does not exist yet: align as its
             # backend will (NCCL for a CUDA model), so the plan counts the engine's padding.
             device = module_device(module)
-            device = target_device() if device.type == "meta" else device
+            device = D.rank_device().device if device.type == "meta" else device  # its type picks the backend
             planner_options["align_for_bandwidth"] = world_size > 1 and C.backend_for(device) == "nccl"
         stage = choose_stage(module, world_size, budget, **planner_options)
     unknown = sorted(set(options) - set(ShardConfig.option_names()))
@@ -74,14 +76,43 @@ def _check_storable(module: nn.Module) -> None:
             )
 
 
+def _place(device: torch.device, deferred: bool, group: Any) -> torch.device:
+    """Where the model trains, decided once the process group exists (it may be bound to a
+    device, and a group wrap created has applied LOCAL_RANK): a meta-built model on this
+    rank's device, any other where it is, checked against the rank's device and the group's
+    backends ([Note: a rank's device] in ``shardpar/comm/devices.py``)."""
+    if deferred:
+        device = D.training_device(group)
+    D.check_rank_device(device, group)
+    return device
+
+
+def _all_gather_objects(obj: Any, group: Any, device: torch.device) -> list[Any]:
+    """``C.all_gather_objects`` for a rank training on ``device`` ([Note: object collectives]
+    in ``shardpar/comm/devices.py``). A ``C.all_gather_objects`` without a ``device`` argument
+    sends over an NCCL group from ``torch.cuda.current_device()``: it is then called with
+    this rank's GPU made current for the call."""
+    if "device" in inspect.signature(C.all_gather_objects).parameters:
+        return C.all_gather_objects(obj, group=group, device=device)
+    cuda = device if device.type == "cuda" else D.rank_device(group).device
+    if cuda.type != "cuda" or C.get_world_size(group) == 1:
+        return C.all_gather_objects(obj, group=group)
+    with torch.cuda.device(cuda):
+        return C.all_gather_objects(obj, group=group)
+
+
 def _agree_across_ranks(
-    problem: Exception | None, module: nn.Module, config: ShardConfig | None, group: Any
+    problem: Exception | None, module: nn.Module, config: ShardConfig | None, group: Any, device: torch.device
 ) -> None:
     """One all-gather of every rank's local verdict and model signature; every rank raises
-    the same error if any rank failed or differs, so no rank is left waiting in a collective."""
+    the same error if any rank failed or differs, so no rank is left waiting in a collective.
+    ``device`` is where this rank trains; after a problem, its own device (the model's may be
+    the wrong one)."""
     signature = model_signature(module, config.fingerprint()) if problem is None else None
     verdict = None if problem is None else f"{type(problem).__name__}: {problem}"
-    gathered = C.all_gather_objects((verdict, signature), group=group)
+    if problem is not None and C.is_initialized():
+        device = D.rank_device(group).device
+    gathered = _all_gather_objects((verdict, signature), group, device)
     rank = C.get_rank(group)
     for other, (other_verdict, _) in enumerate(gathered):
         if other_verdict is not None:
@@ -127,16 +158,22 @@ def wrap(module: nn.Module, stage: int = 0, *, process_group: Any = None, init_f
                 f"init_fn initialises a model built on the meta device (under `with torch.device('meta'):`), but this "
                 f"model's parameters are on {device}; drop init_fn, or build the model on the meta device"
             )
-        if deferred:
-            device = target_device()
     except (TypeError, ValueError) as error:
         problem = error
-    C.init_default_group(device, config.timeout_s if config is not None else ShardConfig.timeout_s)
-    _agree_across_ranks(problem, module, config, process_group)
+    # The backend of a group wrap creates follows the device type; the device itself is
+    # chosen after, once the group exists.
+    C.init_default_group(D.rank_device().device if deferred else device,
+                         config.timeout_s if config is not None else ShardConfig.timeout_s)
+    if problem is None:
+        try:
+            device = _place(device, deferred, process_group)
+        except (TypeError, ValueError) as error:
+            problem = error
+    _agree_across_ranks(problem, module, config, process_group, device)
     deferred_init = None
     if deferred and config.stage == 3:
         deferred_init = DeferredInit(init_fn, device)
     elif deferred:
-        materialise_whole(module, init_fn, process_group)  # stages 0-2 keep every parameter anyway
+        materialise_whole(module, init_fn, process_group, device)  # stages 0-2 keep every parameter anyway
     engine = build_engine(module, config, process_group, deferred_init)
     return ShardedModule(module, engine)

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
+from ..comm import devices as D
 
 InitFn = Callable[[nn.Module], Any]
 
@@ -53,12 +54,12 @@ class DeferredInit:
     device: torch.device
 
 
-def target_device() -> torch.device:
-    """Where a meta-built model trains: this rank's CUDA device if there is one, else CPU.
-    Values are always computed on CPU (the reference is a CPU run) and copied there."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def target_device(group: Any = None) -> torch.device:
+    """Where a meta-built model trains: this rank's GPU if there is one (and the group has a
+    backend for it), else the CPU; ``shardpar.wrap`` asks once the group exists
+    ([Note: a rank's device] in ``shardpar/comm/devices.py``). Values are always computed on
+    CPU (the reference is a CPU run) and copied there."""
+    return D.training_device(group)
 
 
 def _apply_order(module: nn.Module) -> Iterator[nn.Module]:
@@ -90,7 +91,10 @@ def _fresh(like: torch.Tensor) -> torch.Tensor:
 class InitWalk:
     """``module.apply(init)``, one visit at a time (see the Note)."""
 
-    def __init__(self, module: nn.Module, init_fn: InitFn | None, group: Any) -> None:
+    def __init__(self, module: nn.Module, init_fn: InitFn | None, group: Any,
+                 device: torch.device | None = None) -> None:
+        """``device``: where the model trains (None: :func:`target_device`); rank 0's generator
+        state travels to the other ranks on the device the group's object collectives use."""
         self.module = module
         self.init_fn = init_fn
         self.visits = list(_apply_order(module))
@@ -109,7 +113,7 @@ class InitWalk:
         self._buffer_checks: list[tuple[str, torch.Tensor]] = []
         state = torch.get_rng_state()
         if C.get_world_size(group) > 1:  # every rank draws rank 0's numbers
-            shared = state.to(target_device())
+            shared = state.to(D.object_device(group, device if device is not None else target_device(group)))
             C.broadcast(shared, 0, group=group)
             state = shared.cpu()
         torch.set_rng_state(state)
@@ -174,11 +178,13 @@ class InitWalk:
                 module.reset_parameters()
 
 
-def materialise_whole(module: nn.Module, init_fn: InitFn | None, group: Any) -> None:
-    """Stages 0-2: the whole module, initialised as the Note says, on :func:`target_device`."""
-    walk = InitWalk(module, init_fn, group)
+def materialise_whole(module: nn.Module, init_fn: InitFn | None, group: Any,
+                      device: torch.device | None = None) -> None:
+    """Stages 0-2: the whole module, initialised as the Note says, then moved to ``device``
+    (None: :func:`target_device`)."""
+    device = device if device is not None else target_device(group)
+    walk = InitWalk(module, init_fn, group, device)
     walk.finish(torch.device("cpu"))
     walk.check_initialised(list(module.named_parameters()))
-    device = target_device()
     if device.type != "cpu":
         module.to(device)

@@ -42,7 +42,7 @@ def _sharded_units(engine: "Engine") -> ShardedStorage:
         engine.broadcast_from_rank0(list(engine.module.buffers()))
         return storage
     # Born sharded from an initialisation every rank replays alike: nothing to broadcast.
-    walk = InitWalk(engine.module, deferred.init_fn, engine.group)
+    walk = InitWalk(engine.module, deferred.init_fn, engine.group, engine.device)
     storage = ShardedStorage(engine.module, engine.inventory, engine.config, engine.group, engine.world_size,
                              engine.rank, FromInit(engine.module, walk, engine.device))
     walk.finish(engine.device)
