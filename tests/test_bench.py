@@ -158,3 +158,34 @@ def test_step_profile_prints_each_figure_per_step() -> None:
     params = len(list(bench.parse_models("mlp:tiny")[0].build().parameters()))
     assert float(figures[f"{timed}: calls"]) == params, (figures, params)
     assert float(figures[f"{timed}: CPU ms"]) > 0 and float(figures[f"{timed}: page faults"]) >= 0
+
+
+def test_plain_torch_is_every_stages_peer_at_world_size_1(tmp_path: Path) -> None:
+    """``--configs ...,torch`` (the default at world size 1 with ``--device cuda``): each stage is
+    compared with plain torch, no time target is claimed against it, and it trains the same
+    model. Run here on the CPU, where the same code path picks the peer."""
+    result = run_script(
+        [sys.executable, str(ROOT / "tools" / "bench.py"), "--models", "mlp:tiny", "--configs", "stage0,stage3,torch",
+         "--warmup", "1", "--rounds", "1", "--steps-per-round", "2", "--comm-reps", "1",
+         "--out", str(tmp_path / "b.md"), "--json", str(tmp_path / "b.json")],
+        timeout=180, env={"OMP_NUM_THREADS": "1"}, cwd=ROOT,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    configs = json.loads((tmp_path / "b.json").read_text())["results"][0]["configs"]
+    assert [configs[c]["peer"] for c in ("stage0", "stage3")] == ["torch", "torch"]
+    assert configs["torch"]["model_state"] == [pytest.approx(configs["torch"]["formula"], rel=0.01)]
+    assert abs(configs["stage3"]["final_loss"] - configs["torch"]["final_loss"]) < 1e-3
+    text = (tmp_path / "b.md").read_text()
+    assert "× torch" in text and "target" not in text.split("## mlp:tiny", 1)[1].split("| config | forward")[0]
+    assert "Plain torch (`torch`)" in text
+
+
+def test_device_and_config_errors_are_one_line() -> None:
+    """``--device cuda`` without a GPU (run_script hides them, so also on a GPU machine), and
+    plain torch at world size 2, are refused before anything runs."""
+    bench = [sys.executable, str(ROOT / "tools" / "bench.py"), "--models", "mlp:tiny"]
+    no_gpu = run_script([*bench, "--device", "cuda"], timeout=120, cwd=ROOT)
+    assert no_gpu.returncode != 0 and no_gpu.stderr.strip().splitlines() == [
+        "error: --device cuda: no CUDA device is visible (torch.cuda.is_available() is False)"], no_gpu.stderr
+    plain_n = run_script([*bench, "--configs", "stage0,torch"], timeout=120, cwd=ROOT, env={"WORLD_SIZE": "2"})
+    assert plain_n.returncode != 0 and "runs at world size 1 only" in plain_n.stderr, plain_n.stderr

@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc_per_node 2 tools/bench.py            # the default report
     python tools/bench.py --models mlp:tiny --rounds 2                  # world size 1, quick
+    python tools/bench.py --device cuda --out /tmp/gpu.md               # one GPU: against plain torch
+    torchrun --standalone --nproc_per_node 8 tools/bench.py --device cuda   # 8 GPUs, NCCL
 
 For every model (``--models``, e.g. ``mlp:small,gpt:large``) every configuration is built
 on the same initial weights and the same per-rank batches, warmed up, then timed in
@@ -49,6 +51,25 @@ the slowest rank's median), which shows whether that holds.
   from forward into backward; in the compute dtype; stage 3's
   16-byte gather tags and the few bytes of the used-parameter flags are left out).
   hidden = 1 - exposed / (gradients alone + gathers alone), clamped to [0, 1].
+
+[Note: on CUDA]
+``--device cuda`` puts each rank on ``cuda:LOCAL_RANK`` with NCCL (under plain python, a
+one-rank NCCL group). The host runs ahead of the GPU, so what the CPU path measures does not
+carry over as it is:
+- a step is timed from a ``torch.cuda.synchronize()`` after the barrier to one after
+  zero_grad (so the GPU work it queued is in it, post-step all-gathers included); its phases
+  (fwd+bwd, opt step, zero_grad) are CUDA events on the current stream, the GPU time between
+  them, which adds up to at most the step;
+- memory is the caching allocator's, not RSS: ``torch.cuda.max_memory_allocated`` over the
+  memory phase above what was allocated before the configuration was built (the report's
+  "peak CUDA allocated" columns, in place of the RSS ones);
+- the collectives alone are timed between two ``torch.cuda.synchronize()``;
+- the wait clock counts what the host waited for, which on CUDA is only what synchronises the
+  host (ideally nothing): the GPU's own waits do not show in it.
+At world size 1 the default configurations are the four stages and ``torch`` (plain torch: the
+model and AdamW, no wrapper, no collective), the peer of every stage; at world size N they are
+the CPU run's (DDP, DDP + ZeroRedundancyOptimizer, FSDP2). ``--device cpu`` (the default) is the
+CPU run described above, unchanged.
 """
 
 from __future__ import annotations
@@ -218,7 +239,11 @@ def parse_models(text: str) -> list[ModelSpec]:
 # --------------------------------------------------------------------------- configurations
 
 ALL_CONFIGS = ["stage0", "stage1", "stage2", "stage3", "ddp", "ddp+zero", "fsdp2"]
-PEER_STAGE = {"ddp": 0, "ddp+zero": 1, "fsdp2": 3}
+PLAIN = "torch"
+"""Plain torch, no wrapper: every stage's peer at world size 1 on CUDA (``--configs`` may name
+it at world size 1 on the CPU too)."""
+KNOWN_CONFIGS = [*ALL_CONFIGS, PLAIN]
+PEER_STAGE = {"ddp": 0, "ddp+zero": 1, "fsdp2": 3, PLAIN: 0}
 """The shardpar stage each peer matches (same storage and collectives)."""
 CANDIDATE = "-cand"
 """Suffix of the stages run from ``--candidate`` (another checkout's shardpar, to A/B a patch)."""
@@ -229,8 +254,18 @@ def stage_of(config: str) -> int | None:
     return int(config.removesuffix(CANDIDATE)[-1]) if config.startswith("stage") else None
 
 
-def peer_of(config: str) -> str:
-    return {0: "ddp", 1: "ddp+zero", 2: "ddp+zero", 3: "fsdp2"}[stage_of(config)]
+def peer_of(config: str, present: Any = ()) -> str:
+    """The peer a stage is compared with: its distributed counterpart, or plain torch when only
+    that is in ``present`` (world size 1 on CUDA)."""
+    peer = {0: "ddp", 1: "ddp+zero", 2: "ddp+zero", 3: "fsdp2"}[stage_of(config)]
+    return PLAIN if peer not in present and PLAIN in present else peer
+
+
+def default_configs(device: str, world: int) -> list[str]:
+    """``--configs`` when not given: see [Note: on CUDA]."""
+    if device == "cuda" and world == 1:
+        return [c for c in ALL_CONFIGS if stage_of(c) is not None] + [PLAIN]
+    return list(ALL_CONFIGS)
 
 
 def zero_formula(config: str, psi: int, world: int) -> float:
@@ -256,6 +291,7 @@ class Runner:
 
     def __init__(self, model: nn.Module, spec: ModelSpec, wrap_options: dict[str, Any]) -> None:
         self.spec, self.wrap_options = spec, wrap_options  # options for shardpar.wrap
+        self.device = next(model.parameters()).device  # the model arrives on the rank's device
         self.model, self.opt = self.wrap(model)
 
     def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
@@ -311,11 +347,24 @@ class ShardparRunner(Runner):
         self.engine.close()
 
 
+def _ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataParallel:
+    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+class PlainRunner(Runner):
+    """The model and AdamW, nothing else: what a stage costs over plain torch at world size 1."""
+
+    name = PLAIN
+
+    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 class DDPRunner(Runner):
     name = "ddp"
 
     def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
-        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp = _ddp(model, self.device)
         return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3)
 
 
@@ -325,7 +374,7 @@ class ZeroRunner(Runner):
     def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp = _ddp(model, self.device)
         return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
 
     def _optimizer_state(self):
@@ -340,7 +389,7 @@ class FSDPRunner(Runner):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         for module in model.modules():
             if isinstance(module, self.spec.unit_class):
                 fully_shard(module, mesh=mesh)
@@ -353,9 +402,12 @@ LIBRARIES: dict[str, Any] = {CANDIDATE: shardpar}
 
 
 def build_runner(config: str, model: nn.Module, spec: ModelSpec, args: argparse.Namespace) -> Runner:
+    """``config`` built on ``model``, which is first moved to the rank's device."""
+    model = model.to(args.torch_device)
     stage = stage_of(config)
     if stage is None:
-        return {"ddp": DDPRunner, "ddp+zero": ZeroRunner, "fsdp2": FSDPRunner}[config](model, spec, {})
+        runners = {"ddp": DDPRunner, "ddp+zero": ZeroRunner, "fsdp2": FSDPRunner, PLAIN: PlainRunner}
+        return runners[config](model, spec, {})
     if config.endswith(CANDIDATE):
         return ShardparRunner(stage, LIBRARIES[CANDIDATE], model, spec, {**args.wrap_options, **args.candidate_options})
     return ShardparRunner(stage, shardpar, model, spec, args.wrap_options)
@@ -464,31 +516,70 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queue on CUDA (see [Note: on CUDA]); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _GPUMarks:
+    """CUDA events at the phase boundaries of a step, on the current stream: a phase's GPU time
+    without making the host wait (see [Note: on CUDA]). On the CPU, no events and no phases."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(5)] if device.type == "cuda" else []
+        self.next = 0
+
+    def mark(self) -> None:
+        if self.events:
+            self.events[self.next].record()
+            self.next += 1
+
+    def phases(self) -> tuple[float, float, float] | None:
+        """fwd+bwd, opt step, zero_grad in seconds, once the step is synchronised."""
+        if not self.events:
+            return None
+        e = self.events
+        return e[0].elapsed_time(e[1]) / 1e3, e[1].elapsed_time(e[2]) / 1e3, e[3].elapsed_time(e[4]) / 1e3
+
+
 def run_step(runner: Runner, batch, measured: Measured | None = None, before_zero: Callable | None = None) -> float:
     """One training step after a barrier; ``before_zero`` runs between the optimizer step
     and zero_grad, outside the timed phases."""
     dist.barrier()
+    _synchronize(runner.device)
+    marks = _GPUMarks(runner.device)
     wait_clock = getattr(runner.engine, "wait_clock", None)  # None: a peer, or a --candidate from before it
     if wait_clock is not None:
         wait_clock.reset()
     faults = _minor_faults()
     start = _clock()
+    marks.mark()
     loss = runner.forward_backward(batch)
     after_backward = _clock()
+    marks.mark()
     runner.step()
     after_step = _clock()
+    marks.mark()
     if before_zero is not None:
         before_zero()
     before_zero_grad = _clock()
+    marks.mark()
     runner.zero_grad()
+    marks.mark()
+    _synchronize(runner.device)
     end = _clock()
     faults = _minor_faults() - faults
     if measured is not None:
         measured.minor_faults.append(faults)
         spans = [(start, after_backward), (after_backward, after_step), (before_zero_grad, end)]
-        measured.phases.append(tuple(b[0] - a[0] for a, b in spans))
+        gpu_phases = marks.phases()
+        measured.phases.append(gpu_phases or tuple(b[0] - a[0] for a, b in spans))
         measured.phase_cpu_main.append(tuple(b[2] - a[2] for a, b in spans))
-        measured.steps.append(sum(measured.phases[-1]))
+        if gpu_phases is None:
+            measured.steps.append(sum(measured.phases[-1]))
+        else:  # the host ran ahead: the step is the wall time between the two synchronisations
+            measured.steps.append(end[0] - start[0] - (before_zero_grad[0] - after_step[0]))
         cpu = sum(b[1] - a[1] for a, b in spans)
         measured.cpu.append(cpu)
         measured.cpu_other.append(cpu - sum(measured.phase_cpu_main[-1]))
@@ -526,15 +617,17 @@ def parameter_gathers(engine: Any) -> list[tuple[int, torch.dtype]] | None:
     return gathers
 
 
-def _alone_s(launch: Callable[[], list[Any]], reps: int) -> float:
+def _alone_s(launch: Callable[[], list[Any]], reps: int, device: torch.device) -> float:
     """Median seconds to launch ``launch``'s collectives and wait for them all, every rank
-    starting together."""
+    starting together (on CUDA, until the GPU has finished them)."""
     times = []
     for _ in range(reps):
         dist.barrier()
+        _synchronize(device)
         start = time.perf_counter()
         for handle in launch():
             handle.wait()
+        _synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -547,20 +640,21 @@ def collectives_alone_s(runner: Runner, reps: int) -> tuple[float | None, float 
     world = dist.get_world_size()
     if engine is None or world == 1:
         return None, None
-    inputs = [torch.zeros(b.spec.range.size, dtype=dtype) for b, dtype in gradient_buckets(engine)]
+    device = runner.device
+    inputs = [torch.zeros(b.spec.range.size, dtype=dtype, device=device) for b, dtype in gradient_buckets(engine)]
     outputs = [buf[: buf.numel() // world].clone() for buf in inputs]
     if engine.stage == 0:
-        grads = _alone_s(lambda: [collectives.all_reduce(buf, async_op=True) for buf in inputs], reps)
+        grads = _alone_s(lambda: [collectives.all_reduce(buf, async_op=True) for buf in inputs], reps, device)
     else:
         grads = _alone_s(lambda: [collectives.reduce_scatter(out, buf, async_op=True)
-                                  for out, buf in zip(outputs, inputs)], reps)
+                                  for out, buf in zip(outputs, inputs)], reps, device)
     sizes = parameter_gathers(engine)
     if sizes is None:
         return grads, None
-    fulls = [torch.zeros(numel, dtype=dtype) for numel, dtype in sizes]
+    fulls = [torch.zeros(numel, dtype=dtype, device=device) for numel, dtype in sizes]
     slices = [full[: full.numel() // world].clone() for full in fulls]
     gathers = _alone_s(lambda: [collectives.all_gather(full, part, async_op=True)
-                                for full, part in zip(fulls, slices)], reps) if sizes else 0.0
+                                for full, part in zip(fulls, slices)], reps, device) if sizes else 0.0
     return grads, gathers
 
 
@@ -569,21 +663,32 @@ MEMORY_STEPS = 2
 
 
 def measure_memory(config: str, spec: ModelSpec, base: nn.Module, batches, args: argparse.Namespace) -> Measured:
-    """Build one configuration alone, train ``MEMORY_STEPS`` steps and take its memory; drop it."""
+    """Build one configuration alone, train ``MEMORY_STEPS`` steps and take its memory; drop it.
+    On CUDA the memory is the caching allocator's (see [Note: on CUDA]), in the rss_* fields."""
     set_allocator(MEASURE_MMAP_BYTES)
     release_free_memory()
-    exact = reset_peak_rss()
-    before = current_rss()
+    on_gpu = args.torch_device.type == "cuda"
+    if on_gpu:
+        _synchronize(args.torch_device)
+        torch.cuda.reset_peak_memory_stats(args.torch_device)
+        exact, before = True, torch.cuda.memory_allocated(args.torch_device)
+    else:
+        exact = reset_peak_rss()
+        before = current_rss()
     runner = build_runner(config, copy.deepcopy(base), spec, args)
     measured = Measured(rss_exact=exact)
     for i in range(MEMORY_STEPS - 1):
         run_step(runner, batches[i % len(batches)])
     run_step(runner, batches[(MEMORY_STEPS - 1) % len(batches)],
              before_zero=lambda: measured.state.update(runner.model_state()))
-    measured.rss_peak = peak_rss()
+    measured.rss_peak = torch.cuda.max_memory_allocated(args.torch_device) if on_gpu else peak_rss()
     measured.rss_increase = measured.rss_peak - before
     runner.close()
     return measured
+
+
+def _on(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch[0].to(device), batch[1].to(device)
 
 
 def warm_process(configs: list[str], args) -> None:
@@ -591,7 +696,7 @@ def warm_process(configs: list[str], args) -> None:
     tiny model first, so the first configuration's RSS increase is its own."""
     spec = ModelSpec("gpt", "warm-up", **SIZES["gpt"]["tiny"])
     base = spec.build()
-    batch = spec.batch_for(torch.Generator().manual_seed(0))
+    batch = _on(spec.batch_for(torch.Generator().manual_seed(0)), args.torch_device)
     for config in configs:
         runner = build_runner(config, copy.deepcopy(base), spec, args)
         for _ in range(2):
@@ -607,7 +712,7 @@ def bench_model(spec: ModelSpec, configs: list[str], args) -> dict[str, Any]:
     base = spec.build()
     psi = sum(p.numel() for p in base.parameters())
     generator = torch.Generator().manual_seed(args.seed * 1000 + dist.get_rank())
-    batches = [spec.batch_for(generator) for _ in range(4)]
+    batches = [_on(spec.batch_for(generator), args.torch_device) for _ in range(4)]
     measured = {config: measure_memory(config, spec, base, batches, args) for config in configs}
     set_allocator(TIMING_MMAP_BYTES)
     runners: dict[str, Runner] = {}
@@ -719,7 +824,7 @@ def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], 
     for config, row in per_config.items():
         if stage_of(config) is None:
             continue
-        peer = peer_of(config)
+        peer = peer_of(config, per_config)
         if peer in per_config:
             row["peer"] = peer
             row["vs_peer"] = row["step_s"]["median"] / per_config[peer]["step_s"]["median"]
@@ -733,10 +838,10 @@ def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], 
 
 TARGETS = {"stage0": 0.95, "stage1": 0.85, "stage2": 0.85, "stage3": 0.60}
 """Step time over the peer's (issue #16, "Communication that hides behind compute"; the first
-round's were 1.00 / 0.90 / 0.90 / 0.80)."""
+round's were 1.00 / 0.90 / 0.90 / 0.80). Not against plain torch, which does less."""
 
 
-def machine() -> dict[str, Any]:
+def machine(device: torch.device) -> dict[str, Any]:
     model = platform.processor() or "unknown"
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         for line in f:
@@ -751,6 +856,18 @@ def machine() -> dict[str, Any]:
         "threads_per_rank": torch.get_num_threads(),
         "backend": dist.get_backend(),
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        **(gpu_info(device) if device.type == "cuda" else {}),
+    }
+
+
+def gpu_info(device: torch.device) -> dict[str, Any]:
+    """The GPU a rank runs on, and the CUDA and NCCL it runs with (CUDA runs only)."""
+    nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
+    return {
+        "gpu": torch.cuda.get_device_name(device),
+        "gpus_visible": torch.cuda.device_count(),
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
     }
 
 
@@ -782,7 +899,7 @@ def timing_table(result: dict[str, Any]) -> list[str]:
     for config, row in result["configs"].items():
         q, ph = row["step_s"], row["phase_s"]
         vs = f"{row['vs_peer']:.2f}× {row['peer']}" if "vs_peer" in row else "—"
-        if config in TARGETS and "vs_peer" in row:
+        if config in TARGETS and "vs_peer" in row and row["peer"] != PLAIN:  # targets are against the peers
             vs += " ✓" if row["vs_peer"] <= TARGETS[config] else f" ✗ (target ≤ {TARGETS[config]:.2f})"
         if "vs_base" in row:
             vs += f"; {row['vs_base']:.2f}× {config.removesuffix(CANDIDATE)}"
@@ -879,8 +996,11 @@ def limits_section(results: list[dict[str, Any]], nproc: int) -> list[str]:
         )
     lines.append("")
     missed = [(result, config, row) for result, config, row in rows
-              if config in TARGETS and row["vs_peer"] > TARGETS[config]]
-    if not missed:
+              if config in TARGETS and row["peer"] != PLAIN and row["vs_peer"] > TARGETS[config]]
+    if all(row["peer"] == PLAIN for _, _, row in rows):
+        lines.append(f"The time targets are against the distributed peers; this run compares with plain torch "
+                     f"(`{PLAIN}`) only.")
+    elif not missed:
         lines.append("Every time target is met in this run; *vs peer, every wait hidden* is how far each ratio "
                      "could still move by overlap alone.")
     else:
@@ -900,10 +1020,11 @@ def limits_section(results: list[dict[str, Any]], nproc: int) -> list[str]:
     return lines
 
 
-def memory_table(result: dict[str, Any]) -> list[str]:
+def memory_table(result: dict[str, Any], peak: str = "RSS") -> list[str]:
+    """``peak`` names what the peak columns measure: "RSS", or "CUDA allocated" on a GPU."""
     lines = [
         ("| config | model state MiB (rank 0 / 1 …) | ZeRO formula MiB | measured / formula | workspace MiB "
-         "| peak RSS increase MiB | peak RSS MiB | sent MB/step | closed form MB | difference | padding MB |"),
+         f"| peak {peak} increase MiB | peak {peak} MiB | sent MB/step | closed form MB | difference | padding MB |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for config, row in result["configs"].items():
@@ -975,6 +1096,14 @@ COLUMNS = (
     "in tools/bench.py). *Sent*: `comm_stats()` per step, padding shown apart, against "
     "`shardpar.estimate_communication`."
 )
+CUDA_COLUMNS = (
+    "On CUDA (see the note in tools/bench.py): every step runs between two `torch.cuda.synchronize()`, so its "
+    "time includes the GPU work it queued; *fwd+bwd*, *opt step*, *zero_grad* are GPU time between CUDA events "
+    "on the current stream; *peak CUDA allocated increase*: `torch.cuda.max_memory_allocated` over the "
+    "configuration's 2 steps above what was allocated before it was built; the wait clock counts only the "
+    "host's waits, so a step that never synchronises shows none. At world size 1, *torch* is plain torch "
+    "(the model and AdamW, no wrapper), every stage's peer."
+)
 
 
 def write_report(path: Path, results: list[dict[str, Any]], info: dict[str, Any], args, png: Path | None) -> None:
@@ -995,6 +1124,8 @@ def write_report(path: Path, results: list[dict[str, Any]], info: dict[str, Any]
         "",
         (f"- Machine: {info['cpu']}, `nproc` = {info['nproc']}; {world} rank(s), {info['threads_per_rank']} "
          f"intra-op thread(s) per rank, backend {info['backend']}"),
+        *([f"- GPU: {info['gpu']} ({info['gpus_visible']} visible), one per rank (`cuda:LOCAL_RANK`); "
+           f"CUDA {info['cuda']}, NCCL {info['nccl']}"] if "gpu" in info else []),
         f"- torch {info['torch']}, Python {info['python']}; run started {info['date']}, took {info['elapsed_s']:.0f} s",
         (f"- Load average (1/5/15 min): {info['load_start']} at start, {info['load_end']} at end "
          "(other processes on the machine slow every configuration; interleaving spreads that evenly)"),
@@ -1003,15 +1134,19 @@ def write_report(path: Path, results: list[dict[str, Any]], info: dict[str, Any]
          f"{args.wrap_options or 'defaults'} (+ the blocks as stage-3 units)"),
         ("- Peers: `DistributedDataParallel` (defaults), DDP + `ZeroRedundancyOptimizer(AdamW)` (defaults), "
          "`fully_shard` (FSDP2) on every block then the root; shardpar stage 3 uses the same blocks as units"),
+        *([f"- Plain torch (`{PLAIN}`): the model and AdamW, no wrapper; every stage's peer at world size 1"]
+          if any(PLAIN in result["configs"] for result in results) else []),
         "",
         COLUMNS,
+        *(["", CUDA_COLUMNS] if "gpu" in info else []),
         "",
     ]
     if png is not None:
         lines += [f"![step time per configuration]({png.name})", ""]
     for result in results:
         lines += [f"## {result['model']}: {result['description']}, Ψ = {result['params']:,} parameters", ""]
-        lines += timing_table(result) + [""] + exposure_table(result) + [""] + memory_table(result) + [""]
+        peak = "CUDA allocated" if "gpu" in info else "RSS"
+        lines += timing_table(result) + [""] + exposure_table(result) + [""] + memory_table(result, peak) + [""]
         losses = {c: r["final_loss"] for c, r in result["configs"].items()}
         spread = max(losses.values()) - min(losses.values())
         lines += [f"Final loss after the same steps, all configurations: {min(losses.values()):.5f}–"
@@ -1060,7 +1195,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="mlp:small,mlp:large,gpt:small,gpt:large",
                         help="comma-separated KIND:SIZE, kinds mlp and gpt, sizes tiny, small, large")
-    parser.add_argument("--configs", default=",".join(ALL_CONFIGS), help=f"subset of {','.join(ALL_CONFIGS)}")
+    parser.add_argument("--configs", default=None,
+                        help=f"subset of {','.join(KNOWN_CONFIGS)} (default: {','.join(ALL_CONFIGS)}; with --device "
+                             f"cuda at world size 1 the stages and {PLAIN})")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo (default); cuda: cuda:LOCAL_RANK and NCCL (see [Note: on CUDA])")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--steps-per-round", type=int, default=3)
@@ -1082,10 +1221,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.model_specs = parse_models(args.models)
     args.wrap_options = dict(parse_option(text) for text in args.wrap_option)
     args.candidate_options = dict(parse_option(text) for text in args.candidate_option)
-    args.config_list = [c.strip() for c in args.configs.split(",")]
-    unknown = [c for c in args.config_list if c not in ALL_CONFIGS]
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; a plain python run is one rank
+    if args.configs is None:
+        args.config_list = default_configs(args.device, world)
+    else:
+        args.config_list = [c.strip() for c in args.configs.split(",")]
+    unknown = [c for c in args.config_list if c not in KNOWN_CONFIGS]
     if unknown or args.warmup < 1 or args.rounds < 1 or args.steps_per_round < 1:
         raise SystemExit(f"error: bad --configs {unknown} or a count below 1")
+    if PLAIN in args.config_list and world > 1:
+        raise SystemExit(f"error: --configs {PLAIN}: plain torch averages no gradients, so it runs at world size 1 only")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
     if args.candidate is not None:
         load_candidate(args.candidate)
     if args.candidate is not None or args.candidate_options:
@@ -1103,19 +1250,28 @@ def parse_option(text: str) -> tuple[str, Any]:
         return key, value
 
 
-def init_group() -> None:
-    """torchrun's group, or a one-rank gloo group so the peers also run under plain python."""
+def init_group(kind: str = "cpu") -> torch.device:
+    """torchrun's group, or a one-rank group so the peers also run under plain python: gloo on
+    the CPU, NCCL on ``cuda:LOCAL_RANK`` (made current first). Returns the rank's device."""
+    device = torch.device("cpu")
+    options: dict[str, Any] = {}
+    if kind == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        options["device_id"] = device
+    backend = "nccl" if kind == "cuda" else "gloo"
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend, **options)
     else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
+    return device
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    init_group()
+    args.torch_device = init_group(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    info = {**machine(), "command": command_line(world), "load_start": "{:.2f} / {:.2f} / {:.2f}".format(*os.getloadavg())}
+    info = {**machine(args.torch_device), "command": command_line(world), "load_start": "{:.2f} / {:.2f} / {:.2f}".format(*os.getloadavg())}
     started = time.perf_counter()
     warm_process(args.config_list, args)
     results = []
