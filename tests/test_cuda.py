@@ -104,6 +104,7 @@ from tests.parity import (
 HAS_CUDA = torch.cuda.is_available()
 NO_CUDA = "no CUDA device: torch.cuda.is_available() is False"
 STAGES = (0, 1, 2, 3)
+STAGE_IDS = [f"stage{stage}" for stage in STAGES]
 BF16 = torch.bfloat16
 TOLERANCE = 1e-5  # see [Note: CUDA tolerances]
 
@@ -218,7 +219,7 @@ def max_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
 # --------------------------------------------------------------------------- 1. parity, world size 1
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", STAGES, ids=STAGE_IDS)
 @pytest.mark.parametrize("kind", DEVICES)
 def test_fp32_at_world_size_1_matches_plain_torch(kind: str, stage: int, record_property: Callable) -> None:
     """Three AdamW steps with clipping over a one-rank NCCL group (gloo on the CPU) against
@@ -296,7 +297,7 @@ def mixed_reference(recipe: Recipe, device: torch.device, states: list[dict[str,
     return out
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", STAGES, ids=STAGE_IDS)
 @pytest.mark.parametrize("kind", DEVICES)
 def test_bf16_at_world_size_1_matches_hand_written_mixed_precision(kind: str, stage: int,
                                                                    record_property: Callable) -> None:
@@ -334,7 +335,7 @@ SYNC_WARNING = "synchronizing"
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", STAGES, ids=STAGE_IDS)
 def test_steady_state_step_never_syncs_the_host(stage: int, precision: str, record_property: Callable) -> None:
     """After two warm-up steps, a step (forward, backward, clip_grad_norm_ without
     error_if_nonfinite, step, zero_grad) makes no synchronizing CUDA call: under
@@ -426,7 +427,7 @@ def measure_step_memory(stage: int, device: torch.device) -> tuple[int, int]:
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", STAGES, ids=STAGE_IDS)
 def test_peak_memory_of_a_step_is_the_planners_within_10_percent(stage: int, record_property: Callable) -> None:
     peak, planned = measure_step_memory(stage, device_of("cuda"))
     record_property("peak_bytes", peak)
@@ -485,7 +486,7 @@ def checkpoint_round_trip(stage: int, device: torch.device, precision: str, dire
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", STAGES, ids=STAGE_IDS)
 @pytest.mark.parametrize("kind", DEVICES)
 def test_checkpoint_round_trip_from_device_memory_is_bit_exact(kind: str, stage: int, precision: str,
                                                                tmp_path: Path) -> None:
