@@ -139,3 +139,10 @@ def test_memory_and_sync_rows() -> None:
                                   {"host_syncs": "2"})
     rows = gpu_check.syncs_section(gpu_check.Outcome(None, 1, 3.0, figures=[synced]))  # type: ignore[arg-type]
     assert rows[2:] == ["| `test_sync[1-fp32]` | 2 | failed: AssertionError: stage 1: 2 host syncs |"]
+
+
+def test_docs_gpu_md_has_the_results_markers() -> None:
+    """A GPU run writes between them, keeping the page's explanation (docs/gpu.md)."""
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    assert text.count(gpu_check.RESULTS_BEGIN) == 1 and text.count(gpu_check.RESULTS_END) == 1
+    assert text.index(gpu_check.RESULTS_BEGIN) < text.index(gpu_check.RESULTS_END)
