@@ -102,19 +102,19 @@ def plan(out: Path, work: Path, gpus: int) -> list[Check]:
 
     checks = [
         Check("tests", "GPU tests: parity and checkpoints (pytest -m cuda)",
-              [*pytest, "-k", f"not {SYNC_TESTS} and not {MEMORY_TESTS}", junit("tests.xml")], 200, work / "tests.xml"),
+              [*pytest, "-k", f"not {SYNC_TESTS} and not {MEMORY_TESTS}", junit("tests.xml")], 240, work / "tests.xml"),
         Check("syncs", "Host syncs in a steady-state step",
               [*pytest, "-k", SYNC_TESTS, junit("syncs.xml")], 70, work / "syncs.xml"),
         Check("memory", "Peak memory of a step against the planner",
               [*pytest, "-k", MEMORY_TESTS, junit("memory.xml")], 70, work / "memory.xml"),
         Check("bench1", "Benchmark on CUDA, world size 1 (against plain torch)",
-              [sys.executable, *bench(1)], 130, work / "bench-world1.json", bench_dir / "gpu-bench-world1.md"),
+              [sys.executable, *bench(1)], 110, work / "bench-world1.json", bench_dir / "gpu-bench-world1.md"),
     ]
     if gpus >= 2:
         checks.append(Check(
             f"bench{gpus}", f"Benchmark on CUDA/NCCL, world size {gpus} (against DDP, ZeRO, FSDP2)",
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus), *bench(gpus)],
-            130, work / f"bench-world{gpus}.json", bench_dir / f"gpu-bench-world{gpus}.md"))
+            110, work / f"bench-world{gpus}.json", bench_dir / f"gpu-bench-world{gpus}.md"))
     assert sum(c.timeout_s for c in checks) <= BUDGET_S
     return checks
 
