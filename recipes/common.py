@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import shardpar
+from shardpar.comm import compat
 from recipes.cli import MANIFEST, ArgumentParser, DistEnv, dist_env, resume_dir_problem
 
 __all__ = [
@@ -122,7 +123,7 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: float | None
     if env.world_size == 1 or dist.is_initialized():
         return
     dist.init_process_group(
-        backend=dist.get_default_backend_for_device(device),
+        backend=compat.default_backend_for_device(device),
         device_id=device if device.type == "cuda" else None,
         timeout=datetime.timedelta(seconds=timeout_s or shardpar.ShardConfig.timeout_s),
     )

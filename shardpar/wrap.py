@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -87,20 +86,6 @@ def _place(device: torch.device, deferred: bool, group: Any) -> torch.device:
     return device
 
 
-def _all_gather_objects(obj: Any, group: Any, device: torch.device) -> list[Any]:
-    """``C.all_gather_objects`` for a rank training on ``device`` ([Note: object collectives]
-    in ``shardpar/comm/devices.py``). A ``C.all_gather_objects`` without a ``device`` argument
-    sends over an NCCL group from ``torch.cuda.current_device()``: it is then called with
-    this rank's GPU made current for the call."""
-    if "device" in inspect.signature(C.all_gather_objects).parameters:
-        return C.all_gather_objects(obj, group=group, device=device)
-    cuda = device if device.type == "cuda" else D.rank_device(group).device
-    if cuda.type != "cuda" or C.get_world_size(group) == 1:
-        return C.all_gather_objects(obj, group=group)
-    with torch.cuda.device(cuda):
-        return C.all_gather_objects(obj, group=group)
-
-
 def _agree_across_ranks(
     problem: Exception | None, module: nn.Module, config: ShardConfig | None, group: Any, device: torch.device
 ) -> None:
@@ -112,7 +97,7 @@ def _agree_across_ranks(
     verdict = None if problem is None else f"{type(problem).__name__}: {problem}"
     if problem is not None and C.is_initialized():
         device = D.rank_device(group).device
-    gathered = _all_gather_objects((verdict, signature), group, device)
+    gathered = C.all_gather_objects((verdict, signature), group=group, device=device)
     rank = C.get_rank(group)
     for other, (other_verdict, _) in enumerate(gathered):
         if other_verdict is not None:

@@ -591,7 +591,7 @@ def train_fsdp2(recipe: Recipe, device: torch.device) -> dict[str, Any]:
     """``fully_shard`` on every block, then on the root (which holds the tied embedding and
     head), the same blocks shardpar's stage 3 takes as units."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from shardpar.comm.compat import fully_shard
     from torch.distributed.tensor import DTensor
 
     def full(t: torch.Tensor) -> torch.Tensor:

@@ -281,27 +281,23 @@ def test_a_meta_wrap_on_a_group_made_without_set_device_trains_on_local_rank(sta
     assert run_ranks(_meta_wrap_on_a_group_without_set_device, 2, stage, timeout=SHORT) == ["cuda:0", "cuda:1"]
 
 
-def _gather_on_gloo(mp: pytest.MonkeyPatch, used: list[torch.device], takes_device: bool = True) -> None:
+def _gather_on_gloo(mp: pytest.MonkeyPatch, used: list[torch.device]) -> None:
     """Replace ``C.all_gather_objects`` by one that records the device its bytes would travel
-    on over an NCCL group (``device`` where given, else ``torch.cuda.current_device()``, as
-    collectives.py without a ``device`` argument picked it) and gathers on the real gloo
-    group. ``takes_device``: whether it has a ``device`` argument (collectives.py with this
-    change) or not (before)."""
+    on over the group as reported (``devices.object_device``, as the real one picks it: on
+    main it was ``torch.cuda.current_device()`` whatever the caller's) and gathers on the real
+    gloo group."""
     real = C.all_gather_objects
 
-    def with_device(obj: Any, *, group: Any = None, device: torch.device | None = None) -> list[Any]:
-        used.append(device if device is not None else torch.device("cuda", torch.cuda.current_device()))
+    def spy(obj: Any, *, group: Any = None, device: torch.device | None = None) -> list[Any]:
+        used.append(D.object_device(group, device))
         with pytest.MonkeyPatch.context() as real_backends:
             real_backends.setattr(dist, "get_backend_config", _TRUE_BACKEND_CONFIG)
             return real(obj, group=group)
 
-    def without_device(obj: Any, *, group: Any = None) -> list[Any]:
-        return with_device(obj, group=group)
-
-    mp.setattr(C, "all_gather_objects", with_device if takes_device else without_device)
+    mp.setattr(C, "all_gather_objects", spy)
 
 
-def _agreement_device(spy_takes_device: bool) -> str:
+def _agreement_device() -> str:
     """Every rank's model on its own GPU (cuda:LOCAL_RANK), an NCCL group made without
     set_device: the device the wrap agreement's object gather runs on."""
     used: list[torch.device] = []
@@ -309,7 +305,7 @@ def _agreement_device(spy_takes_device: bool) -> str:
         FakeCuda(mp, 2)
         _reports(mp, "cuda:nccl")
         mp.setattr(wrap_module, "module_device", lambda module: torch.device("cuda", C.get_rank()))
-        _gather_on_gloo(mp, used, spy_takes_device)
+        _gather_on_gloo(mp, used)
         _stop_at_engine(mp, {})
         try:
             shardpar.wrap(_mlp(), stage=2)
@@ -319,10 +315,9 @@ def _agreement_device(spy_takes_device: bool) -> str:
     return str(used[0])
 
 
-@pytest.mark.parametrize("spy_takes_device", [False, True], ids=["collectives-today", "collectives-with-device"])
-def test_the_wrap_agreement_gathers_on_the_rank_s_gpu(spy_takes_device: bool) -> None:
+def test_the_wrap_agreement_gathers_on_the_rank_s_gpu() -> None:
     # On main: cuda:0 on both ranks, i.e. two ranks on one GPU in an NCCL collective.
-    assert run_ranks(_agreement_device, 2, spy_takes_device, timeout=SHORT) == ["cuda:0", "cuda:1"]
+    assert run_ranks(_agreement_device, 2, timeout=SHORT) == ["cuda:0", "cuda:1"]
 
 
 def _wrap_on_gpus(visible: int, model_on: int | None, config: str) -> str | None:

@@ -270,7 +270,7 @@ def _train(run: Run) -> dict[str, Any]:
 def _train_fsdp2(run: Run) -> dict[str, Any]:
     """FSDP2 oracle: ``fully_shard`` on every block, then on the root (the tied embedding and
     head both live in the root, which FSDP2 allows); same data, schedule and clipping."""
-    from torch.distributed.fsdp import fully_shard
+    from shardpar.comm.compat import fully_shard
     from torch.distributed.tensor import DTensor
 
     def full(t: torch.Tensor) -> torch.Tensor:

@@ -387,7 +387,7 @@ class FSDPRunner(Runner):
 
     def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from shardpar.comm.compat import fully_shard
 
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         for module in model.modules():

@@ -1,4 +1,5 @@
-"""The collective layer: the only module of shardpar that calls ``torch.distributed``.
+"""The collective layer: the only module of shardpar that calls ``torch.distributed``'s
+collectives (through ``compat`` where a torch older than the newest names them otherwise).
 
 Functions are named by what they do and carry no training logic. Each works unchanged at
 world size 1 without any process group (the collective is then the identity), returns a
@@ -21,7 +22,7 @@ and aligned layouts leave gaps in front of tensors too: [Note: alignment] in
 matches the closed form.
 
 [Note: gloo reduce-scatter and all-gather]
-gloo's ``reduce_scatter_single`` and ``all_gather_single`` are several times slower than its
+gloo's ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` are several times slower than its
 all-reduce on the same buffer (measured in docs/benchmarks.md), while its all-to-all and
 broadcast are fast. On gloo we therefore build them from those: reduce-scatter is an
 all-to-all (rank r receives every rank's chunk r) followed by a local sum, and all-gather is
@@ -60,6 +61,8 @@ undefined (the caller raises or gathers again).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import importlib
 import os
@@ -67,12 +70,12 @@ import pickle
 import struct
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import watch
+from . import compat, devices, host, watch
 
 ProcessGroup = Any  # torch's ProcessGroup; kept loose so world size 1 needs no torch.distributed
 
@@ -112,15 +115,69 @@ _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "avg": "AVG"}
 """``avg`` only where :func:`backend_averages` says the backend has it."""
 
 
-def backend_averages(group: ProcessGroup | None) -> bool:
+@dataclass(frozen=True)
+class BackendTraits:
+    """What the backend that serves one device type of a group can do, as the functions here
+    use it. Read per device type ([Note: a rank's device] in devices.py): a
+    ``"cpu:gloo,cuda:nccl"`` group runs NCCL for CUDA tensors and gloo for CPU ones."""
+
+    backend: str
+    averages: bool
+    """``ReduceOp.AVG`` divides by N inside the collective (NCCL); elsewhere the caller divides."""
+    emulated_split: bool
+    """Reduce-scatter and all-gather are built from all-to-all and broadcasts (gloo: see
+    [Note: gloo reduce-scatter and all-gather]); else the backend's own collectives."""
+    tolerant_gathers: bool
+    """A receiver may post more bytes than a sender sends (gloo's broadcast), so a tagged gather
+    of units of different sizes completes and shows the mismatch. Where it may not (NCCL: a
+    mismatch hangs), no rank may post a gather it does not know the others post too: see
+    [Note: deferred tag checks] in core/gatherer.py."""
+    aligns: bool
+    """Layouts are aligned for bandwidth when ``align_for_bandwidth`` is None ([Note: alignment])."""
+
+
+_KNOWN_BACKENDS = {
+    "gloo": BackendTraits("gloo", averages=False, emulated_split=True, tolerant_gathers=True, aligns=False),
+    "nccl": BackendTraits("nccl", averages=True, emulated_split=False, tolerant_gathers=False, aligns=True),
+}
+_forced_native = False
+
+
+@contextlib.contextmanager
+def forcing_native_paths() -> Iterator[None]:
+    """Within, every backend is treated as one without gloo's emulated collectives or tolerant
+    gathers: the code paths NCCL takes run on gloo, whose native collectives serve them (tests)."""
+    global _forced_native
+    before, _forced_native = _forced_native, True
+    try:
+        yield
+    finally:
+        _forced_native = before
+
+
+def traits(group: ProcessGroup | None, device: torch.device | None = None) -> BackendTraits:
+    """What the backend of ``group`` (None: the default group, which must exist) for tensors on
+    ``device`` can do (None: the group's CUDA backend if it has one, else its only one). A
+    backend shardpar does not know is taken at its weakest: no average, native collectives,
+    no tolerance of a size mismatch."""
+    served = devices.group_backends(group)
+    if device is not None and device.type in served:
+        name = served[device.type]
+    elif device is None and "cuda" in served:
+        name = served["cuda"]
+    else:
+        name = str(dist.get_backend(group)).lower()
+    found = _KNOWN_BACKENDS.get(name) or BackendTraits(name, averages=False, emulated_split=False,
+                                                       tolerant_gathers=False, aligns=True)
+    if _forced_native:
+        found = dataclasses.replace(found, emulated_split=False, tolerant_gathers=False)
+    return found
+
+
+def backend_averages(group: ProcessGroup | None, device: torch.device | None = None) -> bool:
     """Whether the backend divides by N inside the collective (``ReduceOp.AVG``): NCCL does,
     gloo does not (there the caller divides in a pass of its own)."""
-    return get_world_size(group) > 1 and backend_is_nccl(group)
-
-
-def backend_is_nccl(group: ProcessGroup | None) -> bool:
-    """Whether ``group`` (None: the default group, which must exist) runs on NCCL."""
-    return dist.get_backend(group) == dist.Backend.NCCL
+    return get_world_size(group) > 1 and traits(group, device).averages
 
 
 @dataclass
@@ -238,7 +295,7 @@ def launched_world_size() -> int:
 
 def backend_for(device: torch.device) -> str:
     """NCCL for CUDA tensors, gloo for CPU, as torch itself picks."""
-    return dist.get_default_backend_for_device(device.type)
+    return compat.default_backend_for_device(device.type)
 
 
 def init_default_group(device: torch.device, timeout_s: float) -> None:
@@ -260,9 +317,9 @@ def init_default_group(device: torch.device, timeout_s: float) -> None:
             )
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        kwargs["device_id"] = torch.device("cuda", local_rank)
+        bound = devices.rank_device().device  # cuda:LOCAL_RANK where visible; one GPU per rank: cuda:0
+        torch.cuda.set_device(bound)
+        kwargs["device_id"] = bound
     backend = backend_for(device)
     timeout = backend_timeout(timeout_s, backend)
     store = attempt_store(timeout)
@@ -305,10 +362,6 @@ def attempt_store(timeout: datetime.timedelta) -> Any:
 # --------------------------------------------------------------------------- collectives
 
 
-def _is_gloo(group: ProcessGroup | None) -> bool:
-    return dist.get_backend(group) == dist.Backend.GLOO
-
-
 def _record(
     stats: CommStats | None, op: str, tensor: torch.Tensor, padding_numel: int, world_size: int
 ) -> None:
@@ -334,13 +387,13 @@ def all_reduce(
     _record(stats, kind, tensor, padding_numel, world_size)
     if world_size == 1:
         return Handle()
-    work = dist.all_reduce(tensor, op=_reduce_op("all_reduce", op, group), group=group, async_op=True)
+    work = dist.all_reduce(tensor, op=_reduce_op("all_reduce", op, group, tensor.device), group=group, async_op=True)
     return _finish(Handle(work, op=kind if kind != "all_reduce" else f"all_reduce ({op})", group=group), async_op)
 
 
-def _reduce_op(collective: str, op: str, group: ProcessGroup | None) -> Any:
+def _reduce_op(collective: str, op: str, group: ProcessGroup | None, device: torch.device) -> Any:
     """The ``dist.ReduceOp`` of ``op``; ``avg`` only where the backend has it."""
-    if op == "avg" and not backend_averages(group):
+    if op == "avg" and not backend_averages(group, device):
         raise ValueError(f"{collective}: the {dist.get_backend(group)} backend has no average; sum and divide")
     return getattr(dist.ReduceOp, _REDUCE_OPS[op])
 
@@ -398,9 +451,9 @@ def reduce_scatter(
     world_size = _split_collective("reduce_scatter", output, input, group, stats, padding_numel)
     if world_size == 1:
         return Handle()
-    reduce_op = _reduce_op("reduce_scatter", op, group)
-    if not _is_gloo(group):
-        work = dist.reduce_scatter_single(output, input, op=reduce_op, group=group, async_op=True)
+    reduce_op = _reduce_op("reduce_scatter", op, group, input.device)
+    if not traits(group, input.device).emulated_split:
+        work = compat.reduce_scatter_single(output, input, op=reduce_op, group=group, async_op=True)
         return _finish(Handle(work, op="reduce_scatter", group=group), async_op)
     # See [Note: gloo reduce-scatter and all-gather]. The sum reads only `received`, so
     # `output` may alias `input`.
@@ -435,15 +488,15 @@ def all_gather(
     world_size = _split_collective("all_gather", output, input, group, stats, padding_numel, kind)
     if world_size == 1:
         return Handle()
-    if not _is_gloo(group):
-        work = dist.all_gather_single(output, input, group=group, async_op=True)
+    if not traits(group, output.device).emulated_split:
+        work = compat.all_gather_single(output, input, group=group, async_op=True)
         return _finish(Handle(work, op="all_gather", group=group), async_op)
     # See [Note: gloo reduce-scatter and all-gather]: every rank broadcasts its own chunk.
     chunks = output.view(world_size, -1)
     own = chunks[get_rank(group)]
     if own.data_ptr() != input.data_ptr():
         own.copy_(input)
-    works = [dist.broadcast(chunk, group_src=src, group=group, async_op=True) for src, chunk in enumerate(chunks)]
+    works = [compat.broadcast(chunk, group_src=src, group=group, async_op=True) for src, chunk in enumerate(chunks)]
     return _finish(Handle(works, op="all_gather", group=group), async_op)
 
 
@@ -528,13 +581,19 @@ class TaggedAllGather:
         self.group, self.stats = group, stats
         element = full.element_size()
         self._counted = ((full.numel() - padding_numel) * element, padding_numel * element + self.world_size * TAG_BYTES)
-        self._chunk_bytes = full.view(torch.uint8).view(self.world_size, -1)
-        self._gloo = self.world_size > 1 and _is_gloo(group)
+        self._full_bytes = full.view(torch.uint8)
+        self._chunk_bytes = self._full_bytes.view(self.world_size, -1)
+        self._gloo = self.world_size > 1 and traits(group, full.device).tolerant_gathers
+        """Broadcasts into buffers sized for the largest shard; else the backend's all-gathers
+        (see [Note: tagged all-gather]): a tag all-gather, then the payload in place."""
         # Peers received straight into ``full`` (gloo only; the rest through a receive buffer).
         self._in_place = (in_place_windows(full, self.rank, self.world_size, payload_bytes, max_shard_bytes)
                           if self._gloo else {})
         self._peers = [src for src in range(self.world_size) if src != self.rank]
         self._through_buffer = [src for src in self._peers if src not in self._in_place]
+        self.receive_bytes = (len(self._through_buffer) * (TAG_BYTES + max_shard_bytes) if self._gloo
+                              else self.world_size * TAG_BYTES if self.world_size > 1 else 0)
+        """Bytes of receive buffers one gather holds while in flight (the planner counts them too)."""
         self._op = f"tagged all_gather of {what}" if what else "tagged all_gather"
 
     def start(self, send: torch.Tensor, tag: Sequence[int]) -> Handle:
@@ -544,13 +603,13 @@ class TaggedAllGather:
         assert len(mine) == TAG_BYTES // 8, "a tag is two int64s"
         if self.stats is not None:
             self.stats.record_bytes("all_gather", *self._counted, self.world_size)
-        send[:TAG_BYTES].copy_(torch.tensor(mine, dtype=torch.int64).view(torch.uint8))
         own = send[TAG_BYTES:]
         if self.world_size == 1:
             self._chunk_bytes[0].copy_(own)
             return Handle(then=lambda: [mine])
         if not self._gloo:
-            return self._start_all_gather(send, own, mine)
+            return self._start_native(own, mine)
+        send[:TAG_BYTES].copy_(host.to_device(mine, torch.int64, send.device).view(torch.uint8))
         # One broadcast per rank of its tagged shard, received in place where the note says
         # it is safe and otherwise into a buffer sized for the largest shard, so another
         # unit's message always fits.
@@ -562,14 +621,14 @@ class TaggedAllGather:
                 windows[src] = row
         for src, window in self._in_place.items():
             windows[src] = window
-        works = [dist.broadcast(send if src == self.rank else windows[src], group_src=src, group=self.group,
+        works = [compat.broadcast(send if src == self.rank else windows[src], group_src=src, group=self.group,
                                 async_op=True) for src in range(self.world_size)]
 
         def check_then_copy() -> list[list[int]]:
             # Every tag is read before anything is written: a peer's tag may sit in this rank's
             # chunk. One read of the peers' tags, as bytes (a window need not be aligned for int64).
             peers = [windows[src][:TAG_BYTES] for src in self._peers]
-            raw = [peers[0].tolist()] if len(peers) == 1 else torch.stack(peers).tolist()
+            raw = [host.read_host(peers[0])] if len(peers) == 1 else host.read_host(torch.stack(peers))
             tags = [mine] * self.world_size
             for src, tag_bytes in zip(self._peers, raw):
                 tags[src] = list(_TAG.unpack(bytes(tag_bytes)))
@@ -581,18 +640,107 @@ class TaggedAllGather:
 
         return Handle(works, then=check_then_copy, op=self._op, group=self.group)
 
-    def _start_all_gather(self, send: torch.Tensor, own: torch.Tensor, mine: list[int]) -> Handle:
-        """Other backends: their all-gather of the tagged buffers (no size mismatch survives it)."""
-        received = torch.empty(self.world_size, TAG_BYTES + self.payload_bytes, dtype=torch.uint8, device=send.device)
-        work = dist.all_gather_into_tensor(received.view(-1), send, group=self.group, async_op=True)
+    def _start_native(self, own: torch.Tensor, mine: list[int]) -> Handle:
+        """Other backends: every rank's tag by a 16-byte all-gather, then the payload by an
+        all-gather straight into ``full`` (this rank's chunk is its input: no receive buffer,
+        no copy out). Every rank must post the same payload size: the gatherer makes sure
+        before it starts one ([Note: deferred tag checks] in core/gatherer.py). ``wait()``
+        returns the tags as :class:`GatheredTags`, read when the caller chooses; ``full``
+        holds the gathered payload only if they agree."""
+        device = own.device
+        tags = torch.empty(self.world_size * 2, dtype=torch.int64, device=device)
+        tag_work = compat.all_gather_single(tags, host.to_device(mine, torch.int64, device), group=self.group,
+                                               async_op=True)
+        gathered = GatheredTags(tag_work, tags, self.world_size, op=self._op, group=self.group)
+        self._chunk_bytes[self.rank].copy_(own)
+        work = compat.all_gather_single(self._full_bytes, self._chunk_bytes[self.rank], group=self.group,
+                                           async_op=True)
+        if device.type != "cpu":
+            return Handle([work], then=lambda: gathered, op=self._op, group=self.group)
 
-        def check_then_copy() -> list[list[int]]:
-            tags = received[:, :TAG_BYTES].contiguous().view(torch.int64).tolist()  # one device sync
-            if all(t == mine for t in tags):
-                self._chunk_bytes.copy_(received[:, TAG_BYTES:])
-            return tags
+        # On the CPU a wait blocks the host (on a GPU only the stream), and a payload another
+        # rank never posted would block it until the timeout: the tags, which every rank posted,
+        # are read first, and a mismatch is returned at once for the caller to raise.
+        def payload_if_tags_agree() -> "list[list[int]] | GatheredTags":
+            rows = gathered.rows_now()
+            if any(row != mine for row in rows):
+                return rows
+            watch.wait(work, op=self._op, group=self.group)
+            return gathered
 
-        return Handle([work], then=check_then_copy, op=self._op, group=self.group)
+        return Handle([tag_work], then=payload_if_tags_agree, op=self._op, group=self.group)
+
+
+def all_gather_tags(tag: Sequence[int], *, group: ProcessGroup | None, device: torch.device) -> Handle:
+    """Every rank's ``tag`` (two ints) alone, by one all-gather; ``wait()`` returns them as N
+    two-int lists, read on the host (it waits for the device: set-up and probes only)."""
+    world_size = get_world_size(group)
+    if world_size == 1:
+        return Handle(then=lambda: [list(tag)])
+    tags = torch.empty(world_size * 2, dtype=torch.int64, device=device)
+    work = compat.all_gather_single(tags, host.to_device(list(tag), torch.int64, device), group=group,
+                                       async_op=True)
+
+    def rows() -> list[list[int]]:
+        values = host.DeviceToHost(tags).values()
+        return [values[2 * r : 2 * r + 2] for r in range(world_size)]
+
+    return Handle(work, then=rows, op="tag all_gather", group=group)
+
+
+class GatheredTags:
+    """Every rank's tag of one tagged gather on a backend without tolerant gathers, on its way
+    to the host: on a GPU copied to pinned memory on a side stream that waits for the tag
+    all-gather alone (not for the payload, nor for anything queued after it), so the tags of
+    a gather whose payload never completes (another rank raised) still arrive; on the CPU the
+    all-gather's own work. Read with :meth:`rows` (blocking) once :meth:`ready` says so, or
+    where the caller must know ([Note: deferred tag checks] in core/gatherer.py)."""
+
+    def __init__(self, work: Any, tags: torch.Tensor, world_size: int, *, op: str, group: ProcessGroup | None) -> None:
+        self.world_size = world_size
+        self._op, self._group = op, group
+        self._work: Any = None
+        self._tags = tags
+        self._read: host.DeviceToHost | None = None
+        if tags.device.type == "cuda":
+            stream = _tag_stream(tags.device)
+            tags.record_stream(stream)
+            with torch.cuda.stream(stream):
+                work.wait()  # the side stream waits for the tags, the host does not
+                self._read = host.DeviceToHost(tags, stream=stream)
+        else:
+            self._work = work
+
+    def ready(self) -> bool:
+        """Whether :meth:`rows` would return without waiting."""
+        if self._work is not None:
+            return self._work.is_completed() and not host.reads_deferred()
+        assert self._read is not None
+        return self._read.ready()
+
+    def rows_now(self) -> list[list[int]]:
+        """The tags of a CPU gather whose tag all-gather completed, read without marking them read."""
+        return [host.read_host(self._tags[2 * r : 2 * r + 2]) for r in range(self.world_size)]
+
+    def rows(self) -> list[list[int]]:
+        """Every rank's tag (N two-int lists), waiting for them if need be."""
+        if self._work is not None:
+            watch.wait(self._work, op=self._op, group=self._group)
+            self._work = None
+            self._read = host.DeviceToHost(self._tags)
+        assert self._read is not None
+        values = self._read.values()
+        return [values[2 * r : 2 * r + 2] for r in range(self.world_size)]
+
+
+_TAG_STREAMS: dict[torch.device, Any] = {}
+
+
+def _tag_stream(device: torch.device) -> Any:
+    """One side stream per GPU for the copies of gather tags to the host."""
+    if device not in _TAG_STREAMS:
+        _TAG_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _TAG_STREAMS[device]
 
 
 def in_place_windows(full: torch.Tensor, rank: int, world_size: int, payload_bytes: int,
@@ -653,20 +801,23 @@ def broadcast(
     _record(stats, "broadcast", tensor, 0, world_size)
     if world_size == 1:
         return Handle()
-    work = dist.broadcast(tensor, group_src=src, group=group, async_op=True)
+    work = compat.broadcast(tensor, group_src=src, group=group, async_op=True)
     return _finish(Handle(work, op=f"broadcast from rank {src}", group=group), async_op)
 
 
-def all_gather_objects(obj: Any, *, group: ProcessGroup | None = None) -> list[Any]:
+def all_gather_objects(obj: Any, *, group: ProcessGroup | None = None, device: torch.device | None = None) -> list[Any]:
     """Every rank's ``obj`` (small, picklable metadata such as a model signature): two
-    all-gathers (sizes, then the padded pickles) whose waits are bounded like any other."""
+    all-gathers (sizes, then the padded pickles) whose waits are bounded like any other.
+    ``device``: the caller's (the engine's, the module's); the bytes travel on the CPU where
+    the group has a CPU backend, else there ([Note: object collectives] in devices.py)."""
     world_size = get_world_size(group)
     if world_size == 1:
         return [obj]
-    device = _object_device(group)
+    device = devices.object_device(group, device)
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     sizes = torch.zeros(world_size, dtype=torch.int64, device=device)
-    all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group)
+    all_gather(sizes, host.to_device([payload.numel()], torch.int64, device), group=group)
+    sizes = sizes.cpu()
     longest = int(sizes.max())
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()].copy_(payload)
@@ -674,13 +825,6 @@ def all_gather_objects(obj: Any, *, group: ProcessGroup | None = None) -> list[A
     all_gather(gathered, padded, group=group)
     rows = gathered.view(world_size, longest).cpu()
     return [pickle.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(world_size)]
-
-
-def _object_device(group: ProcessGroup | None) -> torch.device:
-    """Where object bytes travel: the CPU for gloo, this rank's GPU for NCCL."""
-    if _is_gloo(group):
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
@@ -693,9 +837,9 @@ def send(tensor: torch.Tensor, dst: int, *, group: ProcessGroup | None = None) -
 
     Point-to-point, for moving one tensor to one rank (e.g. a full export gathering piece by
     piece on rank 0) where a collective would move it to every rank."""
-    Handle(dist.isend(tensor, group_dst=dst, group=group), op=f"send to rank {dst}", group=group).wait()
+    Handle(compat.isend(tensor, group_dst=dst, group=group), op=f"send to rank {dst}", group=group).wait()
 
 
 def recv(tensor: torch.Tensor, src: int, *, group: ProcessGroup | None = None) -> None:
     """Receive into ``tensor`` what rank ``src`` (a group rank) sends with :func:`send`."""
-    Handle(dist.irecv(tensor, group_src=src, group=group), op=f"recv from rank {src}", group=group).wait()
+    Handle(compat.irecv(tensor, group_src=src, group=group), op=f"recv from rank {src}", group=group).wait()

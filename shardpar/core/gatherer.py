@@ -68,6 +68,37 @@ completes its own and then sends empty fillers until a round in which every rank
 Then the leftover units are gathered again in that order, and a unit whose gather was
 drained is gathered anew when it is waited for. A divergence involving a policy unit is an
 error: put the modules a branch chooses between in one unit.
+
+[Note: deferred tag checks]
+On gloo a tagged gather is a broadcast per rank into buffers sized for the largest shard, so
+a mismatch completes and the tags are read when the gather is waited for: on the CPU that
+read costs nothing. Elsewhere (NCCL) neither holds: an all-gather whose ranks post different
+sizes hangs, and reading the tags at every wait would stop the host once per unit, twice a
+step. So there (``tolerant`` False):
+
+- Each gather is two all-gathers: the 16-byte tags, then the payload straight into the unit's
+  full buffer. The tags travel to the host on a side stream that waits for the tag
+  all-gather alone, and are *checked later*: whenever a wait or hook finds them landed, and
+  with a wait at the end of the next backward (one backward later: long done), before any
+  wait for the used-parameter flags, and before a probe. Checked in issue order, so the
+  first mismatch is the one reported, and its tags always arrive (every rank posted a
+  16-byte tag gather there, whatever it gathered).
+- No rank posts a payload it does not know the others post too. What every rank knows is
+  the last pass's sequence of gathers (a pass: one root forward and what follows it until the
+  next; kept apart for forwards with and without autograd), identical on every rank since
+  its tags were checked. A gather that repeats it at its position is posted at once. One
+  that departs from it (the first pass, a branch, a new unit order) first *probes*: a tag
+  all-gather alone, read at once (a host wait, outside the steady state). Ranks that all
+  depart alike see equal tags and post the payload; a rank that departs alone sees the
+  mismatch and raises, while the others' matching tag gathers complete, so they raise at
+  their next check. No payloads of different sizes ever meet.
+- A divergence is therefore never recovered there (by the time it is seen the ranks have
+  gone on): it is raised on every rank, naming each rank's unit. Recovering from
+  rank-dependent leftover units is gloo's alone; on NCCL raise ``min_unit_params`` so that
+  such modules go with the root, or put the branch in one unit.
+- Reductions of a backward need not wait for a checked gather ([Note: kept for backward]):
+  a rank that raises leaves the others' reductions unmatched, but they are waited for only
+  by the GPU, and the host checks the tags before it ever waits for their results.
 """
 
 from __future__ import annotations
@@ -79,9 +110,16 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm import collectives as C
+from ..comm import host
 from .flat_param import FlatParamGroup, GatheredBytes, ShardState
 from .training_state import Phase, TrainingState
 from .wait_clock import WaitClock
+
+
+PROBE_MARK = 1 << 40
+"""Set in the tag of a probe ([Note: deferred tag checks]): a probe meets only probes."""
+BACKWARD_MARK = 1 << 41
+"""Set in the tag of a gather issued in backward."""
 
 
 class PostStepGatherer:
@@ -230,6 +268,20 @@ class UnitGatherer:
         self.wait_clock = wait_clock
         self._in_flight: collections.deque[FlatParamGroup] = collections.deque()
         """Groups whose gathers are issued and not yet waited for, in issue order."""
+        self.tolerant = C.get_world_size(group) == 1 or C.traits(group, self.flats[0].device).tolerant_gathers
+        """Gathers of different sizes survive a mismatch (gloo); else see [Note: deferred tag checks]."""
+        self._unchecked: collections.deque[tuple[int, C.GatheredTags]] = collections.deque()
+        """Tags not checked yet ([Note: deferred tag checks]), with the sequence number of their gather."""
+        self._checked_below = 0
+        """At the next end of backward, tags of gathers numbered below this are waited for."""
+        self._history: dict[bool, list[FlatParamGroup]] = {}
+        """The last pass's gathers, by whether its forward had autograd ([Note: deferred tag checks])."""
+        self._pass: list[FlatParamGroup] = []
+        self._pass_key = True
+        self._issued_as: dict[FlatParamGroup, int] = {}
+        """The sequence number of each group's last gather."""
+        self._receiving: dict[FlatParamGroup, int] = {}
+        """Bytes of receive buffers held by each gather in flight (gloo's peers not received in place)."""
         self._exchange_index, self._filler_index = len(self.flats), len(self.flats) + 1
         """Tag indices of what is not a flat group: :meth:`exchange`, a drain's filler."""
         for flat in self.flats:
@@ -266,12 +318,17 @@ class UnitGatherer:
         }
         self._shard_bytes = sum(f.shard_bytes for f in self.flats)
         self.gathered = GatheredBytes(sum(f.allocated_full_bytes() for f in self.flats))
+        self.receive_buffers = GatheredBytes(0)
+        """Bytes of the gathers' receive buffers (``memory_stats()["gather_buffers"]``)."""
         for flat in self.flats:
             flat.meter = self.gathered
 
     # ------------------------------------------------------------------ gathers
 
     def _issue(self, flat: FlatParamGroup) -> C.Handle:
+        if not self.tolerant and not self._repeats_history(flat):
+            self._probe((self._sequence, self._tag_index(flat)), flat.device)
+        self._pass.append(flat)
         if flat.shard.dtype == flat.dtype and flat.tagged_shard is not None:
             send = flat.tagged_shard  # the shard sits behind room for the tag: sent without a copy
         else:  # mixed precision: gather the compute dtype
@@ -283,11 +340,56 @@ class UnitGatherer:
             plan = self._plans[flat] = C.TaggedAllGather(
                 flat.full, flat.layout.shard_numel * flat.full.element_size(), max_shard_bytes=self.max_shard_bytes,
                 group=self.group, stats=self.comm, padding_numel=flat.layout.padding, what=self._reported_as[flat])
-        tag = (self._sequence, self.flat_index[flat])
+        tag = (self._sequence, self._tag_index(flat))
+        self._issued_as[flat] = self._sequence
         self._sequence += 1
         handle = plan.start(send, tag)
         self._in_flight.append(flat)
+        if plan.receive_bytes:
+            self._receiving[flat] = plan.receive_bytes
+            self.receive_buffers.add(plan.receive_bytes)
         return handle
+
+    def _tag_index(self, flat: FlatParamGroup) -> int:
+        """What a gather's tag says it gathers: the group, and whether for a backward (a rank
+        gathering a unit for its forward while another gathers it for backward has departed)."""
+        return self.flat_index[flat] | (BACKWARD_MARK if self.state.phase is Phase.BACKWARD else 0)
+
+    def _repeats_history(self, flat: FlatParamGroup) -> bool:
+        history = self._history.get(self._pass_key)
+        position = len(self._pass)
+        return history is not None and position < len(history) and history[position] is flat
+
+    def _probe(self, tag: tuple[int, int], device: torch.device) -> None:
+        """Before a gather the last pass did not make here: every rank's tag alone, read at once,
+        so that no payload meets one of another size ([Note: deferred tag checks]). ``tag`` is
+        the one the gather itself will carry (it takes the sequence number after it)."""
+        self.check_tags(block=True)
+        self._sequence += 1
+        probe = (tag[0], tag[1] | PROBE_MARK)  # a rank that gathers without probing must see a mismatch
+        rows = self.wait_clock.wait(C.all_gather_tags(probe, group=self.group, device=device), gather=True)
+        self._check_rows(rows)
+
+    def check_tags(self, block: bool, below: int | None = None) -> None:
+        """Check the deferred tags that have landed, in issue order (``block``: wait for those of
+        gathers numbered below ``below``, None: all); see [Note: deferred tag checks]."""
+        while self._unchecked:
+            sequence, tags = self._unchecked[0]
+            must = block and (below is None or sequence < below)
+            if not must and not tags.ready():
+                return
+            self._unchecked.popleft()
+            self._check_rows(tags.rows())
+
+    def check_previous_backward(self) -> None:
+        """Wait for the tags of every gather issued before the last backward ended (long landed)."""
+        self.check_tags(block=True, below=self._checked_below)
+
+    def _received(self, flat: FlatParamGroup) -> None:
+        """``flat``'s gather completed: its receive buffers are gone."""
+        nbytes = self._receiving.pop(flat, 0)
+        if nbytes:
+            self.receive_buffers.add(-nbytes)
 
     def complete_in_flight(self) -> None:
         """Wait for (and check) every gather issued so far."""
@@ -298,8 +400,12 @@ class UnitGatherer:
         """Whether this backward's gradient reductions may be posted: once a gather of this
         backward has been checked (see [Note: kept for backward]). Completes the gathers in
         flight first if none has been."""
+        if not self.tolerant and self.flats[0].device.type != "cpu":
+            return True  # see [Note: deferred tag checks]; on the CPU a wait blocks anyway
         if not self._checked_in_backward and self._in_flight:
             self.complete_in_flight()
+        if not self._checked_in_backward and not self.tolerant:
+            self.check_tags(block=True)
         self._reductions_waiting = not self._checked_in_backward
         return self._checked_in_backward
 
@@ -325,17 +431,29 @@ class UnitGatherer:
         size = len(values) * 4
         device = self.flats[0].device
         send, payload = C.tagged_buffer(len(values), torch.int32, device)
-        payload.copy_(torch.tensor(values, dtype=torch.int32))
+        payload.copy_(host.to_device(values, torch.int32, device))
         full = torch.empty(len(values) * C.get_world_size(self.group), dtype=torch.int32, device=device)
         self.complete_in_flight()  # checked first, as in _complete_earlier, and nothing left to drain
+        if not self.tolerant:
+            self._probe((self._sequence, self._exchange_index), device)
         tag = (self._sequence, self._exchange_index)
         self._sequence += 1
         self.max_shard_bytes = max(self.max_shard_bytes, size)
         tags = C.all_gather_tagged(full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group).wait()
-        self._check_tags(None, tags)
-        return full.view(C.get_world_size(self.group), -1).tolist()
+        self._check_rows(tags.rows() if isinstance(tags, C.GatheredTags) else tags)
+        return full.view(C.get_world_size(self.group), -1).tolist()  # set-up, once: a host read is fine
 
-    def _check_tags(self, flat: FlatParamGroup | None, rows: list[list[int]]) -> None:
+    def _check_tags(self, flat: FlatParamGroup, result: "list[list[int]] | C.GatheredTags") -> None:
+        """A gather of ``flat`` completed with ``result``: every rank's tag, or (see [Note:
+        deferred tag checks]) the tags on their way."""
+        self._received(flat)
+        if isinstance(result, C.GatheredTags):
+            self._unchecked.append((self._issued_as.get(flat, self._sequence), result))
+            self.check_tags(block=False)
+            return
+        self._check_rows(result)
+
+    def _check_rows(self, rows: list[list[int]]) -> None:
         if all(row == rows[self.rank] for row in rows):
             if self.state.phase is Phase.BACKWARD:
                 self._checked_in_backward = True
@@ -349,6 +467,10 @@ class UnitGatherer:
             self.retire_group()
 
         def describe(row: list[int]) -> str:
+            if row[1] & PROBE_MARK:
+                return describe([row[0], row[1] & ~PROBE_MARK]) + " (which the last pass did not gather there)"
+            if row[1] & BACKWARD_MARK:
+                return describe([row[0], row[1] & ~BACKWARD_MARK]) + " in backward"
             index = row[1]
             if 0 <= index < len(self.flats):
                 return f"unit '{self.unit_of[self.flats[index]].name}' ({self.flats[index].label}), gather #{row[0]}"
@@ -360,14 +482,16 @@ class UnitGatherer:
         raise UnitOrderMismatch(
             "stage 3: units ran in a different order on different ranks, so their all-gathers paired up "
             f"wrongly: {detail}. Every rank must run the same units in the same order in every forward and "
-            "backward (put the modules a data-dependent branch chooses between in one unit)"
+            "backward (put the modules a data-dependent branch chooses between in one unit"
+            + ("" if self.tolerant else "; on this backend modules outside every policy unit that ranks run "
+               "differently are not recovered either: raise min_unit_params so they go with the root") + ")"
         )
 
     def _recoverable(self, rows: list[list[int]]) -> bool:
         """Every rank at the same gather number, each gathering a leftover unit."""
-        if self.leftovers_held or len({row[0] for row in rows}) != 1:
+        if not self.tolerant or self.leftovers_held or len({row[0] for row in rows}) != 1:
             return False
-        indices = [row[1] for row in rows]
+        indices = [row[1] & ~BACKWARD_MARK for row in rows]
         return all(0 <= i < len(self.flats) and not self.unit_of[self.flats[i]].from_policy for i in indices)
 
     def _hold_leftovers(self) -> None:
@@ -391,7 +515,9 @@ class UnitGatherer:
         self._in_flight.clear()
         while True:
             if pending:
-                rows = pending.popleft().drop_gather()
+                flat = pending.popleft()
+                rows = flat.drop_gather()
+                self._received(flat)
             else:
                 send, _ = C.tagged_buffer(0, torch.uint8, self.flats[0].device)
                 filler = torch.empty(0, dtype=torch.uint8, device=self.flats[0].device)
@@ -450,6 +576,8 @@ class UnitGatherer:
 
     def begin_forward(self) -> None:
         """The root's forward starts (not a recompute)."""
+        self._history[self._pass_key] = self._pass
+        self._pass, self._pass_key = [], torch.is_grad_enabled()
         if self._forward_uses:
             self._last_forward = self._forward_uses
         self._forward_uses = []
@@ -601,3 +729,4 @@ class UnitGatherer:
         if self._backward_uses:
             self._last_backward = self._backward_uses
         self._backward_uses = []
+        self._checked_below = self._sequence

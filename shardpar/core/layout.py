@@ -146,10 +146,10 @@ class Alignment(NamedTuple):
 
 def aligns_for_bandwidth(align_for_bandwidth: bool | None, group: Any) -> bool:
     """``ShardConfig.align_for_bandwidth`` resolved: None means on when ``group`` (None: the
-    default group) exists and its backend is NCCL."""
+    default group) exists and its backend (for CUDA, where it has one) aligns: NCCL does."""
     if align_for_bandwidth is not None:
         return align_for_bandwidth
-    return C.is_initialized() and C.backend_is_nccl(group)
+    return C.is_initialized() and C.traits(group).aligns
 
 
 def alignment_for(align_for_bandwidth: bool | None, group: Any, world_size: int) -> Alignment:

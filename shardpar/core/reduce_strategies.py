@@ -87,7 +87,7 @@ def averaging(dtype: torch.dtype, world_size: int, backend_averages: bool, divid
 def averaging_per_space(spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype, world_size: int, group,
                         divide_before: bool) -> dict[ParamSpace, Averaging]:
     """:func:`averaging` of each space, decided once: the backend and dtypes never change."""
-    backend = C.backend_averages(group)
+    backend = C.backend_averages(group, spaces[0].device if spaces else None)
     return {s: averaging(reduce_dtype(s), world_size, backend, divide_before) for s in spaces}
 
 

@@ -42,6 +42,27 @@ backward passes (and its negation, so one max-reduction yields the minimum too):
 disagree, one of them skipped or added a backward and every gradient reduced in this
 backward paired with the wrong partner, so every rank raises, naming the counts per rank.
 
+[Note: reading the used-parameter flags]
+The flags are kept on the host (a byte per parameter, set by the gradient hooks) and cross
+to the device once per synchronising backward, from pinned memory without blocking; the
+reduced vector comes back the same way behind an event (see [Note: no host sync in a step]
+in comm/host.py). It is *read* only where the host needs it, so a CUDA step never waits:
+
+- Every parameter got a gradient on this rank (the usual case): then every rank used it,
+  and nothing but the counters is left to check. They are read at the end of the *next*
+  synchronising backward (the device finished this one long before), or earlier where
+  ``ready()`` says the copy has landed.
+- Some parameter got none here: which of them no rank used is needed by ``step()`` (torch
+  skips a parameter whose ``.grad`` is None) and by ``zero_grad(set_to_none=False)``; they
+  wait for the copy then, as DDP's ``find_unused_parameters`` waits for its bitmap. Until
+  then stage 0's ``.grad`` of such a parameter is its zero-filled view.
+
+On the CPU every read is ready at once, so the flags are read at the end of the backward
+that reduced them, as they always were. A mismatch of counters found at a read whose place
+may differ between ranks (a deferred one) is raised with the range of each counter over the
+ranks, without the object all-gather that names every rank's counts: that collective must
+run at the same point everywhere.
+
 [Note: zero_grad of some parameters]
 An optimizer built over part of the model (a GAN's two optimizers over one module, a second
 optimizer for some layers) clears only its own parameters in ``zero_grad``, as torch's
@@ -83,6 +104,7 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
+from ..comm import host
 from ..errors import RanksOutOfStep
 from .layout import Bucket, BufferLayout
 from .rebuild import ReadyOrder, completion_order
@@ -157,6 +179,18 @@ class ReduceStrategy(Protocol):
     def release_unused(self, names: set[str]) -> None: ...
 
 
+class FlagsInFlight:
+    """One synchronising backward's reduced flags on their way to the host (see [Note:
+    reading the used-parameter flags])."""
+
+    def __init__(self, read: host.DeviceToHost, counters: list[int], window: int) -> None:
+        self.read = read
+        self.counters = counters
+        """This rank's counters as it sent them."""
+        self.window = window
+        """The ``zero_grad`` window they belong to: after a ``zero_grad`` only the counters matter."""
+
+
 class LaunchOrder:
     """See [Note: launch order]."""
 
@@ -227,10 +261,17 @@ class GradientReducer:
         self.on_bucket_complete = on_bucket_complete
         self.launch_order = LaunchOrder([bucket.names for bucket in self.buckets])
         self.device = spaces[0].device
-        self.used = torch.zeros(len(self.names), dtype=torch.int32, device=self.device)
-        """Flags of the parameters that got a gradient on this rank since ``zero_grad``."""
+        self.used = bytearray(len(self.names))
+        """Host flags of the parameters that got a gradient on this rank since ``zero_grad``."""
         self.unused: set[str] = set()
-        """Parameters no rank used since ``zero_grad`` (known after a synchronising backward)."""
+        """Parameters no rank used since ``zero_grad`` (known after a synchronising backward,
+        once ``unused_known``)."""
+        self.unused_known = True
+        """Whether ``unused`` is read yet (see [Note: reading the used-parameter flags])."""
+        self.flags_in_flight: FlagsInFlight | None = None
+        """The last synchronising backward's flags, not read yet."""
+        self._window = 0
+        """Counts the ``zero_grad`` calls: which gradients a flag vector speaks of."""
         self.grads_ready = False
         """Some synchronising backward reduced gradients since the last ``zero_grad``."""
         self.cleared: set[str] = set()
@@ -268,11 +309,12 @@ class GradientReducer:
         assert not self._in_flight and self._cursor == 0, "rebuilding buckets while collectives are in flight"
         reduced = {bucket.reduced for bucket in self.buckets}
         assert len(reduced) == 1, "some buckets hold reduced gradients and some do not"
-        used = dict(zip(self.names, self.used.tolist()))
+        self.settle(block=True)  # the flags vector is in the old order
+        used = dict(zip(self.names, self.used))
         self._build_buckets()
         for bucket in self.buckets:
             bucket.reduced = next(iter(reduced))
-        self.used = torch.tensor([used[name] for name in self.names], dtype=self.used.dtype, device=self.device)
+        self.used = bytearray(used[name] for name in self.names)
         self.launch_order = LaunchOrder([bucket.names for bucket in self.buckets])
         self.launch_order.adopt(completion_order([bucket.names for bucket in self.buckets], ready))
 
@@ -324,8 +366,10 @@ class GradientReducer:
 
     def finish_backward(self) -> None:
         """End of a synchronising backward: launch what is left (zeros for gradients that never
-        came), agree on which parameters were used, wait for everything."""
+        came), agree on which parameters were used, wait for everything (on CUDA: order the
+        current stream after it; see [Note: reading the used-parameter flags])."""
         started = time.perf_counter()
+        self.settle(block=True)  # the previous backward's flags, one backward later
         if self.may_launch is not None:
             self.may_launch()  # its answer does not matter now; what it completes first does
         order = self.launch_order.order
@@ -341,27 +385,57 @@ class GradientReducer:
         # Each rank's counters ride along, as themselves and negated, so that one MAX
         # reduction yields both the highest and the lowest: see [Note: ranks out of step].
         counters = self.state.counters()
-        flags = torch.cat([self.used, torch.tensor(counters + [-c for c in counters], dtype=torch.int32,
-                                                   device=self.device)])
+        flags = host.flags_to_device(self.used, counters + [-c for c in counters], self.device)
         flags_handle = C.all_reduce(flags, group=self.group, async_op=True, stats=self.comm, op="max", kind="used_flags")
         while self._in_flight:
             self._finish_oldest()
         self.wait_clock.wait(flags_handle, gather=False)
         self._cursor = 0
         self.last_backward_wait_s = time.perf_counter() - started
-        k = len(counters)
-        values = flags.tolist()  # the one host read of a backward, whatever the bucket count
-        tail = values[-2 * k:]
-        if tail[:k] != [-c for c in tail[k:]]:
-            self._raise_diverged()
-        self.unused = {name for name, flag in zip(self.names, values[: -2 * k]) if not flag}
-        self.strategy.release_unused(self.unused - self.kept_as_zeros)
+        self.flags_in_flight = FlagsInFlight(host.DeviceToHost(flags), counters, self._window)
         self.strategy.after_sync_backward()
         self.cleared = set()  # this backward's flags say who has a gradient now
         self.grads_ready = True
+        self.unused_known = 0 not in self.used  # used here, so used: nothing to read for that
+        if self.unused_known:
+            self.unused = set()
+        if self.flags_in_flight.read.ready():
+            self.settle(block=True)
 
-    def _raise_diverged(self) -> None:
-        counts = C.all_gather_objects(self.state.counters(), group=self.group)
+    def settle(self, block: bool) -> bool:
+        """Read the flags in flight if they have landed (``block``: wait for them), check the
+        counters and learn which parameters no rank used; see [Note: reading the
+        used-parameter flags]. Returns whether nothing is left in flight."""
+        pending = self.flags_in_flight
+        if pending is None:
+            return True
+        if not block and not pending.read.ready():
+            return False
+        immediate = pending.read.immediate  # read where it was reduced: the same point on every rank
+        self.flags_in_flight = None
+        values = pending.read.values()
+        k = len(pending.counters)
+        tail = values[-2 * k:]
+        if tail[:k] != [-c for c in tail[k:]]:
+            self._raise_diverged(pending.counters, tail[:k], [-c for c in tail[k:]], gather=immediate)
+        if pending.window == self._window and not self.unused_known:
+            self.unused = {name for name, flag in zip(self.names, values[: -2 * k]) if not flag}
+            self.unused_known = True
+            self.strategy.release_unused(self.unused - self.kept_as_zeros)
+        return True
+
+    def _raise_diverged(self, mine: list[int], highest: list[int], lowest: list[int], gather: bool) -> None:
+        if not gather:
+            spread = "; ".join(f"{name}: {low} to {high} (this rank {own})" for name, own, high, low
+                               in zip(self.state.COUNTER_NAMES, mine, highest, lowest) if high != low)
+            raise RanksOutOfStep(
+                f"ranks fell out of step at a synchronising backward: they differ in {spread}. This backward's "
+                "gradient collectives paired with another point of training on some rank. Every rank must run the "
+                "same sequence of forward/backward passes (no_sync() on all ranks or none, the same number of "
+                "micro-batches) and optimizer steps",
+                reports={},
+            )
+        counts = C.all_gather_objects(mine, group=self.group, device=self.device)
         differ = [name for i, name in enumerate(self.state.COUNTER_NAMES) if len({row[i] for row in counts}) > 1]
         detail = "; ".join(
             f"rank {rank}: " + ", ".join(f"{row[i]} {name}" for i, name in enumerate(self.state.COUNTER_NAMES))
@@ -375,8 +449,15 @@ class GradientReducer:
         )
 
     def has_gradient(self, name: str) -> bool:
+        if not self.unused_known:
+            self.settle(block=True)
         return name in self.kept_as_zeros or (
             self.grads_ready and name not in self.unused and name not in self.cleared)
+
+    def has_gradient_here(self, name: str) -> bool:
+        """:meth:`has_gradient` as far as the host knows without the flags: what this rank used."""
+        return name in self.kept_as_zeros or (
+            self.grads_ready and bool(self.used[self.flag_index[name]]) and name not in self.cleared)
 
     @property
     def any_gradient(self) -> bool:
@@ -400,17 +481,21 @@ class GradientReducer:
             self.strategy.clear_params(kept, set_to_none=False)
 
     def _forget(self, some: set[str] | None) -> None:
+        self.settle(block=some is not None and not self.unused_known)  # a partial clear keeps the others' flags
+        self._window += 1
         if some is None:
             self.strategy.clear()
-            self.used.zero_()
+            self.used = bytearray(len(self.names))
             self.unused = set()
+            self.unused_known = True
             self.cleared = set()
             self.grads_ready = False
             for bucket in self.buckets:
                 bucket.reduced = False
             return
         self.strategy.clear_params(some)
-        self.used[[self.flag_index[name] for name in some]] = 0
+        for name in some:
+            self.used[self.flag_index[name]] = 0
         self.cleared |= some
 
     def register_hooks(self, on_ready: Callable[[str, nn.Parameter], None]) -> list[Any]:

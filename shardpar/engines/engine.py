@@ -119,6 +119,8 @@ class Engine:
         self._gather_handles: list[Any] = []
         """Stages 1-2's use-module hooks: they complete lazy gathers of the current buckets."""
         self._tree = _ModuleTree(module)
+        self._marks_wait_for_flags = False
+        """Some ``.grad`` placeholders wait for the used-parameter flags (see _put_grad_marks)."""
 
         self.storage = row.storage(self)
         self.strategy = row.strategy(self, self.storage.spaces)
@@ -352,7 +354,7 @@ class Engine:
         else one object all-gather."""
         if isinstance(self.gatherer, UnitGatherer):
             return self.gatherer.exchange(values)
-        return [list(v) for v in C.all_gather_objects(values, group=self.group)]
+        return [list(v) for v in C.all_gather_objects(values, group=self.group, device=self.device)]
 
     def _on_grad_ready(self, name: str, param: nn.Parameter) -> None:
         self.ensure_backward_started()
@@ -375,16 +377,36 @@ class Engine:
     def _finish_backward(self) -> None:
         try:
             with torch.no_grad():
+                if isinstance(self.gatherer, UnitGatherer):
+                    self.gatherer.check_previous_backward()  # before any wait on reductions: see its note
                 if self.state.backward_syncs:
                     self.reducer.finish_backward()
                     if self.reducer.ready_order is not None:
                         self._rebuild_buckets()
-                    if self.grad_marks is not None:
-                        self.grad_marks.put_on(n for n, _ in self.inventory.trainable if self.reducer.has_gradient(n))
+                    self._put_grad_marks()
                 if isinstance(self.gatherer, UnitGatherer):
                     self.gatherer.finish_backward()
         finally:
             self.state.end_backward()
+
+    def _put_grad_marks(self) -> None:
+        """Placeholders on the ``.grad`` of parameters that have a gradient: all of them once the
+        used-parameter flags are read, until then those this rank used (see [Note: reading the
+        used-parameter flags] in core/reducer.py; the rest follow when the flags are read)."""
+        if self.grad_marks is None:
+            return
+        reducer = self.reducer
+        self._marks_wait_for_flags = not reducer.unused_known
+        known = reducer.has_gradient if reducer.unused_known else reducer.has_gradient_here
+        self.grad_marks.put_on(n for n, _ in self.inventory.trainable if known(n))
+
+    def settle_gradients(self) -> None:
+        """Read the used-parameter flags in flight, waiting for them on a GPU: after it, which
+        parameters have a gradient is known (step(), zero_grad(set_to_none=False), checkpoints)."""
+        if isinstance(self.gatherer, UnitGatherer):
+            self.gatherer.check_tags(block=True)  # first: see [Note: deferred tag checks]
+        if self.reducer.settle(block=True) and self._marks_wait_for_flags:
+            self._put_grad_marks()
 
     def _rebuild_buckets(self) -> None:
         """Once, at the end of the first synchronising backward: see [Note: bucket rebuild] in
@@ -397,7 +419,7 @@ class Engine:
         sharded = storage.sharded_master  # optimizer pieces differ by rank: their state crosses ranks
         described = {serial: describe_state(state) for serial, state in states.items()} if sharded else {}
         proposal = record.proposal(reducer.names)
-        rows = C.all_gather_objects((proposal, described), group=self.group)
+        rows = C.all_gather_objects((proposal, described), group=self.group, device=self.device)
         order = [reducer.names[i] for i in rows[0][0]]
         layouts = storage.rebuilt_layouts(order)
         if layouts:
@@ -463,6 +485,8 @@ class Engine:
         some = None if names is None else self.reducer.flag_index.keys() & names
         if some is not None and len(some) == len(self.reducer.names):
             some = None
+        if (some is not None or not set_to_none) and not self.reducer.unused_known:
+            self.settle_gradients()
         self._take_off_grad_marks(some)
         self.reducer.zero_grad(some, set_to_none)
 
@@ -484,6 +508,8 @@ class Engine:
     def has_gradient(self, name: str) -> bool:
         """Whether the optimizer should update ``name`` in the coming step (plain torch skips
         a parameter whose ``.grad`` is None; see [Note: used parameters])."""
+        if not self.reducer.unused_known:
+            self.settle_gradients()
         return self.reducer.has_gradient(name)
 
     def count_optimizer_step(self) -> None:
@@ -558,6 +584,8 @@ class Engine:
             stats["peak_staging"] = self.strategy.peak_staging_bytes
         if isinstance(self.gatherer, UnitGatherer):
             stats["peak_params"] = self.gatherer.peak_params_bytes
+            stats["gather_buffers"] = self.gatherer.receive_buffers.now  # what a gather receives into
+            stats["peak_gather_buffers"] = self.gatherer.receive_buffers.peak
         return stats
 
     def layouts(self):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
+from ..comm import compat
 from ..core.param_guard import allow, metadata_only
 from ..core.pieces import TensorPiece
 
@@ -65,7 +66,7 @@ class ModuleState:
                 state[prefix + key] = value
 
         module = self.engine.module
-        return [module.register_state_dict_pre_hook(pre), module.register_state_dict_post_hook(post)]
+        return [module.register_state_dict_pre_hook(pre), compat.register_state_dict_post_hook(module, post)]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor of ``module.state_dict()``, full, detached and in full precision (the
@@ -150,8 +151,8 @@ class ModuleState:
         handles = []
         for qualified, submodule in self.engine.module.named_modules():
             if qualified:
-                handles.append(submodule.register_load_state_dict_pre_hook(
-                    lambda *args, qualified=qualified: pre(*args, qualified=qualified)))
+                handles.append(compat.register_load_state_dict_pre_hook(
+                    submodule, lambda *args, qualified=qualified: pre(*args, qualified=qualified)))
                 handles.append(submodule.register_load_state_dict_post_hook(post))
         return handles
 

@@ -85,6 +85,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from ..comm import collectives as C
 from ..comm.collectives import TAG_BYTES
 from ..core.inventory import group_by_dtype
 from ..core.layout import Alignment, BufferLayout, alignment_for
@@ -489,7 +490,13 @@ def estimate_memory(
             [p * u.trainable_stored + u.frozen_stored_bytes for u in others], GATHERED_UNITS)
         staging = r * (sum(u.trainable_stored for u in held)
                        + _largest([u.trainable_stored for u in others], STAGING_BUCKETS))
-        workspace = gathered + staging
+        # A gather in flight besides the one computing holds its receive buffers: on gloo up to
+        # N-1 messages of the largest shard (collectives.TaggedAllGather); elsewhere only the
+        # 16·N bytes of tags (left out) since the payload lands in the unit's own buffer.
+        largest_shard = max([p * u.trainable_stored / n for u in shape.units] or [0])
+        tolerant = C.is_initialized() and C.get_world_size() > 1 and C.traits(None).tolerant_gathers
+        receive = (n - 1) * (C.TAG_BYTES + largest_shard) if tolerant else 0
+        workspace = gathered + staging + receive
     else:
         stored = psi + shape.bucket_padding  # Ψ + P
         # Frozen parameters: as created, plus the compute copy when mixed precision casts them.
