@@ -14,6 +14,7 @@ rank.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import pytest
 import torch
@@ -110,12 +111,13 @@ class _TwoSizes(nn.Module):
         return self.head(self.big(self.small(x)).relu())
 
 
-def _different_sizes_at_one_point() -> str:
+def _order_error(build: Callable[[], nn.Module], policy: type, width: int) -> str:
+    """Three steps of stage 3 on the paths CUDA takes; the UnitOrderMismatch raised, if any."""
     with cuda_like():
         torch.manual_seed(0)
-        model = shardpar.wrap(_TwoSizes(), stage=3, wrap_policy=[nn.Linear], min_unit_params=1)
+        model = shardpar.wrap(build(), stage=3, wrap_policy=[policy], min_unit_params=1)
         opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.1)
-        x = torch.randn(2, 4)
+        x = torch.randn(2, width)
         try:
             for _ in range(3):
                 model(x).sum().backward()
@@ -130,7 +132,7 @@ def test_units_of_different_sizes_at_one_point_raise_on_every_rank() -> None:
     """On NCCL this pairing (a 16-element unit's gather against a 256-element one's) hung
     until the watchdog; on the native path the rank that departs from the last pass probes
     with its tag alone, so no payloads of different sizes meet, and both ranks name the units."""
-    messages = run_ranks(_different_sizes_at_one_point, 2, timeout=60)
+    messages = run_ranks(_order_error, 2, _TwoSizes, nn.Linear, 4, timeout=60)
     for rank, message in enumerate(messages):
         assert "units ran in a different order" in message, f"rank {rank}: {message}"
         assert "rank 0: unit" in message and "rank 1: unit" in message, f"rank {rank}: {message}"
@@ -154,27 +156,11 @@ class _LeftoverBranches(nn.Module):
         return self.blocks[1](x)
 
 
-def _leftover_branches() -> str:
-    with cuda_like():
-        torch.manual_seed(0)
-        model = shardpar.wrap(_LeftoverBranches(), stage=3, wrap_policy=[nn.Sequential], min_unit_params=1)
-        opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.1)
-        x = torch.randn(2, 8)
-        try:
-            for _ in range(3):
-                model(x).sum().backward()
-                opt.step()
-                opt.zero_grad()
-        except UnitOrderMismatch as error:
-            return str(error)
-        return "no error"
-
-
 def test_rank_dependent_leftover_units_raise_naming_them_where_gathers_cannot_be_recovered() -> None:
     """gloo recovers from ranks running different leftover units (they are then held with the
     root); NCCL could not (the drain would pair gathers of different sizes), so there every
     rank raises, naming each rank's unit."""
-    messages = run_ranks(_leftover_branches, 2, timeout=60)
+    messages = run_ranks(_order_error, 2, _LeftoverBranches, nn.Sequential, 8, timeout=60)
     for rank, message in enumerate(messages):
         assert "rank 1: unit 'right'" in message and "raise min_unit_params" in message, f"rank {rank}: {message}"
 

@@ -364,6 +364,69 @@ def chunks_of(tensor: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[
     for start in range(0, flat.numel(), step):
         yield flat[start : start + step]
 
+class _PinnedBounce:
+    """[Note: checkpoint bytes and the GPU] Bytes of a CUDA tensor reach the file through two
+    pinned host buffers taken in turn: chunk k+1 is copied without blocking while chunk k is
+    written, and a buffer is reused only after the event behind its copy. Pageable memory
+    would make every copy synchronous and stop the host for each. Reads take the same way
+    back (file -> pinned buffer -> device, without blocking)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.step = max(1, chunk_bytes // dtype.itemsize)
+        on_gpu = device.type == "cuda"
+        self.buffers = [torch.empty(self.step, dtype=dtype, pin_memory=on_gpu) for _ in range(2)]
+        self.events: list[Any] = [None, None]
+        self.device = device
+        self._on_gpu = on_gpu
+        """Else a CPU tensor (tests): the same turns, every copy done when it returns."""
+
+    def _take(self, turn: int, numel: int) -> torch.Tensor:
+        event = self.events[turn % 2]
+        if event is not None:
+            event.synchronize()  # its previous copy is done: the buffer may be reused
+        return self.buffers[turn % 2][:numel]
+
+    def _record(self, turn: int) -> None:
+        if not self._on_gpu:
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self.events[turn % 2] = event
+
+    def to_host(self, tensor: torch.Tensor, write: Callable[[memoryview], None]) -> None:
+        """Write ``tensor``'s values (on the GPU, already in the buffers' dtype) through ``write``."""
+        flat = tensor.detach().reshape(-1) if tensor.is_contiguous() else tensor.detach().flatten()
+        pending: tuple[int, torch.Tensor] | None = None
+        for turn, start in enumerate(range(0, flat.numel(), self.step)):
+            part = flat[start : start + self.step]
+            staged = self._take(turn, part.numel())
+            staged.copy_(part, non_blocking=True)
+            self._record(turn)
+            if pending is not None:
+                self._flush(*pending, write)
+            pending = (turn, staged)
+        if pending is not None:
+            self._flush(*pending, write)
+
+    def _flush(self, turn: int, staged: torch.Tensor, write: Callable[[memoryview], None]) -> None:
+        if self.events[turn % 2] is not None:
+            self.events[turn % 2].synchronize()
+        write(_bytes_of(staged))
+
+    def from_file(self, dest: torch.Tensor, readinto: Callable[[int, memoryview], None], offset: int) -> None:
+        """Fill ``dest`` (on the GPU, in the buffers' dtype) from the bytes at ``offset``."""
+        flat = dest.view(-1)
+        itemsize = dest.element_size()
+        for turn, start in enumerate(range(0, flat.numel(), self.step)):
+            part = flat[start : start + self.step]
+            staged = self._take(turn, part.numel())
+            readinto(offset + start * itemsize, _bytes_of(staged))
+            part.copy_(staged, non_blocking=True)
+            self._record(turn)
+        for event in self.events:
+            if event is not None:
+                event.synchronize()  # dest is complete when the load returns
+
 # --------------------------------------------------------------------------- writing
 
 class SafetensorsWriter:
@@ -437,7 +500,10 @@ class SafetensorsWriter:
         nbytes = tensor.numel() * (dtype.itemsize if dtype is not None else 0)
         if key is None or nbytes > self._entry_left:
             raise ValueError(f"{self.path.name}: more data than the header announced for {key!r}")
-        if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        if tensor.device.type == "cuda":
+            on_device = tensor if tensor.dtype == dtype else tensor.to(dtype)
+            _PinnedBounce(dtype, tensor.device).to_host(on_device, self._raw_write)
+        elif tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
             for chunk in chunks_of(tensor):  # bounded temporaries
                 self._raw_write(_bytes_of(chunk.to("cpu", dtype).contiguous()))
         else:
@@ -554,6 +620,9 @@ class FileView:
         offset = info.offset + first * info.dtype.itemsize
         if dest.dtype == info.dtype and dest.device.type == "cpu" and dest.is_contiguous():
             self._readinto(offset, _bytes_of(dest))
+            return
+        if dest.dtype == info.dtype and dest.device.type == "cuda" and dest.is_contiguous():
+            _PinnedBounce(info.dtype, dest.device).from_file(dest, self._readinto, offset)
             return
         step = max(1, CHUNK_BYTES // info.dtype.itemsize)
         buffer = torch.empty(min(step, dest.numel()), dtype=info.dtype)
