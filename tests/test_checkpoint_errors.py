@@ -263,7 +263,7 @@ def test_the_pinned_bounce_moves_every_byte_across_chunk_edges(tmp_path, numel: 
 
     values = torch.arange(numel, dtype=torch.float32) * 1.5 - 3
     written = bytearray()
-    _PinnedBounce(torch.float32, torch.device("cpu"), chunk_bytes=32).to_host(values, lambda view: written.extend(view))
+    _PinnedBounce(torch.float32, torch.device("cpu"), numel, chunk_bytes=32).to_host(values, lambda view: written.extend(view))
     assert bytes(written) == values.numpy().tobytes()
     data = b"\0" * 12 + bytes(written)
 
@@ -271,5 +271,5 @@ def test_the_pinned_bounce_moves_every_byte_across_chunk_edges(tmp_path, numel: 
         view[:] = data[offset : offset + view.nbytes]
 
     dest = torch.full((numel,), float("nan"))
-    _PinnedBounce(torch.float32, torch.device("cpu"), chunk_bytes=32).from_file(dest, readinto, 12)
+    _PinnedBounce(torch.float32, torch.device("cpu"), numel, chunk_bytes=32).from_file(dest, readinto, 12)
     assert torch.equal(dest, values)

@@ -371,8 +371,8 @@ class _PinnedBounce:
     would make every copy synchronous and stop the host for each. Reads take the same way
     back (file -> pinned buffer -> device, without blocking)."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, chunk_bytes: int = CHUNK_BYTES) -> None:
-        self.step = max(1, chunk_bytes // dtype.itemsize)
+    def __init__(self, dtype: torch.dtype, device: torch.device, numel: int, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.step = max(1, min(numel, chunk_bytes // dtype.itemsize))  # a small tensor: small buffers
         on_gpu = device.type == "cuda"
         self.buffers = [torch.empty(self.step, dtype=dtype, pin_memory=on_gpu) for _ in range(2)]
         self.events: list[Any] = [None, None]
@@ -502,7 +502,7 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path.name}: more data than the header announced for {key!r}")
         if tensor.device.type == "cuda":
             on_device = tensor if tensor.dtype == dtype else tensor.to(dtype)
-            _PinnedBounce(dtype, tensor.device).to_host(on_device, self._raw_write)
+            _PinnedBounce(dtype, tensor.device, tensor.numel()).to_host(on_device, self._raw_write)
         elif tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
             for chunk in chunks_of(tensor):  # bounded temporaries
                 self._raw_write(_bytes_of(chunk.to("cpu", dtype).contiguous()))
@@ -622,7 +622,7 @@ class FileView:
             self._readinto(offset, _bytes_of(dest))
             return
         if dest.dtype == info.dtype and dest.device.type == "cuda" and dest.is_contiguous():
-            _PinnedBounce(info.dtype, dest.device).from_file(dest, self._readinto, offset)
+            _PinnedBounce(info.dtype, dest.device, dest.numel()).from_file(dest, self._readinto, offset)
             return
         step = max(1, CHUNK_BYTES // info.dtype.itemsize)
         buffer = torch.empty(min(step, dest.numel()), dtype=info.dtype)

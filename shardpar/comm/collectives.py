@@ -651,7 +651,7 @@ class TaggedAllGather:
         tags = torch.empty(self.world_size * 2, dtype=torch.int64, device=device)
         tag_work = compat.all_gather_single(tags, host.to_device(mine, torch.int64, device), group=self.group,
                                                async_op=True)
-        gathered = GatheredTags(tag_work, tags, self.world_size, op=self._op, group=self.group)
+        gathered = GatheredTags(tag_work, tags, op=self._op, group=self.group)
         self._chunk_bytes[self.rank].copy_(own)
         work = compat.all_gather_single(self._full_bytes, self._chunk_bytes[self.rank], group=self.group,
                                            async_op=True)
@@ -681,11 +681,12 @@ def all_gather_tags(tag: Sequence[int], *, group: ProcessGroup | None, device: t
     work = compat.all_gather_single(tags, host.to_device(list(tag), torch.int64, device), group=group,
                                        async_op=True)
 
-    def rows() -> list[list[int]]:
-        values = host.DeviceToHost(tags).values()
-        return [values[2 * r : 2 * r + 2] for r in range(world_size)]
+    return Handle(work, then=lambda: _tag_rows(host.DeviceToHost(tags).values()), op="tag all_gather", group=group)
 
-    return Handle(work, then=rows, op="tag all_gather", group=group)
+
+def _tag_rows(values: list[int]) -> list[list[int]]:
+    """N ranks' tags (two ints each, back to back) as N two-int lists."""
+    return [values[i : i + 2] for i in range(0, len(values), 2)]
 
 
 class GatheredTags:
@@ -696,8 +697,7 @@ class GatheredTags:
     all-gather's own work. Read with :meth:`rows` (blocking) once :meth:`ready` says so, or
     where the caller must know ([Note: deferred tag checks] in core/gatherer.py)."""
 
-    def __init__(self, work: Any, tags: torch.Tensor, world_size: int, *, op: str, group: ProcessGroup | None) -> None:
-        self.world_size = world_size
+    def __init__(self, work: Any, tags: torch.Tensor, *, op: str, group: ProcessGroup | None) -> None:
         self._op, self._group = op, group
         self._work: Any = None
         self._tags = tags
@@ -720,7 +720,7 @@ class GatheredTags:
 
     def rows_now(self) -> list[list[int]]:
         """The tags of a CPU gather whose tag all-gather completed, read without marking them read."""
-        return [host.read_host(self._tags[2 * r : 2 * r + 2]) for r in range(self.world_size)]
+        return _tag_rows(host.read_host(self._tags))
 
     def rows(self) -> list[list[int]]:
         """Every rank's tag (N two-int lists), waiting for them if need be."""
@@ -729,8 +729,7 @@ class GatheredTags:
             self._work = None
             self._read = host.DeviceToHost(self._tags)
         assert self._read is not None
-        values = self._read.values()
-        return [values[2 * r : 2 * r + 2] for r in range(self.world_size)]
+        return _tag_rows(self._read.values())
 
 
 _TAG_STREAMS: dict[torch.device, Any] = {}

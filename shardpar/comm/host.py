@@ -58,17 +58,15 @@ def pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
 
 
-def to_device(values: Sequence[int] | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` (Python numbers, or a host tensor) as a new 1-D tensor on ``device``, copied
-    from pinned memory without blocking the host (on the CPU: the host tensor itself)."""
-    if isinstance(values, torch.Tensor):
-        host = pinned(values.numel(), dtype, device)
-        host.copy_(values.reshape(-1))
-    else:
-        host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    if device.type == "cpu":
-        return host
-    return host.to(device, non_blocking=True)
+def _send(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A :func:`pinned` host tensor on ``device`` without blocking (on the CPU: itself)."""
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
+def to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Python numbers as a new 1-D tensor on ``device``, copied from pinned memory without
+    blocking the host."""
+    return _send(torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda"), device)
 
 
 def flags_to_device(flags: bytearray, tail: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -79,7 +77,7 @@ def flags_to_device(flags: bytearray, tail: Sequence[int], device: torch.device)
         host[: len(flags)].copy_(torch.frombuffer(flags, dtype=torch.uint8))
     if tail:
         host[len(flags):].copy_(torch.tensor(tail, dtype=torch.int32))
-    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+    return _send(host, device)
 
 
 class DeviceToHost:
