@@ -75,21 +75,44 @@ def display_name(qualified: str) -> str:
 
 
 class _ModuleTree:
+    """The wrapped module's submodules by qualified name.
+
+    [Note: a module under several names]
+    One module object may be registered under several names (``m[1].in_proj = m[0].in_proj``,
+    ``nn.Sequential(mlp, mlp)``): torch, DDP and FSDP2 train such models. ``modules`` holds each
+    module once, under its *canonical* name (the first, as ``named_modules()`` yields it);
+    ``aliases`` lists every name of it, so that questions about where a module is used (does a
+    unit enclose this use, which hook module does this use go through) see every use, while
+    hooks go on the one object once."""
+
     def __init__(self, root: nn.Module) -> None:
         self.modules = dict(root.named_modules())
-        self.order = {name: index for index, name in enumerate(self.modules)}
+        self.every_name = dict(root.named_modules(remove_duplicate=False))
+        canonical = {id(module): name for name, module in self.modules.items()}
+        self.canonical = {name: canonical[id(module)] for name, module in self.every_name.items()}
+        """Any name of a module -> its canonical name."""
+        self.aliases: dict[str, list[str]] = {name: [] for name in self.modules}
+        for name, first in self.canonical.items():
+            self.aliases[first].append(name)
+        self.order = {name: index for index, name in enumerate(self.every_name)}
         compiled = [n for n, m in self.modules.items() if n and is_compiled(m)]
         self.compiled = sorted(compiled, key=len)  # outermost first
 
     def lift(self, name: str) -> str:
-        """The outermost compiled module enclosing ``name`` (or ``name`` itself)."""
+        """The outermost compiled module enclosing ``name`` (or ``name`` itself), by canonical name."""
+        name = self.canonical[name]
         for outer in self.compiled:
             if encloses(outer, name):
                 return outer
         return name
 
     def inside_compiled(self, name: str) -> bool:
-        return self.lift(name) != name
+        return self.lift(name) != self.canonical[name]
+
+    def encloses(self, outer: str, name: str) -> bool:
+        """Whether the module ``outer`` (canonical name) is, or is an ancestor of, the use of a
+        module under the name ``name`` (any alias)."""
+        return any(encloses(alias, name) for alias in self.aliases[outer])
 
     def path(self, name: str) -> list[str]:
         """Names from the root's child down to ``name`` (empty for the root)."""
@@ -148,10 +171,10 @@ def _hook_module(tree: _ModuleTree, owner: str, units: list[str]) -> str:
     """See [Note: units]: the outermost module on the root -> owner path that contains no
     policy unit and runs a forward (lifted out of compiled modules)."""
     for name in tree.path(owner):
-        contains_unit = any(encloses(name, u) for u in units)
-        if not contains_unit and runs_forward(tree.modules[name]):
+        contains_unit = any(encloses(name, alias) for u in units for alias in tree.aliases[u])
+        if not contains_unit and runs_forward(tree.every_name[name]):
             return tree.lift(name)
-    return tree.lift(owner) if owner and runs_forward(tree.modules[owner]) else ROOT
+    return tree.lift(owner) if owner and runs_forward(tree.every_name[owner]) else ROOT
 
 
 def plan_units(root: nn.Module, policy: Any, min_params: int) -> list[UnitPlan]:
@@ -164,7 +187,7 @@ def plan_units(root: nn.Module, policy: Any, min_params: int) -> list[UnitPlan]:
     assigned: dict[str, list[str]] = {u: [] for u in policy_units}
     leftovers: dict[tuple[str, ...], list[str]] = {}
     for param, name in canonical.items():
-        enclosing = [u for u in policy_units if all(encloses(u, o) for o in owners[param])]
+        enclosing = [u for u in policy_units if all(tree.encloses(u, o) for o in owners[param])]
         if enclosing:
             assigned[max(enclosing, key=len)].append(name)
             continue
