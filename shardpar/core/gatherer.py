@@ -16,7 +16,9 @@ backward: a hook on a use's outputs fires before that use's backward -> gather a
 recompute (activation checkpointing: a unit's forward runs again *inside* backward): the
           unit is gathered if it is not already, nothing is prefetched in forward order and
           nothing is freed after it -- the recomputed graph is about to use the storage. So
-          checkpointing changes neither results nor the number of gathers.
+          checkpointing changes neither results nor the number of gathers. A unit whose
+          gradients were already final (a module checkpointed twice, reentrantly) is
+          gathered once more, and its further gradients are reduced in a second round.
 end of backward: every unit still gathered is freed.
 
 [Note: kept for backward]
@@ -620,6 +622,10 @@ class UnitGatherer:
 
     def pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.state.is_recompute():
+            # A unit recomputed after its gradients were final in this backward: reentrant
+            # checkpointing of one module twice. More gradients will follow (late ones; see
+            # [Note: a gradient that arrives twice] in reducer.py), so it is gathered again.
+            unit.final.clear()
             self.wait(unit)  # usually gathered by its pre-backward already
             self._allow_waiting_reductions()
             return self._hook_inputs(unit, args, kwargs)

@@ -136,6 +136,28 @@ class _FullGradBuffer:
 
     accumulate_no_sync = accept_grad
 
+    def accept_again(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        """A second gradient of this backward before the bucket launched (see [Note: a gradient
+        that arrives twice] in reducer.py): autograd added it into the view in place, or it is
+        added here."""
+        view = self.views[name]
+        if param.grad is view:
+            return
+        view.add_(param.grad)
+        param.grad = view if view.dtype == param.dtype else None
+
+    def late_buffer(self, bucket: GradBucket) -> torch.Tensor:
+        data = self.data[bucket.space]
+        return torch.zeros(bucket.spec.range.size, dtype=data.dtype, device=data.device)
+
+    def _take_views_off(self, bucket: GradBucket) -> None:
+        """Launching: a late gradient must not be added into the buffer being reduced (see
+        [Note: a gradient that arrives twice] in reducer.py)."""
+        for name in bucket.names:
+            param = bucket.params[name]
+            if param.grad is self.views[name]:
+                param.grad = None
+
     def fill_missing(self, bucket: GradBucket) -> None:
         """Parameters that got no gradient this backward contribute zeros (or what they
         accumulated earlier, e.g. under no_sync)."""
@@ -207,17 +229,36 @@ class AllReduceStrategy(_FullGradBuffer):
         }
 
     def start(self, bucket: GradBucket) -> C.Handle:
-        data = bucket.spec.range.of(self.data[bucket.space])
+        self._take_views_off(bucket)
+        return self.start_late(bucket, bucket.spec.range.of(self.data[bucket.space]))
+
+    def finish(self, bucket: GradBucket) -> None:
+        _scale(bucket.spec.range.of(self.data[bucket.space]), self.averaging_of[bucket.space].after)
+        self._copy_to_master(bucket)
+
+    def start_late(self, bucket: GradBucket, data: torch.Tensor) -> C.Handle:
         plan = self.averaging_of[bucket.space]
         _scale(data, plan.before)
         return C.all_reduce(data, group=self.group, async_op=True, stats=self.comm, padding_numel=bucket.spec.padding,
                             op=plan.op)
 
-    def finish(self, bucket: GradBucket) -> None:
-        _scale(bucket.spec.range.of(self.data[bucket.space]), self.averaging_of[bucket.space].after)
+    def finish_late(self, bucket: GradBucket, late: torch.Tensor) -> None:
+        _scale(late, self.averaging_of[bucket.space].after)
+        bucket.spec.range.of(self.data[bucket.space]).add_(late)
+        self._copy_to_master(bucket)
+
+    def _copy_to_master(self, bucket: GradBucket) -> None:
         master = self.master_grads[bucket.space]
         if master is not self.data[bucket.space]:
             bucket.spec.range.of(master).copy_(bucket.spec.range.of(self.data[bucket.space]))
+
+    def after_sync_backward(self) -> None:
+        """``.grad`` is the buffer's view again once nothing more can arrive (see _take_views_off)."""
+        for space in self.spaces:
+            for name, param in space.params.items():
+                view = self.views[name]
+                if param.grad is None and view.dtype == param.dtype:
+                    param.grad = view
 
     def release_unused(self, names: set[str]) -> None:
         for space in self.spaces:
@@ -269,6 +310,19 @@ class _ShardedAverage:
         """This rank's slice of ``bucket`` in its staging buffer (indexed from the bucket start)."""
         return bucket.spec.shard(self.rank).shift(-bucket.spec.range.start).of(staging)
 
+    def start_late(self, bucket: GradBucket, late: torch.Tensor) -> C.Handle:
+        """Reduce-scatter a bucket-sized buffer: the late gradients of [Note: a gradient that
+        arrives twice] in reducer.py (zeros for every other parameter)."""
+        plan = self.averaging_of[bucket.space]
+        _scale(late, plan.before)
+        return C.reduce_scatter(self.owned_in_staging(bucket, late), late, group=self.group, async_op=True,
+                                stats=self.comm, padding_numel=bucket.spec.padding, op=plan.op)
+
+    def _reduced_late(self, bucket: GradBucket, late: torch.Tensor) -> torch.Tensor:
+        owned = self.owned_in_staging(bucket, late)
+        _scale(owned, self.averaging_of[bucket.space].after)
+        return owned
+
 
 class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
     """Stage 1; see [Note: stage 1 accumulation across reductions]."""
@@ -288,11 +342,19 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
         self._carry: dict[ParamSpace, torch.Tensor] | None = None
 
     def start(self, bucket: GradBucket) -> C.Handle:
+        self._take_views_off(bucket)
         data = bucket.spec.range.of(self.data[bucket.space])
         plan = self.averaging_of[bucket.space]
         _scale(data, plan.before)
         return C.reduce_scatter(self.owned_in_space(bucket.spec, self.data[bucket.space]), data, group=self.group, async_op=True,
                                 stats=self.comm, padding_numel=bucket.spec.padding, op=plan.op)
+
+    def finish_late(self, bucket: GradBucket, late: torch.Tensor) -> None:
+        space = bucket.space
+        reduced = self.owned_in_space(bucket.spec, self.data[space])
+        reduced.add_(self._reduced_late(bucket, late))
+        if space in self.master_grad_shards:
+            space.layout.shard_of(bucket.spec, self.master_grad_shards[space]).copy_(reduced)
 
     def finish(self, bucket: GradBucket) -> None:
         space = bucket.space
@@ -451,9 +513,21 @@ class StagedReduceScatter(_ShardedAverage):
             slot.add_(self._slot(bucket, name, self._accumulated[bucket.space]))
         param.grad = None
 
+    def accept_again(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        """See [Note: a gradient that arrives twice] in reducer.py."""
+        self._slot(bucket, name).add_(param.grad)
+        param.grad = None
+
     def accumulate_no_sync(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
         self._slot(bucket, name, self._accumulation(bucket.space)).add_(param.grad)
         param.grad = None
+
+    def late_buffer(self, bucket: GradBucket) -> torch.Tensor:
+        return torch.zeros(bucket.spec.range.size, dtype=self.reduce_dtype(bucket.space), device=bucket.space.device)
+
+    def finish_late(self, bucket: GradBucket, late: torch.Tensor) -> None:
+        shard = bucket.space.layout.shard_of(bucket.spec, self.grad_shards[bucket.space])
+        shard.add_(self._reduced_late(bucket, late))
 
     def fill_missing(self, bucket: GradBucket) -> None:
         accumulated = self._accumulated.get(bucket.space)

@@ -29,6 +29,29 @@ At stages 0-2 this order serves the first backward only: at its end the buckets 
 are rebuilt from the order gradients became ready ([Note: bucket rebuild] in rebuild.py) and
 launch in the order they complete in that record (:meth:`LaunchOrder.adopt`).
 
+[Note: a gradient that arrives twice]
+Within one graph task autograd sums every use of a parameter before its accumulate hook
+runs, so the hook fires once per backward. Reentrant activation checkpointing breaks that:
+each checkpointed segment runs its own inner backward, so a module checkpointed twice (or
+used once inside a checkpoint and once outside) has its hook fire once per segment, and
+plain torch gives the parameter the sum. DDP raises there unless ``static_graph``; FSDP2
+reduces each use separately and adds. Here:
+
+- a second arrival before the parameter's bucket launched is *added* to the first (the
+  bucket already counted the parameter ready, and it is not final until the bucket
+  launches: nothing was sent yet);
+- an arrival after its bucket launched in this backward is *late*: it is added into a
+  zeroed bucket-sized buffer, and at the end of backward each bucket with late gradients
+  is reduced once more and the result added to what the first round reduced. So no
+  collective ever reads a buffer that a gradient is still being added to: at stages 0-1,
+  where ``param.grad`` is a view of the full buffer that autograd would accumulate into in
+  place, launching a bucket takes those views off ``.grad`` (stage 0 puts them back when
+  the backward ends).
+
+The extra rounds pair up across ranks when every rank runs the same graph, as FSDP2's
+per-use reductions do (a module checkpointed twice on one rank and once on another, by
+rank-dependent control flow, is as unsupported here as there).
+
 [Note: used parameters]
 Plain torch leaves ``.grad`` of a parameter that took no part in the backward untouched
 (``None`` after ``zero_grad``) and its optimizer skips it: no weight decay, no moment
@@ -143,6 +166,9 @@ class GradBucket:
         self.handle: C.Handle | None = None
         self.reduced = False
         """Holds reduced gradients that ``zero_grad`` has not cleared yet."""
+        self.launched = False
+        """Its collective was launched in the backward in progress (see [Note: a gradient
+        that arrives twice])."""
 
     @property
     def params(self) -> dict[str, nn.Parameter]:
@@ -170,6 +196,10 @@ class ReduceStrategy(Protocol):
 
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
     def accumulate_no_sync(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
+    def accept_again(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
+    def late_buffer(self, bucket: GradBucket) -> torch.Tensor: ...
+    def start_late(self, bucket: GradBucket, late: torch.Tensor) -> C.Handle: ...
+    def finish_late(self, bucket: GradBucket, late: torch.Tensor) -> None: ...
     def fill_missing(self, bucket: GradBucket) -> None: ...
     def start(self, bucket: GradBucket) -> C.Handle: ...
     def finish(self, bucket: GradBucket) -> None: ...
@@ -238,7 +268,30 @@ class LaunchOrder:
 
 
 class GradientReducer:
-    """See [Note: gradient readiness and launch order] and [Note: used parameters]."""
+    """See [Note: gradient readiness and launch order] and [Note: a gradient that arrives twice]
+Within one graph task autograd sums every use of a parameter before its accumulate hook
+runs, so the hook fires once per backward. Reentrant activation checkpointing breaks that:
+each checkpointed segment runs its own inner backward, so a module checkpointed twice (or
+used once inside a checkpoint and once outside) has its hook fire once per segment, and
+plain torch gives the parameter the sum. DDP raises there unless ``static_graph``; FSDP2
+reduces each use separately and adds. Here:
+
+- a second arrival before the parameter's bucket launched is *added* to the first (the
+  bucket already counted the parameter ready, and it is not final until the bucket
+  launches: nothing was sent yet);
+- an arrival after its bucket launched in this backward is *late*: it is added into a
+  zeroed bucket-sized buffer, and at the end of backward each bucket with late gradients
+  is reduced once more and the result added to what the first round reduced. So no
+  collective ever reads a buffer that a gradient is still being added to: at stages 0-1,
+  where ``param.grad`` is a view of the full buffer that autograd would accumulate into in
+  place, launching a bucket takes those views off ``.grad`` (stage 0 puts them back when
+  the backward ends).
+
+The extra rounds pair up across ranks when every rank runs the same graph, as FSDP2's
+per-use reductions do (a module checkpointed twice on one rank and once on another, by
+rank-dependent control flow, is as unsupported here as there).
+
+[Note: used parameters]."""
 
     def __init__(
         self,
@@ -293,6 +346,10 @@ class GradientReducer:
         self.ready_order = ready_order
         """Recorded in synchronising backwards until the buckets are rebuilt (see
         [Note: bucket rebuild]); None once they are, or where they never are."""
+        self._arrived = bytearray(len(self.names))
+        """Parameters whose gradient arrived in the backward in progress."""
+        self._late: dict[int, torch.Tensor] = {}
+        """Bucket position -> gradients that arrived after it launched, this backward."""
 
     def _build_buckets(self) -> None:
         """Buckets, in layout order over all spaces, and the maps from names to them."""
@@ -315,18 +372,34 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.reduced = next(iter(reduced))
         self.used = bytearray(used[name] for name in self.names)
+        self._arrived = bytearray(len(self.names))
         self.launch_order = LaunchOrder([bucket.names for bucket in self.buckets])
         self.launch_order.adopt(completion_order([bucket.names for bucket in self.buckets], ready))
 
     # ------------------------------------------------------------------ during backward
 
+    def begin_backward(self) -> None:
+        """The first hook of a backward ran: nothing has arrived yet."""
+        self._arrived = bytearray(len(self.names))
+        for bucket in self.buckets:
+            bucket.launched = False
+
     def on_grad_ready(self, name: str, param: nn.Parameter) -> None:
-        """A parameter's gradient of this backward is final."""
+        """A parameter's gradient arrived: final for this backward, unless its module is
+        checkpointed reentrantly more than once (see [Note: a gradient that arrives twice])."""
         bucket = self.bucket_of[name]
-        self.used[self.flag_index[name]] = 1
+        index = self.flag_index[name]
+        self.used[index] = 1
         if not self.state.backward_syncs:
             self.strategy.accumulate_no_sync(bucket, name, param)
             return
+        if bucket.launched:
+            self._accept_late(bucket, name, param)
+            return
+        if self._arrived[index]:
+            self.strategy.accept_again(bucket, name, param)
+            return
+        self._arrived[index] = 1
         if self.timeline is not None:
             self.timeline.append(("grad", name))
         if self.ready_order is not None:
@@ -353,6 +426,7 @@ class GradientReducer:
             self.timeline.append(("launch", bucket.position))
         bucket.handle = self.strategy.start(bucket)
         bucket.phase = BucketPhase.IN_FLIGHT
+        bucket.launched = True
         self._in_flight.append(bucket)
         limit = self.strategy.max_in_flight
         while limit is not None and len(self._in_flight) > limit:
@@ -363,6 +437,25 @@ class GradientReducer:
         self.wait_clock.wait(bucket.handle, gather=False)
         self.strategy.finish(bucket)
         bucket.reset()
+
+    def _accept_late(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        late = self._late.get(bucket.position)
+        if late is None:
+            late = self._late[bucket.position] = self.strategy.late_buffer(bucket)
+        slot = bucket.space.layout.slots[name]
+        slot.range.shift(-bucket.spec.range.start).of(late).view(slot.shape).add_(param.grad)
+        param.grad = None
+
+    def _reduce_late(self) -> None:
+        """Second rounds for the buckets that got late gradients (see [Note: a gradient that
+        arrives twice]), in launch order, one at a time: they are rare."""
+        late, self._late = self._late, {}
+        for position in self.launch_order.order:
+            if position in late:
+                bucket = self.buckets[position]
+                handle = self.strategy.start_late(bucket, late[position])
+                self.wait_clock.wait(handle, gather=False)
+                self.strategy.finish_late(bucket, late[position])
 
     def finish_backward(self) -> None:
         """End of a synchronising backward: launch what is left (zeros for gradients that never
@@ -382,13 +475,14 @@ class GradientReducer:
                     self.on_bucket_complete(bucket)
             self._launch(bucket)
         self._cursor = len(order)
+        while self._in_flight:
+            self._finish_oldest()
+        self._reduce_late()
         # Each rank's counters ride along, as themselves and negated, so that one MAX
         # reduction yields both the highest and the lowest: see [Note: ranks out of step].
         counters = self.state.counters()
         flags = host.flags_to_device(self.used, counters + [-c for c in counters], self.device)
         flags_handle = C.all_reduce(flags, group=self.group, async_op=True, stats=self.comm, op="max", kind="used_flags")
-        while self._in_flight:
-            self._finish_oldest()
         self.wait_clock.wait(flags_handle, gather=False)
         self._cursor = 0
         self.last_backward_wait_s = time.perf_counter() - started

@@ -135,6 +135,7 @@ class Engine:
         self.grad_marks = ShardedGradMarks(self.inventory.trainable, where_grads_live(self.stage)) \
             if hidden else None
         self._handles += self.reducer.register_hooks(self._on_grad_ready)
+        self._handles += self._install_before_accumulation_hooks()
         self.module_state = ModuleState(self)
         if isinstance(self.storage, ShardedStorage):
             self._install_unit_hooks()
@@ -146,6 +147,7 @@ class Engine:
                     else self.module_state.replicated_master_state
                 self._handles += self.module_state.install_state_dict_hooks(values)
         self._install_root_hooks()
+        self._install_cast_hooks()
         self._module_attributes = self._install_module_attributes()
 
     def _install_module_attributes(self) -> tuple[str, ...]:
@@ -190,6 +192,26 @@ class Engine:
         if mp is None or not space.master_dtype.is_floating_point:
             return space.compute_dtype
         return mp.reduce_dtype if mp.reduce_dtype is not None else space.master_dtype
+
+    def _install_before_accumulation_hooks(self) -> list[Any]:
+        """Where ``.grad`` holds placeholders between backward and step (stages 1-3, mixed
+        precision), they must come off before autograd accumulates into them. The root's
+        output hook does that for a backward through the model's output; a backward through
+        a submodule called directly (FSDP2's chunked loss: ``model.module.head(h).backward()``)
+        or through a parameter used outside any forward reaches a parameter first. So each
+        parameter gets a tensor hook, which runs before accumulation: it starts the backward
+        (and takes the marks off) if nothing did yet, and otherwise returns at once."""
+        if self.grad_marks is None:
+            return []
+        receiver = weakref.WeakMethod(self.ensure_backward_started)
+
+        def before_accumulation(grad: torch.Tensor) -> None:
+            start = receiver()
+            if start is not None:  # else the engine is gone ([Note: hooks hold their owner weakly])
+                start()
+
+        hook = _disabled(before_accumulation)
+        return [param.register_hook(hook) for _, param in self.inventory.trainable]
 
     def _install_root_hooks(self) -> None:
         self._handles.append(self.module.register_forward_pre_hook(_disabled(self._root_pre_forward), prepend=True))
@@ -255,16 +277,44 @@ class Engine:
             )
 
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Floating-point inputs are cast to ``param_dtype`` so layers see one dtype."""
+        """Floating-point inputs are cast to ``param_dtype`` so layers see one dtype (see
+        [Note: what mixed precision casts])."""
         if self.param_dtype is None:
             return args, kwargs
+        dtype = self.param_dtype
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # layer(x): no tree walk
+            return tuple(a.to(dtype) if a.is_floating_point() else a for a in args), kwargs
 
         def cast(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and value.is_floating_point():
-                return value.to(self.param_dtype)
+                return value.to(dtype)
             return value
 
         return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _install_cast_hooks(self) -> None:
+        """[Note: what mixed precision casts]
+        Under ``param_dtype`` every floating-point input of the wrapped model *and of each
+        module that registers parameters* is cast to it, at every stage. FSDP2 casts the inputs
+        of each ``fully_shard`` module, so a block may add an fp32 buffer (a position table, a
+        mask, an fp32 norm statistic) to a bf16 activation and the next block still gets bf16;
+        casting at each parameter-holding module keeps that working wherever the units are,
+        and gives every stage the same cast points (stage 3's units differ from stages 0-2's
+        buckets). Outputs are not cast back, buffers only by ``buffer_dtype``, and code that
+        casts inside a module (an RMSNorm computing in fp32) is left alone. Modules compiled
+        before wrapping are cast at the compiled module's inputs."""
+        if self.param_dtype is None:
+            return
+        tree, seen = self._tree, set()
+        for name, module in tree.modules.items():
+            if not name or next(module.parameters(recurse=False), None) is None:
+                continue  # the root's inputs are cast by ShardedModule.forward
+            lifted = tree.lift(name)
+            if lifted in seen:
+                continue
+            seen.add(lifted)
+            self._handles.append(tree.modules[lifted].register_forward_pre_hook(
+                _disabled(lambda m, args, kwargs: self.cast_inputs(args, kwargs)), with_kwargs=True))
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if self.state.is_recompute():
@@ -342,6 +392,7 @@ class Engine:
             return
         self._take_off_grad_marks()  # before the first gradient accumulates into .grad
         self.state.begin_backward()
+        self.reducer.begin_backward()
         self.state.final_callback_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         if self.state.backward_syncs and not self.reducer.launch_order.agreed:
