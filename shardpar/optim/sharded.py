@@ -9,6 +9,7 @@ that group's tensors, so ``param_groups`` stays in the user's order and
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Iterable
 
@@ -288,37 +289,116 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return f"ShardedOptimizer(stage={self.engine.stage}, {self.inner!r})"
 
 
+_PROBE_SHAPE = (8, 16)
+"""The probe's tensor: 128 values, each half 64, a whole number of vectors of any common SIMD width,
+so that an elementwise update rounds its halves exactly as it rounds the whole."""
+
+_PROBE_LR = 0.1
+"""The learning rate every probe step uses, whatever the group's: a group may come at lr 0
+(a warmup scheduler made before the optimizer was ported) or tiny, where every optimizer
+would look elementwise."""
+
+
+def _probe(optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any], options: dict[str, Any],
+           values: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[tuple[nn.Parameter, torch.optim.Optimizer]]:
+    """``values`` cut into consecutive tensors of ``shapes``, each with its own instance of the
+    optimizer (as each rank has its own), built with ``options`` as its one param group."""
+    built, start = [], 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        param = nn.Parameter(values[start:start + numel].clone().reshape(shape))
+        start += numel
+        probe = optimizer_class([{**options, "params": [param]}], **defaults)
+        for group in probe.param_groups:
+            lr = group.get("lr")
+            if isinstance(lr, torch.Tensor):
+                group["lr"] = torch.full_like(lr, _PROBE_LR)  # never fill the user's tensor
+            elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
+                group["lr"] = _PROBE_LR
+        built.append((param, probe))
+    return built
+
+
 def _not_elementwise(optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any],
-                     device: torch.device) -> str | None:
-    """Why ``optimizer_class`` cannot run on the 1-D slices of parameters that stages 1-3 give
-    it, or None when it updates element by element (then a slice gets exactly what it would as
-    part of the whole parameter). Found by running it: two steps on a 4x3 tensor and on the
-    same 12 values as a 1-D tensor must agree bit for bit. This catches factored statistics
-    (Adafactor), whole-matrix updates (Muon) and optimizers that need a closure (LBFGS), torch's
-    or anyone's, without a list of names. On the model's device, where options such as
-    ``fused=True`` or ``capturable=True`` are meant to run."""
+                     device: torch.device, options: dict[str, Any] | None = None) -> str | None:
+    """Why ``optimizer_class`` (with ``defaults``, and ``options`` as one param group's) cannot
+    run on the pieces of parameters that stages 1-3 give it, or None when it updates element
+    by element (then a piece gets exactly what it would as part of the whole parameter).
+
+    Found by running it (two steps) three ways: on an 8x16 tensor, on the same 128 values as
+    a 1-D tensor, and on the two 1-D halves of them with one instance each, as two ranks step
+    their pieces. The first two must agree bit for bit, the halves with the whole within
+    rounding. This catches factored statistics (Adafactor), whole-matrix updates (Muon),
+    optimizers that need a closure (LBFGS), and anything computed over a whole parameter or
+    over all of them: the norms of LAMB's and LARS's trust ratios, a clipping by the global
+    norm inside the optimizer. Torch's or anyone's, without a list of names. The halves differ
+    in scale, values one way and gradients the other, so that a norm of either half is far
+    from the whole's. On the model's device, where options such as ``fused=True`` or
+    ``capturable=True`` are meant to run."""
+    options = {k: v for k, v in (options or {}).items() if k != "params"}
     generator = torch.Generator().manual_seed(0)
-    values = torch.randn(4, 3, generator=generator).to(device)
-    grads = [torch.randn(4, 3, generator=generator).to(device) for _ in range(2)]
+    numel = math.prod(_PROBE_SHAPE)
+    first_half = torch.arange(numel) < numel // 2
+    values = (torch.randn(numel, generator=generator) * torch.where(first_half, 1.0, 8.0)).to(device)
+    grads = [(torch.randn(numel, generator=generator) * torch.where(first_half, 8.0, 1.0)).to(device)
+             for _ in range(2)]
     results = []
-    for shape in ((4, 3), (12,)):
-        param = nn.Parameter(values.clone().reshape(shape))
+    for shapes in ([_PROBE_SHAPE], [(numel,)], [(numel // 2,), (numel // 2,)]):
         try:
-            probe = optimizer_class([param], **defaults)
+            built = _probe(optimizer_class, defaults, options, values, shapes)
         except Exception as error:
             if not results:
                 return None  # it cannot be built with these options at all: building it for real says why
             return f"it refuses a 1-D tensor ({type(error).__name__}: {error})"
         try:
             for grad in grads:
-                param.grad = grad.clone().reshape(shape)
-                probe.step()
+                start = 0
+                for param, probe in built:
+                    param.grad = grad[start:start + param.numel()].clone().reshape(param.shape)
+                    start += param.numel()
+                    probe.step()
         except Exception as error:
-            return f"a step on a {'x'.join(map(str, shape))} tensor failed ({type(error).__name__}: {error})"
-        results.append(param.detach().reshape(-1))
-    if not torch.equal(results[0], results[1]):
-        return "its update of a 4x3 tensor differs from its update of the same 12 values as a 1-D tensor"
+            shape = "x".join(map(str, shapes[0]))
+            return f"a step on a {shape} tensor failed ({type(error).__name__}: {error})"
+        results.append(torch.cat([param.detach().reshape(-1) for param, _ in built]))
+    whole_2d, whole, halves = results
+    if not torch.equal(whole_2d, whole):
+        return (f"its update of a {'x'.join(map(str, _PROBE_SHAPE))} tensor differs from its update of the same "
+                f"{numel} values as a 1-D tensor")
+    # The halves round as the whole (see _PROBE_SHAPE); the tolerance only keeps a kernel that
+    # rounds by position (a vector width that does not divide 64) from being refused. What
+    # this looks for changes the result by percents.
+    if not torch.allclose(halves, whole, rtol=1e-5, atol=0.0):
+        return ("its update of a tensor's two halves, each stepped by its own instance as two ranks step their "
+                "pieces, differs from its update of the whole tensor: it computes something over a whole parameter "
+                "(a norm, such as LAMB's or LARS's trust ratio) or over all of them (such as a clipping by their "
+                "global norm), which on a rank would cover only that rank's pieces")
     return None
+
+
+def _refuse_if_not_elementwise(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]],
+                               defaults: dict[str, Any], engine: Engine) -> None:
+    """Stages 1-3: a ValueError naming the class unless it updates element by element with the
+    options of every param group (one probe per distinct set of options: an optimizer may only
+    take whole-parameter norms where weight decay is on, as timm's LARS)."""
+    probed = set()
+    for index, group in enumerate(groups):
+        options = {k: v for k, v in group.items() if k not in ("names", "param_names")}  # labels, not options
+        key = repr(sorted(options.items(), key=lambda item: item[0]))
+        if key in probed:
+            continue
+        probed.add(key)
+        reason = _not_elementwise(optimizer_class, defaults, engine.device, options)
+        if reason is not None:
+            name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+            which = f" with the options of param group {index}" if len(groups) > 1 else ""
+            raise ValueError(
+                f"{name} does not update parameters element by element{which} ({reason}), but at stage "
+                f"{engine.stage} each rank updates 1-D slices of the parameters, where it would compute something "
+                "else than on the whole parameters: shardpar does not combine an optimizer's per-parameter norms "
+                "across ranks. Use stage=0, where every rank updates whole parameters, or an optimizer that updates "
+                "element by element (torch.optim.AdamW, Adam, SGD, Adagrad, RMSprop, NAdam, RAdam, Adamax, ...)"
+            )
 
 
 def optimizer(
@@ -343,13 +423,5 @@ def optimizer(
         )
     groups = _resolve_param_groups(model.engine, params)
     if model.engine.stage >= 1:
-        reason = _not_elementwise(optimizer_class, defaults, model.engine.device)
-        if reason is not None:
-            name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
-            raise ValueError(
-                f"{name} does not update parameters element by element ({reason}), but at stage "
-                f"{model.engine.stage} each rank updates 1-D slices of the parameters, where it would compute "
-                "something else than on the whole parameters. Use stage=0, or an elementwise optimizer "
-                "(torch.optim.AdamW, Adam, SGD, ...)"
-            )
+        _refuse_if_not_elementwise(optimizer_class, groups, defaults, model.engine)
     return ShardedOptimizer(model.engine, optimizer_class, groups, defaults)
