@@ -7,6 +7,11 @@
   are refused at construction on every rank, naming the class, the param group and stage 0,
   also when only one group turns the trust ratio on (timm's LARS: weight decay on) and when
   the groups come at lr 0 from a warmup scheduler. At stage 0 they train as plain torch.
+- DDP's resume idiom at stage 0: rank 0 saves ``opt.state_dict()`` with ``torch.save``, every
+  rank loads that file with ``torch.load(f, map_location=...)``. Training then matches torch
+  DDP doing the same and the uninterrupted run, also in a job of another size. A rank's
+  state at stages 1-3 on another rank, another set of parameters, another stage and a plain
+  torch state_dict are still refused, saying which.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -288,3 +294,164 @@ def test_the_elementwise_probe_runs_once_per_group_at_construction_not_per_step(
     for built, stepping in run_ranks(_probe_cost, 2, timeout=60):
         assert stepping == 0
         assert built == 1 + 2 * 4  # the optimizer; per group (their options differ) the probe's four instances
+
+
+# --------------------------------------------------------------------------- DDP's resume idiom
+
+
+def _adamw(model: nn.Module, make: Callable[..., Any]) -> tuple[Any, Any]:
+    """nanoGPT-style groups and a warmup schedule, built by ``make(class, groups, **options)``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = make(torch.optim.AdamW, groups, lr=0.05, betas=(0.9, 0.95))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
+
+
+def _resume(path: str, model: nn.Module, opt: Any, sched: Any, steps: range) -> None:
+    """What timm, nanoGPT and most DDP scripts do: train, rank 0 saves with torch.save, every
+    rank loads the file into the objects it resumes with, training goes on."""
+    checkpoint = torch.load(path, map_location="cpu")  # weights_only, torch's default
+    opt.load_state_dict(checkpoint["optimizer"])
+    sched.load_state_dict(checkpoint["scheduler"])
+    _train(model, opt, steps, lambda _: sched.step())
+
+
+def _save_on_rank_0(path: str, module: nn.Module, opt: Any, sched: Any) -> None:
+    if C.get_rank() == 0:
+        torch.save({"model": module.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
+                   path)
+    dist.barrier()
+
+
+def _shardpar_optimizer(model: shardpar.ShardedModule) -> Callable[..., Any]:
+    return lambda cls, groups, **options: shardpar.optimizer(model, cls, groups, **options)
+
+
+def _resume_like_ddp(path: str, mixed_precision: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    model = _wrap(_net(), 0, mixed_precision=mixed_precision)  # uninterrupted
+    opt, sched = _adamw(model, _shardpar_optimizer(model))
+    _train(model, opt, range(4), lambda _: sched.step())
+    out["uninterrupted"] = model.full_state_dict()
+
+    model = _wrap(_net(), 0, mixed_precision=mixed_precision)
+    opt, sched = _adamw(model, _shardpar_optimizer(model))
+    _train(model, opt, range(2), lambda _: sched.step())
+    _save_on_rank_0(f"{path}/shardpar.pt", model.module, opt, sched)
+    module = _net(seed=1)  # what a restarted job builds, then loads the weights into
+    module.load_state_dict(torch.load(f"{path}/shardpar.pt", map_location="cpu")["model"])
+    model = _wrap(module, 0, mixed_precision=mixed_precision)
+    opt, sched = _adamw(model, _shardpar_optimizer(model))
+    _resume(f"{path}/shardpar.pt", model, opt, sched, range(2, 4))
+    out["resumed"] = model.full_state_dict()
+
+    if mixed_precision is None:  # torch DDP, the same idiom
+        ddp = DistributedDataParallel(_net())
+        opt, sched = _adamw(ddp, lambda cls, groups, **options: cls(groups, **options))
+        _train(ddp, opt, range(2), lambda _: sched.step())
+        _save_on_rank_0(f"{path}/ddp.pt", ddp.module, opt, sched)
+        module = _net(seed=1)
+        module.load_state_dict(torch.load(f"{path}/ddp.pt", map_location="cpu")["model"])
+        ddp = DistributedDataParallel(module)
+        opt, sched = _adamw(ddp, lambda cls, groups, **options: cls(groups, **options))
+        _resume(f"{path}/ddp.pt", ddp, opt, sched, range(2, 4))
+        out["ddp"] = ddp.module.state_dict()
+    return out
+
+
+@pytest.mark.parametrize("world_size, mixed_precision", [(3, None), (2, "bf16")])
+def test_ddp_resume_idiom_at_stage_0_loads_rank_0s_optimizer_state_on_every_rank(
+    tmp_path: Any, world_size: int, mixed_precision: str | None
+) -> None:
+    """At stage 0 every rank holds the same optimizer state, as under DDP: the file rank 0
+    saved loads on every rank, and training goes on as if never interrupted (bit for bit) and
+    as torch DDP resumed the same way (within DDP's own error)."""
+    for rank, out in enumerate(run_ranks(_resume_like_ddp, world_size, str(tmp_path), mixed_precision, timeout=120)):
+        for name, value in out["uninterrupted"].items():
+            assert torch.equal(out["resumed"][name], value), f"rank {rank}: {name} differs from the uninterrupted run"
+        if mixed_precision is None:
+            _assert_close(out["resumed"], out["ddp"], f"rank {rank}, against torch DDP")
+
+
+def _save_stage_0_at_2_ranks(path: str) -> None:
+    model = _wrap(_net(), 0)
+    opt, sched = _adamw(model, _shardpar_optimizer(model))
+    _train(model, opt, range(2), lambda _: sched.step())
+    _save_on_rank_0(path, model.module, opt, sched)
+
+
+def _resume_stage_0_at_3_ranks(path: str) -> dict[str, torch.Tensor]:
+    module = _net(seed=1)
+    module.load_state_dict(torch.load(path, map_location="cpu")["model"])
+    model = _wrap(module, 0)
+    opt, sched = _adamw(model, _shardpar_optimizer(model))
+    _resume(path, model, opt, sched, range(2, 4))
+    return model.full_state_dict()
+
+
+def test_a_stage_0_optimizer_state_dict_resumes_a_job_of_another_size(tmp_path: Any) -> None:
+    """As under DDP, the state does not depend on the world size: saved by 2 ranks, resumed
+    by 3, the result is plain torch's on the whole batches."""
+    module = _net()
+    opt, sched = _adamw(module, lambda cls, groups, **options: cls(groups, **options))
+    _train(module, opt, range(4), lambda _: sched.step())
+    path = str(tmp_path / "step-2.pt")
+    run_ranks(_save_stage_0_at_2_ranks, 2, path, timeout=60)
+    for rank, state in enumerate(run_ranks(_resume_stage_0_at_3_ranks, 3, path, timeout=60)):
+        _assert_close(state, module.state_dict(), f"rank {rank} of 3")
+
+
+def _wrong_loads(path: str) -> dict[str, str | None]:
+    """Each rank loads rank 0's file where it must not load, and its own where it must."""
+    rank = C.get_rank()
+    out: dict[str, str | None] = {}
+
+    def load(what: str, opt: Any, state: dict[str, Any]) -> None:
+        try:
+            opt.load_state_dict(state)
+            out[what] = None
+        except ValueError as error:
+            out[what] = str(error)
+
+    for stage in STAGES:
+        model = _wrap(_net(), stage)
+        opt, sched = _adamw(model, _shardpar_optimizer(model))
+        _train(model, opt, range(1), lambda _: sched.step())
+        file = f"{path}/stage-{stage}.pt"
+        if rank == 0:
+            torch.save(opt.state_dict(), file)
+        torch.save(opt.state_dict(), f"{path}/stage-{stage}-rank-{rank}.pt")
+        dist.barrier()
+        load(f"stage {stage}: rank 0's", opt, torch.load(file, map_location="cpu"))
+        load(f"stage {stage}: its own", opt, torch.load(f"{path}/stage-{stage}-rank-{rank}.pt", map_location="cpu"))
+        if stage == 0:
+            other = _wrap(_net(), 0)
+            fewer = shardpar.optimizer(other, torch.optim.AdamW, list(other.module.fc1.parameters()), lr=0.05)
+            load("stage 0: other parameters", fewer, torch.load(file, map_location="cpu"))
+            other.engine.close()
+            plain = torch.optim.AdamW(_net().parameters())
+            load("stage 0: a torch optimizer's", opt, plain.state_dict())
+        if stage == 2:
+            load("stage 2: stage 0's", opt, torch.load(f"{path}/stage-0.pt", map_location="cpu"))
+        model.engine.close()
+        dist.barrier()
+    return out
+
+
+def test_optimizer_state_dicts_that_do_not_fit_are_still_refused_saying_why(tmp_path: Any) -> None:
+    results = run_ranks(_wrong_loads, 2, str(tmp_path), timeout=120)
+    prefix = "this optimizer state_dict was saved for another stage, world size, rank or set of parameters ("
+    for rank, out in enumerate(results):
+        for stage in STAGES:
+            assert out[f"stage {stage}: its own"] is None, (rank, stage, out[f"stage {stage}: its own"])
+            refused = out[f"stage {stage}: rank 0's"]
+            if stage == 0 or rank == 0:
+                assert refused is None, (rank, stage, refused)
+            else:
+                assert refused is not None and refused.startswith(prefix), (rank, stage, refused)
+                assert (f"it was saved by rank 0 of 2, this is rank 1 of 2: at stage {stage} a rank's state covers "
+                        "only its own pieces") in refused
+        assert "it holds the state of other parameters" in out["stage 0: other parameters"]
+        assert "it has no 'shardpar' entry" in out["stage 0: a torch optimizer's"]
+        assert "it was saved at stage 0, this optimizer is at stage 2" in out["stage 2: stage 0's"]

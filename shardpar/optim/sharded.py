@@ -262,26 +262,58 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if isinstance(value, torch.Tensor)
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state for this rank's tensors, plus what they are."""
-        state = self.inner.state_dict()
-        state["shardpar"] = {
+    # [Note: optimizer state_dict across ranks]
+    # ``state_dict()`` is the inner optimizer's, plus under ``"shardpar"`` what it covers: the
+    # stage and, per param group, the pieces (parameter name and range) of its tensors. It
+    # loads wherever an optimizer at the same stage covers the same pieces: their state is the
+    # same there. At stage 0 every rank's optimizer updates the whole parameters with the same
+    # averaged gradients, so every rank holds the same state, whatever its rank and the world
+    # size, as under DDP: rank 0's file loads on every rank (DDP's resume idiom: rank 0 saves
+    # ``opt.state_dict()``, every rank loads it), also in a job of another size. At stages 1-3
+    # a rank's state covers only its pieces of the parameters, which the world size and the
+    # rank decide, so such a state_dict loads only on a rank holding the same pieces: the one
+    # that saved it, in a job of the same layout. Checkpoints (``shardpar.save_checkpoint``)
+    # move state between any two layouts.
+
+    def _layout(self) -> dict[str, Any]:
+        """What this rank's optimizer state covers (see the Note above)."""
+        return {
             "stage": self.engine.stage,
             "world_size": self.engine.world_size,
             "rank": self.engine.rank,
             "tensors": [[[t.name, *t.param_range] for t in tensors] for tensors in self.group_tensors],
         }
+
+    def _layout_mismatch(self, saved: Any) -> str | None:
+        """Why a state_dict saved with layout ``saved`` cannot load here, or None when it can."""
+        here = self._layout()
+        if not isinstance(saved, dict):
+            return "it has no 'shardpar' entry: it was not made by a shardpar optimizer's state_dict()"
+        if saved.get("stage") != here["stage"]:
+            return f"it was saved at stage {saved.get('stage')!r}, this optimizer is at stage {here['stage']}"
+        if saved.get("tensors") == here["tensors"]:
+            return None
+        if here["stage"] != 0 and (saved.get("world_size"), saved.get("rank")) != (here["world_size"], here["rank"]):
+            return (f"it was saved by rank {saved.get('rank')!r} of {saved.get('world_size')!r}, this is rank "
+                    f"{here['rank']} of {here['world_size']}: at stage {here['stage']} a rank's state covers only "
+                    "its own pieces of the parameters (only at stage 0 does every rank hold the same state)")
+        return "it holds the state of other parameters, param groups or pieces of them than this optimizer updates"
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state for this rank's tensors, plus what they are."""
+        state = self.inner.state_dict()
+        state["shardpar"] = self._layout()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` of this layout; at stage 0 any rank's (see the Note above)."""
         state_dict = dict(state_dict)
-        meta = state_dict.pop("shardpar", None)
-        expected = self.state_dict()["shardpar"]
-        if meta != expected:
+        problem = self._layout_mismatch(state_dict.pop("shardpar", None))
+        if problem is not None:
             raise ValueError(
-                "this optimizer state_dict was saved for another stage, world size, rank or set of "
-                "parameters; use shardpar.save_checkpoint / shardpar.load_checkpoint to move "
-                "training state between layouts"
+                f"this optimizer state_dict was saved for another stage, world size, rank or set of parameters "
+                f"({problem}); use shardpar.save_checkpoint / shardpar.load_checkpoint to move training state "
+                "between layouts"
             )
         self.inner.load_state_dict(state_dict)
 
