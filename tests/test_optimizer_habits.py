@@ -12,10 +12,17 @@
   DDP doing the same and the uninterrupted run, also in a job of another size. A rank's
   state at stages 1-3 on another rank, another set of parameters, another stage and a plain
   torch state_dict are still refused, saying which.
+- A factory-built optimizer (timm's ``create_optimizer_v2``) ports as
+  ``shardpar.optimizer(model, type(opt), opt.param_groups)``: groups with weight decay 0 for
+  biases and norms, extra keys (timm's ``lr_scale``, ``param_names``) and a scheduler's
+  ``initial_lr`` keep working, and training matches the factory's torch optimizer.
+- Per-parameter gradient clipping (timm's adaptive gradient clipping): stage 0 clips as plain
+  torch; stages 1-3 raise, saying that only stage 0 keeps whole gradients.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import pytest
@@ -26,6 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import shardpar
+from shardpar import ShardedGradError
 from shardpar.comm import collectives as C
 from tests.harness import run_ranks
 
@@ -455,3 +463,95 @@ def test_optimizer_state_dicts_that_do_not_fit_are_still_refused_saying_why(tmp_
         assert "it holds the state of other parameters" in out["stage 0: other parameters"]
         assert "it has no 'shardpar' entry" in out["stage 0: a torch optimizer's"]
         assert "it was saved at stage 0, this optimizer is at stage 2" in out["stage 2: stage 0's"]
+
+
+# --------------------------------------------------------------------------- a factory-built optimizer
+
+
+def _ported_factory(stage: int) -> dict[str, Any]:
+    module = _net()
+    factory = _create_optimizer(module, "adamw", lr=0.05, weight_decay=0.1)  # before wrap, as timm's train.py
+    TimmLikeScheduler(factory)  # made before the port: the groups carry initial_lr, and lr 0
+    model = _wrap(module, stage)
+    opt = shardpar.optimizer(model, type(factory), factory.param_groups)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    schedule = TimmLikeScheduler(opt)
+    _train(model, opt, range(4), schedule.step)
+    return {"groups": groups, "state": model.full_state_dict()}
+
+
+def _factory_reference() -> dict[str, torch.Tensor]:
+    model = _net()
+    opt = _create_optimizer(model, "adamw", lr=0.05, weight_decay=0.1)
+    _train(model, opt, range(4), TimmLikeScheduler(opt).step)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_factory_built_optimizer_ports_by_its_class_and_param_groups(stage: int) -> None:
+    """``shardpar.optimizer(model, type(opt), opt.param_groups)`` (the migration guide's form)
+    with timm's groups: weight decay 0 for biases and norms, its ``lr_scale`` and
+    ``param_names``, a scheduler's ``initial_lr`` (and lr 0 from its warmup)."""
+    expected = _factory_reference()
+    for rank, out in enumerate(run_ranks(_ported_factory, 2, stage, timeout=60)):
+        no_decay, decay = out["groups"]
+        assert (no_decay["weight_decay"], decay["weight_decay"]) == (0.0, 0.1)
+        assert (no_decay["lr_scale"], decay["initial_lr"]) == (0.5, 0.05)
+        assert decay["param_names"] == ["fc1.weight", "fc2.weight", "head.weight"]
+        _assert_close(out["state"], expected, f"stage {stage}, rank {rank}")
+
+
+def test_porting_a_factory_optimizer_with_its_defaults_fails_where_its_param_groups_work() -> None:
+    """Why the guide says ``opt.param_groups`` and not ``**opt.defaults``: torch's AdamW puts
+    keys in its defaults that its constructor does not take."""
+    model = _wrap(_net(), 1)
+    factory = _create_optimizer(model, "adamw", lr=0.05, weight_decay=0.1)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        shardpar.optimizer(model, type(factory), factory.param_groups, **factory.defaults)
+    shardpar.optimizer(model, type(factory), factory.param_groups)
+    model.engine.close()
+
+
+# --------------------------------------------------------------------------- per-parameter clipping
+
+
+def _unitwise_norm(x: torch.Tensor) -> torch.Tensor:
+    return x.norm() if x.ndim <= 1 else x.norm(dim=tuple(range(1, x.ndim)), keepdim=True)
+
+
+def adaptive_clip_grad(parameters: Any, clip_factor: float = 0.01, eps: float = 1e-3) -> None:
+    """timm's ``adaptive_clip_grad`` (AGC): each gradient clipped against its own parameter."""
+    for p in parameters:
+        if p.grad is None:
+            continue
+        p_data, g_data = p.detach(), p.grad.detach()
+        max_norm = _unitwise_norm(p_data).clamp_(min=eps).mul_(clip_factor)
+        grad_norm = _unitwise_norm(g_data)
+        clipped = g_data * (max_norm / grad_norm.clamp(min=1e-6))
+        p.grad.detach().copy_(torch.where(grad_norm < max_norm, g_data, clipped))
+
+
+def _clip_per_parameter(stage: int) -> dict[str, Any]:
+    model = _wrap(_net(), stage)
+    opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.5)
+    try:
+        _train(model, opt, range(2), clip=lambda m: adaptive_clip_grad(m.parameters()))
+    except (ShardedGradError, RuntimeError) as error:
+        return {"error": (type(error).__name__, str(error))}
+    return {"state": model.full_state_dict()}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_per_parameter_gradient_clipping_works_at_stage_0_and_says_so_elsewhere(stage: int) -> None:
+    model = _net()
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.5), range(2),
+           clip=lambda m: adaptive_clip_grad(m.parameters()))
+    for rank, out in enumerate(run_ranks(_clip_per_parameter, 2, stage, timeout=60)):
+        if stage == 0:
+            _assert_close(out["state"], model.state_dict(), f"rank {rank}")
+            continue
+        kind, message = out["error"]
+        # Stages 1-2 stop at the gradient, stage 3 already at the sharded parameter.
+        assert kind == ("RuntimeError" if stage == 3 else "ShardedGradError"), (rank, kind, message)
+        assert re.search(r"per-parameter clipping .*timm's adaptive gradient clipping", message), message
+        assert "only stage 0 keeps whole gradients" in message, message

@@ -73,7 +73,9 @@ class _Sharded:
             "is sharded: its values exist only while a forward or backward of a module of that unit runs. "
             "Read parameters of another unit only inside that unit's forward (register the module under the "
             "unit that uses it, or tie the weight by registration), and read full values outside forward with "
-            "model.full_state_dict()"
+            "model.full_state_dict(). Code that needs whole parameters and their gradients between backward and "
+            "step (per-parameter clipping such as timm's adaptive gradient clipping) needs stage=0: only stage 0 "
+            "keeps whole gradients"
         )
 
     def __str__(self) -> str:

@@ -44,6 +44,12 @@ _FIX = (
     "shardpar.optimizer(model, torch.optim.AdamW, ...) (same options and param groups) instead of "
     "torch.optim.AdamW(model.parameters(), ...)"
 )
+_WHOLE_GRADS_AT_STAGE_0 = (
+    "Code that needs each parameter's whole gradient, such as per-parameter clipping (timm's adaptive "
+    "gradient clipping, which reads p and p.grad one parameter at a time) or per-parameter gradient norms, "
+    "has no shardpar counterpart: only stage 0 keeps whole gradients (in param.grad, without mixed precision), "
+    "so run it at stage=0"
+)
 
 
 def where_grads_live(stage: int) -> str:
@@ -74,7 +80,8 @@ class ShardedGrad(torch.Tensor):
         first = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedGrad))
         raise ShardedGradError(
             f"the gradient of parameter '{first._shardpar_name}' was read ({func}), but {first._shardpar_where}: "
-            f"{_FIX}. See [Note: no full gradients at stages 1-3] in shardpar/core/sharded_grads.py"
+            f"{_FIX}. {_WHOLE_GRADS_AT_STAGE_0}. See [Note: no full gradients at stages 1-3] in "
+            "shardpar/core/sharded_grads.py"
         )
 
 
