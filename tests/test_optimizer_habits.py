@@ -501,6 +501,35 @@ def test_a_factory_built_optimizer_ports_by_its_class_and_param_groups(stage: in
         _assert_close(out["state"], expected, f"stage {stage}, rank {rank}")
 
 
+def _named_parameters_port(stage: int) -> dict[str, torch.Tensor]:
+    model = _wrap(_net(), stage)
+    named = list(model.named_parameters())
+    groups = [{"params": [(n, p) for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+              {"params": [(n, p) for n, p in named if p.ndim >= 2]}]
+    opt = shardpar.optimizer(model, torch.optim.AdamW, groups, lr=0.05, weight_decay=0.1)
+    _train(model, opt, range(3))
+    return model.full_state_dict()
+
+
+def _named_parameters_reference() -> dict[str, torch.Tensor]:
+    model = _net()
+    named = list(model.named_parameters())
+    groups = [{"params": [(n, p) for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+              {"params": [(n, p) for n, p in named if p.ndim >= 2]}]
+    opt = torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1)
+    _train(model, opt, range(3))
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_param_groups_of_named_parameters_work_as_in_torch(stage: int) -> None:
+    """torch optimizers take ``(name, parameter)`` pairs (``model.named_parameters()``) in
+    place of parameters; so does ``shardpar.optimizer``."""
+    expected = _named_parameters_reference()
+    for rank, state in enumerate(run_ranks(_named_parameters_port, 2, stage, timeout=60)):
+        _assert_close(state, expected, f"stage {stage}, rank {rank}")
+
+
 def test_porting_a_factory_optimizer_with_its_defaults_fails_where_its_param_groups_work() -> None:
     """Why the guide says ``opt.param_groups`` and not ``**opt.defaults``: torch's AdamW puts
     keys in its defaults that its constructor does not take."""

@@ -21,13 +21,21 @@ from ..engines import Engine
 from ..module import ShardedModule
 
 
+def _unname(members: list[Any]) -> list[Any]:
+    """torch optimizers also take ``model.named_parameters()`` (pairs of name and parameter);
+    the name is the wrapped model's anyway, so only the parameter is kept."""
+    if members and all(isinstance(m, tuple) and len(m) == 2 and isinstance(m[0], str) for m in members):
+        return [param for _, param in members]
+    return members
+
+
 def _resolve_param_groups(engine: Engine, params: Any) -> list[dict[str, Any]]:
     """User params (None, tensors, or dicts as torch takes them) -> groups naming params."""
     if params is None:
         params = [p for _, p in engine.trainable]
     if isinstance(params, torch.Tensor):
         raise TypeError("params must be an iterable of parameters or of dicts, not a single tensor")
-    params = list(params)
+    params = _unname(list(params))
     if not params:
         raise ValueError("shardpar.optimizer got an empty parameter list")
     if all(isinstance(g, dict) for g in params):
@@ -43,7 +51,7 @@ def _resolve_param_groups(engine: Engine, params: Any) -> list[dict[str, Any]]:
         if "params" not in group:
             raise ValueError(f"param group {index} has no 'params' entry")
         members = group.pop("params")
-        members = [members] if isinstance(members, torch.Tensor) else list(members)
+        members = [members] if isinstance(members, torch.Tensor) else _unname(list(members))
         names = []
         for param in members:
             name = engine.param_names.get(param) if isinstance(param, nn.Parameter) else None
