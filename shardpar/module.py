@@ -19,6 +19,23 @@ from .comm import collectives as C
 from .engines import Engine
 
 
+def sharded_module_of(model: Any, who: str) -> "ShardedModule":
+    """The ``ShardedModule`` that ``model`` is, or that a ``torch.compile`` wrapper of it holds.
+
+    timm and other trainers compile what they train, so the object a script keeps is often
+    ``torch.compile(shardpar.wrap(model))`` (an ``OptimizedModule`` whose ``_orig_mod`` is the
+    ShardedModule): every shardpar function that takes the model accepts that wrapper too and
+    works on the module inside it. ``who`` names the caller in the error for anything else."""
+    inner = model
+    while not isinstance(inner, ShardedModule) and isinstance(inner, nn.Module) \
+            and isinstance(getattr(inner, "_orig_mod", None), nn.Module):
+        inner = inner._orig_mod  # torch.compile's OptimizedModule (compiled again: one level per compile)
+    if not isinstance(inner, ShardedModule):
+        raise TypeError(f"{who} needs the model returned by shardpar.wrap (or torch.compile of it), "
+                        f"got {type(model).__name__}")
+    return inner
+
+
 class ShardedModule(nn.Module):
     """A module trained data-parallel at one ZeRO stage. ``.module`` is the wrapped model."""
 

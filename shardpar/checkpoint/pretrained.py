@@ -22,8 +22,9 @@ import torch
 
 from ..comm import watch
 from ..errors import CheckpointError
+from ..module import sharded_module_of
 from .hf import KeyReport, RangeRead, _tied_groups, hf_ignore_patterns, match_keys, open_hf_checkpoint
-from .sharded import _agree, _engine_of, _model_tensors, buffer_target, read_on_every_rank
+from .sharded import _agree, _model_tensors, buffer_target, read_on_every_rank
 
 
 def load_pretrained(model: Any, path: str | os.PathLike[str], strict: bool = True) -> KeyReport:
@@ -32,7 +33,7 @@ def load_pretrained(model: Any, path: str | os.PathLike[str], strict: bool = Tru
     with ``strict`` either being non-empty is a :class:`shardpar.CheckpointError` (raised
     before anything is read). Bad files, shapes, or names in the index are
     ``CheckpointError``\\ s naming the tensor or file, on every rank."""
-    engine = _engine_of(model)
+    engine = sharded_module_of(model, "shardpar.load_pretrained").engine  # or a torch.compile wrapper of it
     group = engine.group
     with watch.operation("load_pretrained"):
         watch.meet(group, "load_pretrained")

@@ -75,7 +75,7 @@ from .hf_config import config_files, floating_dtype, hf_config_of
 from ..core.pieces import TensorPiece, is_elementwise
 from ..engines import Engine
 from ..errors import CheckpointError
-from ..module import ShardedModule
+from ..module import ShardedModule, sharded_module_of
 from ..optim import ShardedOptimizer
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_full", "latest_checkpoint"]
@@ -130,12 +130,6 @@ def read_on_every_rank(run_reads: Callable[[], None], staged: list[tuple[torch.T
 def _crash_point(rank: int, phase: str) -> None:
     if os.environ.get(TEST_CRASH_ENV) == f"{rank}:{phase}":
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _engine_of(model: Any) -> Engine:
-    if not isinstance(model, ShardedModule):
-        raise TypeError(f"expected the model returned by shardpar.wrap, got {type(model).__name__}")
-    return model.engine
 
 
 def _check_optimizer(optimizer: Any, engine: Engine) -> None:
@@ -276,7 +270,8 @@ def _collective_phase(name: str) -> Callable:
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def run(path: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-            group = _engine_of(model).group
+            model = sharded_module_of(model, f"shardpar.{name}")  # or a torch.compile wrapper of it
+            group = model.engine.group
             with watch.operation(name):
                 watch.meet(group, name)
                 return fn(path, model, *args, **kwargs)
@@ -297,7 +292,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimize
     docs/checkpoint-format.md, "Writing". Rank 0 first removes abandoned temporaries of other
     checkpoints in the parent: [Note: sweeping temporaries] in :mod:`.io`.
     """
-    engine = _engine_of(model)
+    engine = model.engine
     rank, world_size, group = engine.rank, engine.world_size, engine.group
     target = Path(path).absolute()
     problem: BaseException | None = None
@@ -459,7 +454,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: ShardedModule,
     manifest's sha256 first. Any problem is a :class:`CheckpointError` raised on every rank
     (if data was already being copied when it happened, the model is partially loaded).
     """
-    engine = _engine_of(model)
+    engine = model.engine
     group = engine.group
     problem: BaseException | None = None
     reader: CheckpointReader | None = None
@@ -536,7 +531,7 @@ def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size
     ``config.json`` and ``generation_config.json`` beside the weights. The directory appears
     whole or not at all. Returns the model files written (on every rank).
     """
-    engine = _engine_of(model)
+    engine = model.engine
     rank, group = engine.rank, engine.group
     out_dir = Path(path).absolute()
     problem: BaseException | None = None

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..comm import collectives as C
-from ..module import ShardedModule
+from ..module import ShardedModule, sharded_module_of
 
 
 class GradScaler:
@@ -38,8 +38,7 @@ class GradScaler:
         growth_interval: int = 2000,
         enabled: bool = True,
     ) -> None:
-        if not isinstance(model, ShardedModule):
-            raise TypeError(f"GradScaler needs the model returned by shardpar.wrap, got {type(model).__name__}")
+        model = sharded_module_of(model, "shardpar.GradScaler")  # or a torch.compile wrapper of it
         if not (math.isfinite(init_scale) and init_scale > 0.0):
             raise ValueError(f"init_scale must be a finite number > 0, got {init_scale}")
         if not growth_factor > 1.0:

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..core.pieces import TensorPiece
 from ..engines import Engine
-from ..module import ShardedModule
+from ..module import ShardedModule, sharded_module_of
 
 
 def _unname(members: list[Any]) -> list[Any]:
@@ -452,10 +452,7 @@ def optimizer(
     ``params`` takes what torch optimizers take (tensors, or dicts with per-group options);
     None means every trainable parameter.
     """
-    if not isinstance(model, ShardedModule):
-        raise TypeError(
-            f"shardpar.optimizer needs the model returned by shardpar.wrap, got {type(model).__name__}"
-        )
+    model = sharded_module_of(model, "shardpar.optimizer")  # or a torch.compile wrapper of it
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(
             f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, "
