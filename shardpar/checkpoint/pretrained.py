@@ -24,6 +24,7 @@ from ..comm import watch
 from ..errors import CheckpointError
 from ..module import sharded_module_of
 from .hf import KeyReport, RangeRead, _tied_groups, hf_ignore_patterns, match_keys, open_hf_checkpoint
+from .reorder import ReorderedReads
 from .sharded import _agree, _model_tensors, buffer_target, read_on_every_rank
 
 
@@ -41,15 +42,17 @@ def load_pretrained(model: Any, path: str | os.PathLike[str], strict: bool = Tru
         checkpoint = None
         report = KeyReport([], [])
         reads: list[RangeRead] = []
+        reordered = ReorderedReads()  # pieces of tensors kept in another element order
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # buffers that cannot be read into in place
         try:
             try:
                 checkpoint = open_hf_checkpoint(path)
-                report, reads, staged = _plan(engine, checkpoint, strict)
+                report, reads, staged = _plan(engine, checkpoint, strict, reordered)
             except Exception as error:
                 problem = error
             _agree(problem, "load_pretrained", group)
-            read_on_every_rank(lambda: checkpoint.read_ranges(reads), staged, "load_pretrained", group)
+            read_on_every_rank(lambda: (checkpoint.read_ranges(reads), reordered.run(checkpoint.read_ranges)),
+                               staged, "load_pretrained", group)
         finally:
             if checkpoint is not None:
                 checkpoint.close()
@@ -57,7 +60,8 @@ def load_pretrained(model: Any, path: str | os.PathLike[str], strict: bool = Tru
     return report
 
 
-def _plan(engine: Any, checkpoint: Any, strict: bool) -> tuple[KeyReport, list[RangeRead], list]:
+def _plan(engine: Any, checkpoint: Any, strict: bool,
+          reordered: ReorderedReads) -> tuple[KeyReport, list[RangeRead], list]:
     model_tensors, aliases = _model_tensors(engine)
     stored = checkpoint.tensors
     ignore_missing, ignore_unexpected = hf_ignore_patterns(engine.module)
@@ -78,8 +82,13 @@ def _plan(engine: Any, checkpoint: Any, strict: bool) -> tuple[KeyReport, list[R
     tensors = {name: tensor for name, _, tensor in model_tensors}
     checkpoint.check_shapes({source[name]: tuple(tensors[name].shape) for name in source})
     engine.wait_for_params()
-    reads = [RangeRead(source[piece.name], *piece.param_range, piece.tensor)
-             for piece in engine.load_pieces() if piece.name in source]
+    orders = engine.element_orders()
+    reads = []
+    for piece in engine.load_pieces():
+        if piece.name in source:
+            def plan(start: int, end: int, dest: torch.Tensor, stored: str = source[piece.name]) -> list[RangeRead]:
+                return [RangeRead(stored, start, end, dest)]
+            reads += reordered.reads_for(orders[piece.name], *piece.param_range, piece.tensor, plan)
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, kind, tensor in model_tensors:
         if kind == "buffer" and name in source:

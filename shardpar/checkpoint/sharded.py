@@ -72,6 +72,8 @@ from .io import (
     sha256_file,
 )
 from .hf_config import config_files, floating_dtype, hf_config_of
+from .reorder import MemoryPiece, ReorderedReads, row_major_range, to_row_major
+from ..core.element_order import ElementOrder
 from ..core.pieces import TensorPiece, is_elementwise
 from ..engines import Engine
 from ..errors import CheckpointError
@@ -167,15 +169,36 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- save
 
 
+Written = tuple[StoredItem, "torch.Tensor | Callable[[], torch.Tensor]"]
+"""An item and its values (1-D), or what makes them when the file is written (reordered pieces)."""
+
+
+def _stored_item(ref: tuple[str, ...], start: int, end: int, dtype: torch.dtype) -> StoredItem:
+    return StoredItem(ref, piece_key(ref, start, end), start, end, dtype_name(dtype))
+
+
+def _in_param_space(value: torch.Tensor, order: ElementOrder) -> torch.Tensor:
+    """An elementwise optimizer state as 1-D in param space: a piece's (1-D) as it is, a
+    whole parameter's (stage 0) in the parameter's memory order."""
+    return order.flatten(value.detach()) if value.dim() > 1 else _flat(value)
+
+
 def _items_to_write(
     engine: Engine, optimizer: ShardedOptimizer | None
-) -> tuple[list[tuple[StoredItem, torch.Tensor]], dict[str, dict[str, Any]], list[list[str]]]:
-    """What this rank writes: ``(item, 1-D tensor)`` pairs; the scalar optimizer state it
-    knows; the parameter names of each param group it holds."""
-    items: list[tuple[StoredItem, torch.Tensor]] = []
+) -> tuple[list[Written], list[MemoryPiece], dict[str, dict[str, Any]], list[list[str]]]:
+    """What this rank writes: ``(item, 1-D tensor)`` pairs; the pieces of tensors kept in
+    another element order, which :func:`_row_major_items` turns into items (ranges in memory
+    order, see [Note: reordered pieces] in reorder.py); the scalar optimizer state it knows;
+    the parameter names of each param group it holds."""
+    items: list[Written] = []
+    reordered: list[MemoryPiece] = []
+    orders = engine.element_orders()
 
     def add(ref: tuple[str, ...], tensor: torch.Tensor, start: int, end: int) -> None:
-        items.append((StoredItem(ref, piece_key(ref, start, end), start, end, dtype_name(tensor.dtype)), tensor))
+        if orders[ref[1]].reorders:
+            reordered.append(MemoryPiece(ref, start, end, tensor))
+        else:
+            items.append((_stored_item(ref, start, end, tensor.dtype), tensor))
 
     saved: dict[str, list[TensorPiece]] = defaultdict(list)
     for piece in engine.save_pieces():
@@ -184,7 +207,7 @@ def _items_to_write(
     if engine.rank == 0:
         for name, kind, tensor in _model_tensors(engine)[0]:
             if kind == "buffer":
-                add(("model", name), _flat(tensor), 0, tensor.numel())
+                items.append((_stored_item(("model", name), 0, tensor.numel(), tensor.dtype), _flat(tensor)))
 
     scalar: dict[str, dict[str, Any]] = {}
     group_names: list[list[str]] = []
@@ -197,27 +220,37 @@ def _items_to_write(
                     if not is_elementwise(key, value, owner.tensor):
                         scalar.setdefault(owner.name, {})[key] = encode_value(value, where)
                         continue
-                    flat = _flat(value)
+                    flat = _in_param_space(value, orders[owner.name])
                     offset, owner_end = owner.param_range
                     for piece in saved[owner.name]:  # the slices this rank writes of the parameter
                         start, end = max(piece.param_range[0], offset), min(piece.param_range[1], owner_end)
                         if start < end:
                             add(("state", owner.name, key), flat[start - offset : end - offset], start, end)
-    return items, scalar, group_names
+    return items, reordered, scalar, group_names
 
 
-def _write_rank_file(
-    path: Path, items: list[tuple[StoredItem, torch.Tensor]], rank: int, world_size: int
-) -> FileRecord:
+def _held(pieces: list[MemoryPiece]) -> list[tuple[tuple[str, ...], int, int]]:
+    """What every rank must know of this rank's reordered pieces to plan the transfers."""
+    return [(p.ref, p.start, p.end) for p in pieces]
+
+
+def _row_major_items(pieces: list[MemoryPiece], held: list[Any], engine: Engine) -> list[Written]:
+    """The items this rank writes of reordered tensors (a collective; see [Note: reordered
+    pieces]): values made when written, one piece at a time."""
+    return [(_stored_item(p.ref, p.start, p.end, p.dtype), p.values)
+            for p in to_row_major(pieces, held, engine.element_orders(), engine.rank, engine.group)]
+
+
+def _write_rank_file(path: Path, items: list[Written], rank: int, world_size: int) -> FileRecord:
     writer = SafetensorsWriter(
-        path, [(item.key, tensor.dtype, (item.end - item.start,)) for item, tensor in items],
+        path, [(item.key, parse_dtype(item.dtype), (item.end - item.start,)) for item, _ in items],
         {"shardpar_format": "1", "rank": str(rank), "world_size": str(world_size)},
     )
     try:
         for index, (_, tensor) in enumerate(items):
             if index == len(items) // 2:
                 _crash_point(rank, "write")
-            writer.write(tensor)
+            writer.write(tensor() if callable(tensor) else tensor)
         size, digest = writer.close()
     except BaseException:
         writer.abort()
@@ -298,13 +331,14 @@ def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimize
     problem: BaseException | None = None
     tmp_name = None
     hf_config = None
+    reordered: list[MemoryPiece] = []
     try:
         _check_optimizer(optimizer, engine)
         to_json_text(extra, "extra")
         hyperparameters = None if optimizer is None else _hyperparameters(optimizer)
         engine.wait_for_params()
         with torch.no_grad():
-            items, scalar, group_names = _items_to_write(engine, optimizer)
+            items, reordered, scalar, group_names = _items_to_write(engine, optimizer)
         if rank == 0:
             hf_config = hf_config_of(model.module)
             check_replaceable(target)
@@ -315,8 +349,10 @@ def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimize
     except Exception as error:
         problem = error
     try:
-        tmp = target.parent / _agree(problem, "save_checkpoint", group, tmp_name)[0]
+        agreed = _agree(problem, "save_checkpoint", group, (tmp_name, _held(reordered)))
+        tmp = target.parent / agreed[0][0]
 
+        items += _row_major_items(reordered, [held for _, held in agreed], engine)
         try:
             record = _write_rank_file(tmp / rank_file_name(rank, world_size), items, rank, world_size)
             report = _RankReport(record, [item for item, _ in items], scalar, group_names)
@@ -420,9 +456,12 @@ def _state_device(group: dict[str, Any], owner: torch.Tensor) -> torch.device:
     return owner.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
 
 
-def _plan_optimizer(reader: CheckpointReader, manifest: Manifest, optimizer: ShardedOptimizer):
+def _plan_optimizer(reader: CheckpointReader, manifest: Manifest, optimizer: ShardedOptimizer,
+                    orders: dict[str, ElementOrder], reordered: ReorderedReads):
     """Fresh state for every piece this rank's optimizer updates (``states[g][i]`` for
-    ``optimizer.pieces()[g][i]``), and the reads that fill its tensors."""
+    ``optimizer.pieces()[g][i]``), and the reads that fill its tensors (those of reordered
+    tensors go to ``reordered``). State of a whole parameter (stage 0) has its strides, as
+    torch's ``zeros_like(param)`` gives."""
     record = manifest.optimizer
     states: list[list[dict[str, Any]]] = []
     reads = []
@@ -437,8 +476,13 @@ def _plan_optimizer(reader: CheckpointReader, manifest: Manifest, optimizer: Sha
                 # As torch's Optimizer.load_state_dict: floating state takes the tensor's dtype.
                 floating = entry.dtype.is_floating_point and owner.tensor.is_floating_point()
                 dtype = owner.tensor.dtype if floating else entry.dtype
-                tensor = torch.empty(owner.tensor.shape, dtype=dtype, device=owner.tensor.device)
-                reads += reader.plan(entry, start, end, tensor.view(-1))
+                order = orders[owner.name]
+                if owner.tensor.dim() > 1:
+                    tensor = order.empty(dtype, owner.tensor.device)
+                else:
+                    tensor = torch.empty(owner.tensor.shape, dtype=dtype, device=owner.tensor.device)
+                reads += reordered.reads_for(order, start, end, _in_param_space(tensor, order),
+                                             functools.partial(reader.plan, entry))
                 state[key] = tensor
             states[-1].append(state)
     return states, reads
@@ -472,22 +516,26 @@ def load_checkpoint(path: str | os.PathLike[str], model: ShardedModule,
             model_tensors, _ = _model_tensors(engine)
             source = {name: manifest.tensors[name if name in manifest.tensors else manifest.aliases[name]]
                       for name, _, _ in model_tensors}
+            orders = engine.element_orders()
             reads = []
+            reordered = ReorderedReads()  # pieces of tensors kept in another element order
             for piece in engine.load_pieces():
-                reads += reader.plan(source[piece.name], *piece.param_range, piece.tensor)
+                reads += reordered.reads_for(orders[piece.name], *piece.param_range, piece.tensor,
+                                             functools.partial(reader.plan, source[piece.name]))
             staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # buffers that cannot be read into in place
             for name, kind, tensor in model_tensors:
                 if kind == "buffer":
                     reads += reader.plan(source[name], 0, tensor.numel(), buffer_target(tensor, staged))
             new_states: list[list[dict[str, Any]]] = []
             if optimizer is not None:
-                new_states, optimizer_reads = _plan_optimizer(reader, manifest, optimizer)
+                new_states, optimizer_reads = _plan_optimizer(reader, manifest, optimizer, orders, reordered)
                 reads += optimizer_reads
-            reader.verify_files(read.file for read in reads)  # every checksum before any byte is copied
+            # Every checksum before any byte is copied.
+            reader.verify_files(read.file for read in reads + reordered.reads)
         except Exception as error:
             problem = error
         _agree(problem, "load_checkpoint", group)
-        read_on_every_rank(lambda: reader.run(reads), staged, "load_checkpoint", group)
+        read_on_every_rank(lambda: (reader.run(reads), reordered.run(reader.run)), staged, "load_checkpoint", group)
     finally:
         if reader is not None:
             reader.close()
@@ -546,11 +594,24 @@ def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size
         problem = error
     everyone = _agree(problem, "save_full", group, mine)
 
+    # Pieces of tensors kept in another element order become the row-major ranges their ranks
+    # write ([Note: reordered pieces] in reorder.py): the same plan on every rank.
+    orders = engine.element_orders()
+    reordered = [MemoryPiece(("model", name), start, end, local.pop((name, start, end)))
+                 for name, start, end, _ in mine if orders[name].reorders]
+    held = [[(("model", name), start, end) for name, start, end, _ in listed if orders[name].reorders]
+            for listed in everyone]
+    for piece in to_row_major(reordered, held, orders, rank, group):
+        local[(piece.ref[1], piece.start, piece.end)] = piece.values
+
     model_tensors, _ = _model_tensors(engine)
     pieces: dict[str, list[tuple[int, int, int, torch.dtype]]] = defaultdict(list)  # name -> (start, end, owner, dtype)
     for owner, listed in enumerate(everyone):
         for name, start, end, stored in listed:
-            pieces[name].append((start, end, owner, parse_dtype(stored)))
+            if orders[name].reorders:
+                start, end = row_major_range(orders[name], start, end)
+            if start < end:
+                pieces[name].append((start, end, owner, parse_dtype(stored)))
     for listed in pieces.values():
         listed.sort()
 
@@ -578,9 +639,11 @@ def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size
                     problem = _write_chunk(writer, _flat(tensor), problem)
                 continue
             for start, end, owner, stored in pieces[name]:
+                values = local[(name, start, end)] if owner == rank else None
+                values = values() if callable(values) else values  # a reordered piece: made now, one at a time
                 for first, last in _chunk_ranges(start, end, stored.itemsize):
                     if owner == rank:
-                        chunk = local[(name, start, end)][first - start : last - start]
+                        chunk = values[first - start : last - start]
                         if rank != 0:
                             C.send(chunk.contiguous(), 0, group=group)
                     elif rank == 0:

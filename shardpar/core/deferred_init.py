@@ -11,7 +11,9 @@ The values are those bit for bit, at every stage and world size:
   shared by two parents visited twice) on the global CPU generator, which every rank first
   sets to rank 0's state, so every rank computes the same values without any broadcast.
 - A module's own parameters and buffers are materialised on CPU just before its first visit
-  (``torch.utils.swap_tensors``, so the Parameter objects users hold stay the same), filled
+  (``torch.utils.swap_tensors``, so the Parameter objects users hold stay the same), with the
+  strides they have on the meta device (a model made ``channels_last`` there keeps that
+  format, and the init fills it as it would fill that model on CPU), filled
   with NaN (floating point) or the dtype's minimum (integers), so that anything no init wrote
   is found afterwards and named: a module without ``reset_parameters`` and an ``init_fn``
   that skips it is an error, not garbage values.
@@ -42,6 +44,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm import devices as D
+from .element_order import is_dense, row_major_strides
 
 InitFn = Callable[[nn.Module], Any]
 
@@ -78,7 +81,13 @@ def _unset(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _fresh(like: torch.Tensor) -> torch.Tensor:
-    value = torch.empty(like.shape, dtype=like.dtype, device="cpu")
+    # With the meta tensor's strides where they are a dense layout: a model converted to
+    # channels_last on the meta device keeps that memory format ([Note: element order] in
+    # element_order.py), and a random init fills such a tensor in memory order, as it does on CPU.
+    strides = tuple(like.stride())
+    if not is_dense(like.shape, strides):
+        strides = row_major_strides(like.shape)
+    value = torch.empty_strided(like.shape, strides, dtype=like.dtype, device="cpu")
     if value.is_floating_point() or value.is_complex():
         value.fill_(float("nan"))
     elif value.dtype == torch.bool:

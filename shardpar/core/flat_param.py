@@ -142,7 +142,8 @@ class FlatParamGroup:
         self._pending = _PendingGather(self)
         self._sharded = {name: _Sharded(self, name) for name in self.params}
         self._placeholders = {
-            name: storageless(p.shape, full.dtype, full.device) for name, p in self.params.items()
+            name: storageless(order.shape, full.dtype, full.device, order.strides)
+            for name, order in layout.orders().items()
         } if frees_storage else {}
 
     # ------------------------------------------------------------------ sizes and spaces

@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .element_order import ElementOrder, dense_order, is_dense, row_major_strides
 from .param_guard import metadata_only
 
 
@@ -51,7 +52,20 @@ class ParamInventory:
         self.original_dtypes = {n: p.dtype for n, p in self.named}
         """Parameter dtypes as built: what checkpoints and full state dicts hold."""
         self.shapes = {n: p.shape for n, p in self.named}
+        self._strides = {n: tuple(p.stride()) for n, p in self.named}
+        """Strides as wrapped: the memory format every stage keeps ([Note: element order])."""
         self._requires_grad = [p.requires_grad for _, p in self.named]
+
+    def order(self, name: str) -> ElementOrder:
+        """The element order parameter ``name`` keeps in a flat buffer; a ValueError naming it
+        when it is not dense (see ``dense_order``)."""
+        return dense_order(name, self.shapes[name], self._strides[name])
+
+    def kept_order(self, name: str) -> ElementOrder | None:
+        """The element order of a parameter that stays the module's own tensor (frozen, stages
+        0-2); None where it is not dense (it is then saved row-major and cannot be loaded in place)."""
+        shape, strides = self.shapes[name], self._strides[name]
+        return ElementOrder.of(shape, strides) if is_dense(shape, strides) else None
 
     @property
     def trainable_numel(self) -> int:
@@ -127,7 +141,12 @@ def model_signature(module: nn.Module, fingerprint: str) -> list[tuple[str, str]
     """What every rank must agree on, as comparable ``(what, value)`` rows."""
     rows = [("config", fingerprint)]
     for name, p in module.named_parameters():
-        rows.append((f"parameter '{name}'", f"shape={tuple(p.shape)} dtype={p.dtype} requires_grad={p.requires_grad}"))
+        # Strides where they are not row-major: ranks must keep each parameter in the same
+        # element order, or rank 0's values would be read in another order elsewhere.
+        strides = tuple(p.stride())
+        layout = "" if strides == row_major_strides(p.shape) else f" strides={strides}"
+        rows.append((f"parameter '{name}'",
+                     f"shape={tuple(p.shape)} dtype={p.dtype} requires_grad={p.requires_grad}{layout}"))
     for name, b in module.named_buffers():
         rows.append((f"buffer '{name}'", f"shape={tuple(b.shape)} dtype={b.dtype}"))
     return rows

@@ -5,7 +5,9 @@ Sharding bugs live where offsets of different spaces get mixed, so every offset 
 a :class:`Range` in one of three named spaces:
 
 - *buffer space*: offsets into the whole flat buffer (identical on every rank);
-- *param space*: offsets into one parameter flattened to 1-D (``0 .. p.numel()``);
+- *param space*: offsets into one parameter's elements in memory order (``0 .. p.numel()``;
+  row-major unless the tensor was wrapped in another memory format: [Note: element order]
+  in element_order.py);
 - *local space*: offsets into this rank's shard, the concatenation of its slice of every
   bucket in bucket order (``0 .. layout.shard_numel``), which is what ZeRO stores.
 
@@ -49,6 +51,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import torch
 
 from ..comm import collectives as C
+from .element_order import ElementOrder
 
 
 @dataclass(frozen=True)
@@ -79,12 +82,21 @@ class Range:
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """Where one tensor lives: its ``range`` is in buffer space."""
+    """Where one tensor lives: its ``range`` is in buffer space, holding its elements in the
+    ``order`` the tensor keeps them in ([Note: element order])."""
 
     name: str
-    shape: torch.Size
+    order: ElementOrder
     range: Range
     bucket: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.order.shape
+
+    def shaped(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (1-D, this slot's elements) as the tensor: its shape and strides, a view."""
+        return self.order.shaped(values)
 
 
 @dataclass(frozen=True)
@@ -169,13 +181,14 @@ class BufferLayout:
 
     def __init__(
         self,
-        tensors: Sequence[tuple[str, torch.Size]],
+        tensors: Sequence[tuple[str, torch.Size | ElementOrder]],
         world_size: int,
         bucket_cap_numel: int | None = None,
         param_align: int = 1,
         bucket_multiple: int | None = None,
     ) -> None:
-        """``tensors`` in layout order; ``bucket_cap_numel=None`` puts all in one bucket.
+        """``tensors`` in layout order, each with its shape (row-major) or its element order;
+        ``bucket_cap_numel=None`` puts all in one bucket.
 
         A tensor larger than the cap gets a bucket of its own; a tensor is never split. The cap
         bounds a bucket's tensors and the gaps between them. Every tensor starts at a multiple
@@ -217,14 +230,15 @@ class BufferLayout:
             bucket_names, gaps = [], []
 
         for name, shape in tensors:
-            numel = torch.Size(shape).numel()
+            order = shape if isinstance(shape, ElementOrder) else ElementOrder(torch.Size(shape))
+            numel = order.numel
             start = padded_size(offset, param_align)
             if bucket_names and start - bucket_start + numel > cap:
                 close_bucket()
                 start = offset  # a bucket starts aligned
             if start > offset:
                 gaps.append(Range(offset, start))
-            self.slots[name] = ParamSlot(name, torch.Size(shape), Range(start, start + numel), len(self.buckets))
+            self.slots[name] = ParamSlot(name, order, Range(start, start + numel), len(self.buckets))
             bucket_names.append(name)
             offset = start + numel
         if bucket_names:
@@ -246,9 +260,12 @@ class BufferLayout:
         return sum(b.padding for b in self.buckets)
 
     def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        """Tensor ``name`` as a view of the full flat buffer ``flat``, in its own shape."""
+        """Tensor ``name`` as a view of the full flat buffer ``flat``, in its own shape and strides."""
         slot = self.slots[name]
-        return slot.range.of(flat).view(slot.shape)
+        return slot.shaped(slot.range.of(flat))
+
+    def orders(self) -> dict[str, ElementOrder]:
+        return {name: slot.order for name, slot in self.slots.items()}
 
     def local_offset(self, bucket: Bucket) -> int:
         """Where ``bucket``'s slice starts in local space."""

@@ -127,8 +127,9 @@ class _NoStorage(torch.Tensor):
     """Only used to make tensors with metadata and no storage at all (see the note)."""
 
     @staticmethod
-    def __new__(cls, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> "_NoStorage":
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                strides: tuple[int, ...] | None = None) -> "_NoStorage":
+        return torch.Tensor._make_wrapper_subclass(cls, shape, strides=strides, dtype=dtype, device=device)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -139,7 +140,9 @@ class _NoStorage(torch.Tensor):
         raise RuntimeError("this tensor stands in for a sharded parameter and has no values")
 
 
-def storageless(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of ``shape``/``dtype`` with no storage: assigned to a sharded parameter's
-    ``.data``, any kernel reading it raises instead of touching freed memory."""
-    return _NoStorage(shape, dtype, device)
+def storageless(shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                strides: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A tensor of ``shape``/``dtype`` (and ``strides``, None: row-major) with no storage:
+    assigned to a sharded parameter's ``.data``, any kernel reading it raises instead of
+    touching freed memory; its metadata stay the parameter's."""
+    return _NoStorage(shape, dtype, device, strides)

@@ -11,7 +11,8 @@ import torch
 class TensorPiece:
     """A local tensor holding part of one parameter, and which part.
 
-    ``param_range`` is in param space (offsets into the flattened parameter). Used for what
+    ``param_range`` is in param space (offsets into the parameter's elements in memory order,
+    row-major unless it keeps another memory format: [Note: element order]). Used for what
     the wrapped optimizer updates (the whole parameter at stage 0, this rank's piece at
     stages 1-3) and for what a checkpoint writes and reads. ``grad`` is the reduced gradient
     the optimizer reads for it (None where the tensor is a Parameter with its own ``.grad``,

@@ -496,8 +496,8 @@ class StagedReduceScatter(_ShardedAverage):
         indexed like the whole space)."""
         slot = bucket.space.layout.slots[name]
         if full is not None:
-            return slot.range.of(full).view(slot.shape)
-        return slot.range.shift(-bucket.spec.range.start).of(self._staging_for(bucket)).view(slot.shape)
+            return slot.shaped(slot.range.of(full))
+        return slot.shaped(slot.range.shift(-bucket.spec.range.start).of(self._staging_for(bucket)))
 
     def _accumulation(self, space: ParamSpace) -> torch.Tensor:
         if space not in self._accumulated:

@@ -34,6 +34,7 @@ from torch import nn
 from ..comm import collectives as C
 from .flat_param import FlatParamGroup
 from .gatherer import PostStepGatherer
+from .element_order import ElementOrder
 from .inventory import group_by_dtype
 from .layout import Alignment, BufferLayout, ShardPiece, alignment_for
 from .pieces import TensorPiece
@@ -44,18 +45,19 @@ from .wait_clock import WaitClock
 class ParamBuffer:
     """One dtype's trainable parameters in one 1-D tensor (compute dtype, padded per bucket and,
     aligned, in front of each parameter: [Note: alignment] in layout.py); after construction
-    every parameter's ``.data`` is a view into ``data``. The Parameter objects themselves never
-    change."""
+    every parameter's ``.data`` is a view into ``data``, with the strides it was wrapped with
+    ([Note: element order]). The Parameter objects themselves never change."""
 
     def __init__(
-        self, named: Sequence[tuple[str, nn.Parameter]], world_size: int, bucket_cap_numel: int,
-        param_dtype: torch.dtype | None, alignment: Alignment,
+        self, named: Sequence[tuple[str, nn.Parameter]], orders: dict[str, ElementOrder], world_size: int,
+        bucket_cap_numel: int, param_dtype: torch.dtype | None, alignment: Alignment,
     ) -> None:
         first = named[0][1]
         self.master_dtype = first.dtype
         self.compute_dtype = param_dtype if param_dtype is not None and first.dtype.is_floating_point else first.dtype
         self.device = first.device
         self.params = dict(named)
+        self.orders = {name: orders[name] for name in self.params}
         self.alignment = alignment
         self.world_size = world_size
         self.bucket_cap_numel = bucket_cap_numel
@@ -79,7 +81,7 @@ class ParamBuffer:
     def layout_in(self, order: Sequence[str]) -> BufferLayout:
         """This buffer's tensors laid out in ``order`` and cut into buckets: the one place its
         layouts are built, at wrap and again when the buckets are rebuilt."""
-        return BufferLayout([(name, self.params[name].shape) for name in order], self.world_size,
+        return BufferLayout([(name, self.orders[name]) for name in order], self.world_size,
                             self.bucket_cap_numel, **self.alignment._asdict())
 
     def relayout(self, move: Relayout) -> None:
@@ -117,7 +119,7 @@ class ParamBuffer:
         groups = []
         for bucket in self.layout.buckets:
             named = [(name, self.params[name]) for name in bucket.names]
-            sub = BufferLayout([(n, p.shape) for n, p in named], self.layout.world_size,
+            sub = BufferLayout([(n, self.orders[n]) for n, _ in named], self.layout.world_size,
                                **self.alignment._asdict())
             assert sub.numel == bucket.range.size and all(  # a bucket starts aligned: same offsets
                 sub.slots[n].range.shift(bucket.range.start) == self.layout.slots[n].range for n, _ in named)
@@ -144,11 +146,15 @@ class ReplicatedStorage:
         param_dtype = mp.param_dtype if mp is not None else None
         bytes_cap = int(config.bucket_cap_mb * 1024 * 1024)
         self.alignment = alignment_for(config.align_for_bandwidth, group, world_size)
+        orders = {name: inventory.order(name) for name, _ in inventory.trainable}  # refuses non-dense ones by name
         self.buffers = [
-            ParamBuffer(named, world_size, max(1, bytes_cap // named[0][1].element_size()), param_dtype,
+            ParamBuffer(named, orders, world_size, max(1, bytes_cap // named[0][1].element_size()), param_dtype,
                         self.alignment)
             for named in group_by_dtype(inventory.trainable)
         ]
+        self.frozen_orders = {name: inventory.kept_order(name) for name, _ in inventory.frozen}
+        """Frozen parameters stay the module's own tensors (and are saved in their element order
+        where they are dense)."""
         self.buffer_of = {name: buf for buf in self.buffers for name in buf.params}
         self.frozen_masters: dict[str, torch.Tensor] = {}
         """Mixed precision: frozen parameters compute in ``param_dtype``; their original values
@@ -198,6 +204,13 @@ class ReplicatedStorage:
         if self.sharded_master:
             self.groups = [g for buf in self.buffers for g in buf.bucket_groups(self.rank)]
             self.gatherer.track(self.groups)
+
+    def element_orders(self) -> dict[str, ElementOrder]:
+        """Every parameter's element order: what its pieces' ranges count in ([Note: element order])."""
+        orders = {name: buf.orders[name] for buf in self.buffers for name in buf.params}
+        for name, order in self.frozen_orders.items():  # not dense: saved row-major, as a copy
+            orders[name] = order if order is not None else ElementOrder(self.inventory.shapes[name])
+        return orders
 
     def frozen_values(self) -> list[tuple[str, torch.Tensor]]:
         """Frozen parameters at full precision (their originals under mixed precision)."""
@@ -257,7 +270,8 @@ class ReplicatedStorage:
             for p in buf.layout.pieces(self.rank)
         ]
         if self.rank == 0:
-            pieces += [TensorPiece(n, t.reshape(-1), (0, t.numel())) for n, t in self.frozen_values()]
+            orders = self.element_orders()
+            pieces += [TensorPiece(n, orders[n].flatten(t), (0, t.numel())) for n, t in self.frozen_values()]
         return pieces
 
     def load_pieces(self) -> list[TensorPiece]:
@@ -269,7 +283,7 @@ class ReplicatedStorage:
             ]
         else:
             pieces = [
-                TensorPiece(name, buf.layout.view(buf.values, name).view(-1), (0, param.numel()))
+                TensorPiece(name, buf.layout.slots[name].range.of(buf.values), (0, param.numel()))
                 for buf in self.buffers
                 for name, param in buf.params.items()
             ]
@@ -278,9 +292,11 @@ class ReplicatedStorage:
     def _frozen_load_pieces(self) -> list[TensorPiece]:
         pieces = []
         for name, tensor in self.frozen_values():
-            if not tensor.is_contiguous():
-                raise ValueError(f"frozen parameter '{name}' is not contiguous; cannot load into it in place")
-            pieces.append(TensorPiece(name, tensor.view(-1), (0, tensor.numel())))
+            order = self.frozen_orders[name]
+            if order is None:
+                raise ValueError(f"frozen parameter '{name}' is not one dense block of memory (strides "
+                                 f"{tuple(tensor.stride())}); cannot load into it in place")
+            pieces.append(TensorPiece(name, order.flatten(tensor), (0, tensor.numel())))  # a view: dense, its strides
         return pieces
 
     def after_load(self) -> None:

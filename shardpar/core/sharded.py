@@ -19,6 +19,7 @@ from .flat_param import FlatParamGroup
 from .gatherer import Unit, UnitGatherer
 from .inventory import ParamInventory, group_by_dtype
 from .deferred_init import InitWalk
+from .element_order import ElementOrder
 from .layout import BufferLayout, alignment_for
 from .pieces import TensorPiece
 from .units import UnitPlan, plan_units
@@ -94,8 +95,8 @@ class FromInit:
         self.walk.check_initialised(list(flat.params.items()))
         with torch.no_grad():  # only this rank's pieces: no full-size buffer on the device
             for piece in flat.layout.pieces(flat.rank):
-                values = flat.params[piece.name].data.reshape(-1)[piece.param_range.start:piece.param_range.end]
-                piece.local_range.of(shard).copy_(values)
+                in_memory_order = flat.layout.slots[piece.name].order.flatten(flat.params[piece.name].data)
+                piece.local_range.of(shard).copy_(piece.param_range.of(in_memory_order))
 
 
 class ShardedStorage:
@@ -110,6 +111,8 @@ class ShardedStorage:
         self.alignment = alignment_for(config.align_for_bandwidth, group, world_size)
         mp = config.mixed_precision
         self.param_dtype = mp.param_dtype if mp is not None else None
+        for name, _ in inventory.named:
+            inventory.order(name)  # a parameter no flat buffer can keep is refused, by name, before any work
         self.plans: list[UnitPlan] = plan_units(module, config.wrap_policy, config.min_unit_params)
         built: dict[int, list[FlatParamGroup]] = {}
         for index in source.build_order(self.plans):
@@ -133,8 +136,8 @@ class ShardedStorage:
         first = named[0][1]
         master_dtype = first.dtype
         compute = self.param_dtype if self.param_dtype is not None and master_dtype.is_floating_point else master_dtype
-        layout = BufferLayout([(n, p.shape) for n, p in reversed(named)], self.world_size, None,  # one bucket
-                              **self.alignment._asdict())
+        layout = BufferLayout([(n, self.inventory.order(n)) for n, _ in reversed(named)], self.world_size,
+                              None, **self.alignment._asdict())  # one bucket; refuses non-dense parameters by name
         device = source.device
         # Views are made while allocated; the room in front lets gathers receive in place.
         full = C.gather_target(layout.numel, compute, device)
@@ -153,6 +156,10 @@ class ShardedStorage:
     @property
     def spaces(self) -> list[FlatParamGroup]:
         return self.trainable_groups
+
+    def element_orders(self) -> dict[str, ElementOrder]:
+        """Every parameter's element order: what its pieces' ranges count in ([Note: element order])."""
+        return {name: order for flat in self.groups for name, order in flat.layout.orders().items()}
 
     def layouts(self) -> list[BufferLayout]:
         return [f.layout for f in self.groups]

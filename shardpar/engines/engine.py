@@ -32,6 +32,7 @@ from ..comm import collectives as C
 from ..comm import watch
 from ..config import ShardConfig
 from ..core.deferred_init import DeferredInit
+from ..core.element_order import ElementOrder
 from ..core.gatherer import Unit, UnitGatherer, _grad_tensors, on_first_grad
 from ..core.inventory import (ParamInventory, check_dense_gradients, check_supported_dtypes, module_device,
                               sparse_gradient_error)
@@ -604,10 +605,17 @@ class Engine:
     def original_dtypes(self) -> dict[str, torch.dtype]:
         return self.inventory.original_dtypes
 
+    def element_orders(self) -> dict[str, ElementOrder]:
+        """Every parameter's element order: pieces' ranges count its elements in that order,
+        which is row-major unless it was wrapped in another memory format ([Note: element
+        order] in core/element_order.py); checkpoints and state dicts translate."""
+        return self.storage.element_orders()
+
     def save_pieces(self) -> list[TensorPiece]:
         """What this rank writes to a checkpoint: 1-D pieces of parameters (trainable and
-        frozen) such that, over all ranks, every element of every parameter is written
-        exactly once. Buffers are not included (replicated; the checkpoint takes rank 0's)."""
+        frozen, ranges in param space: see :meth:`element_orders`) such that, over all ranks,
+        every element of every parameter is written exactly once. Buffers are not included
+        (replicated; the checkpoint takes rank 0's)."""
         return self.storage.save_pieces()
 
     def load_pieces(self) -> list[TensorPiece]:

@@ -189,6 +189,7 @@ class ModuleState:
         pieces: dict[str, list[TensorPiece]] = {}
         for piece in self.engine.save_pieces():
             pieces.setdefault(piece.name, []).append(piece)
+        orders = self.engine.element_orders()  # pieces count in memory order; out keeps each one's strides
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for dtype, named in by_dtype.items():
@@ -198,7 +199,7 @@ class ModuleState:
                     full = flat[offset : offset + param.numel()]
                     for piece in pieces.get(name, []):
                         full[piece.param_range[0] : piece.param_range[1]].copy_(piece.tensor)
-                    out[name] = full.view(param.shape)
+                    out[name] = orders[name].shaped(full)
                     offset += param.numel()
                 if dtype == torch.bool:  # gloo sums no bools: gather the bytes as uint8
                     reduced = flat.view(torch.uint8)
@@ -235,11 +236,12 @@ class ModuleState:
             )
         # Each canonical name's value: its own key, or any tied alias's.
         source = {self.engine.aliases.get(key, key): value for key, value in state.items() if key in expected}
+        orders = self.engine.element_orders()
         with torch.no_grad():
             for piece in self.engine.load_pieces():
                 if piece.name in source:
-                    start, end = piece.param_range
-                    piece.tensor.copy_(source[piece.name].reshape(-1)[start:end])
+                    start, end = piece.param_range  # in the parameter's memory order
+                    piece.tensor.copy_(orders[piece.name].flatten(source[piece.name])[start:end])
             for name, buffer in self.engine.module.named_buffers():
                 if name in state:
                     buffer.copy_(state[name])
