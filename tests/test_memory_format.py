@@ -201,6 +201,29 @@ def test_strides_kept_and_training_equals_ddp(parity: list[dict[Any, Any]], stag
         assert run["relay"] == [True, True, True, True], f"{where}: checkpoint relay through other buckets"
 
 
+def test_the_save_plan_sends_each_partial_block_to_the_rank_that_begins_it() -> None:
+    """The plan behind saving reordered pieces ([Note: reordered pieces]), on ranges the
+    ranks' layouts do not all produce: a block over three ranks with one wholly inside it, a
+    rank with two pieces, and elements no rank holds (a CheckpointError, the same everywhere)."""
+    from shardpar.checkpoint.reorder import _plan
+    from shardpar.core.element_order import ElementOrder
+    from shardpar.errors import CheckpointError
+
+    transposed = {"w": ElementOrder.of((10, 3), (1, 10))}  # one block of 30
+    w = ("model", "w")
+    plan = _plan([[(w, 0, 4)], [(w, 4, 7)], [(w, 7, 30)]], transposed)
+    assert [(t.sender, t.receiver, t.start, t.end) for t in plan] == [(1, 0, 4, 7), (2, 0, 7, 30)]
+    conv = {"c": ElementOrder.of((4, 3, 3, 3), (27, 1, 9, 3))}  # blocks of 27
+    c = ("state", "c", "exp_avg")
+    plan = _plan([[(c, 0, 40), (c, 100, 108)], [(c, 40, 45)], [(c, 45, 100)]], conv)
+    assert [(t.sender, t.receiver, t.start, t.end) for t in plan] == [(1, 0, 40, 45), (2, 0, 45, 54),
+                                                                      (0, 2, 100, 108)]
+    with pytest.raises(CheckpointError, match=r"state/c/exp_avg row-major: no rank holds its elements \[40, 41\)"):
+        _plan([[(c, 0, 40)], [(c, 41, 108)]], conv)
+    with pytest.raises(CheckpointError, match="no rank holds its element 0 .*where a block begins"):
+        _plan([[(c, 1, 40)], [(c, 40, 108)]], conv)
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 SAVE_LOAD = [(0, 3), (1, 0), (2, 3), (3, 1), (3, 3)]

@@ -89,23 +89,23 @@ def _plan(held: Sequence[Sequence[tuple[Ref, int, int]]], orders: Mapping[str, E
                 by_ref[ref].append((start, end, rank))
     transfers = []
     for ref in sorted(by_ref):
-        block = orders[ref[1]].block
+        order = orders[ref[1]]
         ranges = sorted(by_ref[ref])  # disjoint: each element is held once
         starts = [start for start, _, _ in ranges]
         arriving: dict[int, list[tuple[int, int]]] = defaultdict(list)  # index of a writer's range -> what it gets
         for start, end, rank in ranges:
-            cut = min(end, -(-start // block) * block)
-            if start == cut:
+            first, next_block = order.block_span(start, start + 1)  # the block ``start`` lies in
+            cut = min(end, next_block)
+            if start == first:
                 continue  # it begins on a block boundary: all of it is written here
-            first = start // block * block
             writer = bisect.bisect_right(starts, first) - 1  # the range holding the block's first element
             if writer < 0 or ranges[writer][1] <= first:
-                raise CheckpointError(f"cannot save {'/'.join(ref)} row-major: no rank holds its elements "
-                                      f"[{first}, {start}) (memory order)")
+                raise CheckpointError(f"cannot save {'/'.join(ref)} row-major: no rank holds its element {first} "
+                                      "(memory order), where a block begins")
             transfers.append(_Transfer(ref, rank, ranges[writer][2], start, cut))
             arriving[writer].append((start, cut))
         for index, (start, end, _) in enumerate(ranges):  # each writer's last block must arrive whole
-            first, last = row_major_range(orders[ref[1]], start, end)
+            first, last = row_major_range(order, start, end)
             if first >= last:
                 continue  # it writes nothing: it lies inside a block another range begins
             covered = end
