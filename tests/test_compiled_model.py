@@ -10,7 +10,6 @@ generation, which costs minutes on two cores and changes nothing shardpar sees).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
