@@ -120,7 +120,9 @@ class ShardConfig:
     mixed_precision: MixedPrecision | None = None
     """Low-precision policy; None trains in the parameters' own dtype."""
     broadcast_buffers: bool = True
-    """Broadcast module buffers (e.g. BatchNorm running stats) from rank 0 before every forward."""
+    """Every rank takes rank 0's module buffers (e.g. BatchNorm running stats) by torch DDP's rule:
+    at a forward that follows a synchronising forward; see [Note: when buffers are broadcast]
+    in engines/buffer_sync.py."""
     wrap_policy: WrapPolicy = None
     """Stage 3 units: None = submodules above ``min_unit_params`` parameters, an int = that
     threshold, a sequence of module classes (e.g. transformer blocks), or a callable

@@ -261,7 +261,7 @@ def test_different_bucket_cap_on_one_rank_fails_on_every_rank() -> None:
 
 
 def test_different_broadcast_buffers_on_one_rank_fails_on_every_rank() -> None:
-    # With broadcast_buffers=True rank 0 broadcasts its buffers before every forward; a rank
+    # With broadcast_buffers=True rank 0 broadcasts its buffers once per step; a rank
     # with False would skip those collectives, and the ranks' collectives would no longer
     # pair up (a hang or, worse, a buffer all-reduced into a gradient). DESIGN.md: "a
     # mismatch between ranks (model shape, stage, config) is detected up front and raised

@@ -507,7 +507,7 @@ def _closed_form(stage: int, layout: dict[str, Any], p: int, r: int, buffer_byte
     ``2Ψ·r·f`` (stage 0), ``Ψ·r·f + Ψ·p·f`` (1, 2), ``Ψ·r·f + Σ (2·uses - kept)·(unit elements)·p·f``
     (3: every unit, frozen parameters included, gathered before each use in forward and again
     before its backward, except that the units kept gathered from forward into backward skip
-    the second gather of their last use), plus the buffers broadcast before forward and the used-parameter
+    the second gather of their last use), plus the buffers broadcast once per step and the used-parameter
     flags (4 bytes per trainable tensor, and three counters with their negatives, all-reduced).
 
     ``rebuilt``: the step whose backward rebuilt the buckets ([Note: bucket rebuild]) also

@@ -536,7 +536,7 @@ def _check_bytes(results: list[dict], world_size: int, gathers_per_use: int) -> 
             assert math.isclose(scatter["padding_sent_bytes"], pad * 4 * fraction, abs_tol=1e-9), what
             flags = comm["used_flags"]
             assert flags["calls"] == 1 and flags["payload_bytes"] == 4 * (tensors + 6), what  # 3 counters, negated too
-            # nothing else moves but the buffers (broadcast from rank 0 before each forward)
+            # nothing else moves but the buffers (broadcast from rank 0 once per step)
             broadcast = comm.get("broadcast", {"sent_bytes": 0.0})["sent_bytes"]
             assert set(comm) <= {"all_gather", "reduce_scatter", "broadcast", "used_flags", "total"}, what
             assert math.isclose(broadcast, buffer_bytes * fraction, abs_tol=1e-9), what

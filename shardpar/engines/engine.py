@@ -46,6 +46,7 @@ from ..core.training_state import Phase, TrainingState
 from ..core.units import _ModuleTree
 from ..core.wait_clock import WaitClock
 from . import plain_copy
+from .buffer_sync import BufferSync
 from .module_state import ModuleState
 
 
@@ -138,6 +139,8 @@ class Engine:
         self._handles += self.reducer.register_hooks(self._on_grad_ready)
         self._handles += self._install_before_accumulation_hooks()
         self.module_state = ModuleState(self)
+        self.buffers = BufferSync(module, group, self.rank, self.world_size, config.broadcast_buffers, self.comm,
+                                  self.wait_clock)
         if isinstance(self.storage, ShardedStorage):
             self._install_unit_hooks()
             self._handles += self.module_state.install_state_dict_hooks(self.module_state.full_state_dict)
@@ -323,8 +326,7 @@ class Engine:
         self.check_requires_grad()
         self._take_off_grad_marks()
         self.state.phase = Phase.FORWARD
-        if torch.is_grad_enabled():
-            self._broadcast_buffers()
+        self.buffers.before_forward()
         if isinstance(self.gatherer, UnitGatherer):
             self.gatherer.begin_forward()
 
@@ -332,6 +334,7 @@ class Engine:
         if self.state.is_recompute():
             return
         self.state.phase = Phase.IDLE
+        self.buffers.after_forward(torch.is_grad_enabled() and self.state.require_grad_sync)
         if torch.is_grad_enabled():
             tensors = _grad_tensors(output)
             if tensors:
@@ -359,19 +362,6 @@ class Engine:
         for handle in self._use_handles:
             handle.remove()
         self._use_handles.clear()
-
-    def _broadcast_buffers(self) -> None:
-        """DDP's semantics: before every forward with autograd enabled, every rank takes rank
-        0's buffers (a forward under no_grad, e.g. evaluation on one rank, sends nothing)."""
-        if self.world_size == 1 or not self.config.broadcast_buffers:
-            return
-        buffers = list(self.module.buffers())
-        if not buffers:
-            return
-        with torch.no_grad():
-            handles = [C.broadcast(b, 0, group=self.group, async_op=True, stats=self.comm) for b in buffers]
-            for handle in handles:
-                self.wait_clock.wait(handle, gather=False)
 
     def _on_module_use(self, names: list[str], groups: list) -> None:
         if self.reducer.launch_order.recording and torch.is_grad_enabled() and not self.state.is_recompute():
@@ -438,6 +428,7 @@ class Engine:
                     self._put_grad_marks()
                 if isinstance(self.gatherer, UnitGatherer):
                     self.gatherer.finish_backward()
+                self.buffers.after_backward()
         finally:
             self.state.end_backward()
 

@@ -570,7 +570,7 @@ class CommEstimate:
     reduce_scatter_bytes: float
     all_gather_bytes: float
     broadcast_bytes: float
-    """Module buffers broadcast from rank 0 before each forward (0 for a count)."""
+    """Module buffers broadcast from rank 0, once per step (0 for a count)."""
     used_flags_bytes: float
     """The per-step all-reduce of which parameters got gradients (a count assumes one tensor
     per ``ASSUMED_TENSOR_NUMEL`` parameters)."""
