@@ -178,6 +178,10 @@ class Unit:
         """Uses whose backward started (pre-backward) and has not reached the inputs yet."""
         self.final: set[FlatParamGroup] = set()
         """Trainable groups whose gradients are final in this backward (not gathered again)."""
+        self.running = 0
+        """Uses of the unit whose forward is running (see [Note: entry modules] in units.py)."""
+        self.entered_by: Any = None
+        """The entry module whose forward started the use in progress, if one did."""
 
     @property
     def trainable(self) -> list[FlatParamGroup]:
@@ -583,6 +587,7 @@ class UnitGatherer:
         if self._forward_uses:
             self._last_forward = self._forward_uses
         self._forward_uses = []
+        self._forget_running()
         self._free_deferred()  # no backward ran since that forward: the shards may have changed
         if self.leftovers_held:
             self._gather_leftovers()
@@ -613,6 +618,7 @@ class UnitGatherer:
         """The root's forward raised: the units whose release was deferred to the next unit or
         the forward's end are freed now. Nothing else is touched: gathers in flight may be
         ones other ranks never issued (a unit order mismatch)."""
+        self._forget_running()
         self._free_deferred()
 
     def _free_deferred(self) -> None:
@@ -628,21 +634,46 @@ class UnitGatherer:
             unit.final.clear()
             self.wait(unit)  # usually gathered by its pre-backward already
             self._allow_waiting_reductions()
+            unit.running += 1
             return self._hook_inputs(unit, args, kwargs)
         self._forward_uses.append(unit)
         self.on_forward_use(unit)
         self._free_forward_ended(unit)
         self.wait(unit)
         self._prefetch(self._predict(self._forward_uses, self._last_forward, self.forward_prefetch))
+        unit.running += 1
         return self._hook_inputs(unit, args, kwargs)
 
+    def enter(self, unit: Unit, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """An entry module of ``unit`` starts its forward: a use of the unit, unless one is in
+        progress (see [Note: entry modules] in units.py)."""
+        if unit.running:
+            return None
+        result = self.pre_forward(unit, args, kwargs)
+        unit.entered_by = module
+        return result
+
+    def leave(self, unit: Unit, module: Any, output: Any) -> None:
+        """An entry module's forward ended (or raised): the use it started, if any, ends."""
+        if unit.entered_by is module:
+            unit.entered_by = None
+            self.post_forward(unit, output)
+
+    def _forget_running(self) -> None:
+        """Uses a raised forward (or a recompute that checkpointing stopped early) never ended."""
+        for unit in self.units:
+            unit.running, unit.entered_by = 0, None
+
     def post_forward(self, unit: Unit, output: Any) -> None:
+        unit.running = max(unit.running - 1, 0)
         if torch.is_grad_enabled():
             tensors = _grad_tensors(output)
             if tensors:
                 on_first_grad(tensors, self._pre_backward_hooks[unit])
         if self.state.is_recompute() or self._kept_gathered(unit):
             return  # the recomputed graph is about to use the storage
+        if unit.running:
+            return  # a use of it is still running (a registered method called from its forward)
         if not self.reshard_after_forward and torch.is_grad_enabled():
             return  # stays gathered until its backward
         if self.state.phase is not Phase.FORWARD:
@@ -732,6 +763,7 @@ class UnitGatherer:
             unit.active_backward = 0
             unit.final.clear()
         self._kept_for_backward = []
+        self._forget_running()
         if self._backward_uses:
             self._last_backward = self._backward_uses
         self._backward_uses = []

@@ -18,6 +18,21 @@ module itself have the root as hook module and stay gathered for the root's whol
 (and backward) -- and so do leftover units smaller than ``min_unit_params`` (a norm, a
 position table), which are not worth a gather of their own.
 
+[Note: entry modules]
+A unit is gathered around its hook modules' forward, but code may call the modules inside a
+hook module without calling the hook module itself: timm's ``--grad-checkpointing`` runs
+``checkpoint_seq([model.layer1, ...])``, which calls each stage's blocks directly and never
+``layer1.forward``; a parent may loop ``for block in self.layer1``; a ``generate``-like method
+may call a block's submodules. So every module on the path from a unit's hook module down to
+the modules that register its parameters (running a forward of its own, outside compiled
+code) is an *entry module* of the unit: when its forward starts and no use of the unit is in
+progress, that call is a use of the unit like a hook module's (gathered, hooked for backward,
+freed after, see [Note: one step at stage 3]); inside a use (the hook module's forward, or
+another entry module's) it does nothing. Consecutive uses through entry modules in one
+forward share one gather (a unit is freed when another unit starts); in backward each use is
+gathered for its own backward, so a unit whose hook module is bypassed pays one gather per
+module call there, where ``wrap_policy`` naming the called modules' class pays one.
+
 ``torch.compile``: a module compiled before wrapping is an ``OptimizedModule`` around the
 original (``_orig_mod``). Hooks inside it would run inside compiled code, so anything a policy
 or the leftover rule picks inside a compiled module is lifted to the compiled module itself,
@@ -68,6 +83,9 @@ class UnitPlan:
     params: tuple[str, ...]
     """Canonical parameter names, in registration order."""
     from_policy: bool
+    entry_modules: tuple[str, ...] = ()
+    """Modules whose forward gathers the unit when no use of it is in progress (see [Note:
+    entry modules])."""
 
 
 def display_name(qualified: str) -> str:
@@ -177,6 +195,18 @@ def _hook_module(tree: _ModuleTree, owner: str, units: list[str]) -> str:
     return tree.lift(owner) if owner and runs_forward(tree.every_name[owner]) else ROOT
 
 
+def _entry_modules(tree: _ModuleTree, hooks: tuple[str, ...], owners: set[str]) -> tuple[str, ...]:
+    """See [Note: entry modules]: the modules strictly inside a hook module on the way to an
+    owner (itself included), in registration order."""
+    entries: set[str] = set()
+    for owner in owners:
+        for name in tree.path(tree.lift(owner)):
+            if name not in hooks and any(encloses(h, name) for h in hooks) and runs_forward(tree.modules[name]) \
+                    and not tree.inside_compiled(name):
+                entries.add(name)
+    return tuple(sorted(entries, key=tree.order.__getitem__))
+
+
 def plan_units(root: nn.Module, policy: Any, min_params: int) -> list[UnitPlan]:
     """Every unit of ``root`` at stage 3 (see [Note: units]), in the order their first hook
     module is registered; units without parameters are left out."""
@@ -203,9 +233,14 @@ def plan_units(root: nn.Module, policy: Any, min_params: int) -> list[UnitPlan]:
     if held:
         order = {name: i for i, name in enumerate(canonical.values())}
         leftovers[(ROOT,)] = sorted(leftovers.get((ROOT,), []) + held, key=order.__getitem__)
-    plans = [UnitPlan(u, (u,), tuple(params), True) for u, params in assigned.items() if params]
+    by_name = {name: p for p, name in canonical.items()}
+
+    def entries(hooks: tuple[str, ...], params: list[str]) -> tuple[str, ...]:
+        return _entry_modules(tree, hooks, {o for name in params for o in owners[by_name[name]]})
+
+    plans = [UnitPlan(u, (u,), tuple(params), True, entries((u,), params)) for u, params in assigned.items() if params]
     plans += [
-        UnitPlan("+".join(display_name(h) for h in hooks), hooks, tuple(params), False)
+        UnitPlan("+".join(display_name(h) for h in hooks), hooks, tuple(params), False, entries(hooks, params))
         for hooks, params in leftovers.items()
     ]
     return sorted(plans, key=lambda plan: tree.order[plan.hook_modules[0]])

@@ -268,6 +268,14 @@ class Engine:
                     prepend=True, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
                     _disabled(lambda m, args, output, unit=unit: self.gatherer.post_forward(unit, output))))
+        for unit, plan in zip(storage.units, storage.plans):
+            for entry_name in plan.entry_modules:  # see [Note: entry modules] in core/units.py
+                module = modules[entry_name]
+                self._handles.append(module.register_forward_pre_hook(
+                    _disabled(lambda m, args, kwargs, unit=unit: self.gatherer.enter(unit, m, args, kwargs)),
+                    prepend=True, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(
+                    _disabled(lambda m, args, output, unit=unit: self.gatherer.leave(unit, m, output)), always_call=True))
 
     # ------------------------------------------------------------------ forward
 

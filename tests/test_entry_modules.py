@@ -1,0 +1,177 @@
+"""Stage-3 units whose hook module's forward is bypassed: calling any module of a unit gathers
+it ([Note: entry modules] in shardpar/core/units.py). Oracle: plain torch, one process, the
+concatenated batch.
+
+The model is timm's ResNet in small: a stem, two stages ``layer1``/``layer2`` that are
+``nn.Sequential``s of two residual blocks each, a head. With the default policy each stage is
+a unit (its blocks are below ``min_unit_params``, the stage above it). The stages' forward
+runs or is bypassed, as timm's models do it:
+
+- "Sequential called": ``self.layer2(self.layer1(x))`` (the stages' own forward runs);
+- "loop": ``for block in self.layer1: x = block(x)``, a parent iterating a Sequential;
+- "checkpoint_seq": timm's ``--grad-checkpointing``, ``checkpoint_seq([self.layer1,
+  self.layer2], x, flatten=True)``, each block checkpointed on its own, reentrant or not.
+
+Before: every mode but the first raised at the first block ("parameter 'layer1.0.conv1.weight'
+of stage-3 unit 'layer1' was read (conv2d) while the unit is sharded").
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import shardpar
+from shardpar.comm import collectives as C
+from tests.harness import run_ranks
+
+STEPS = 3
+BATCH = 12  # divisible by 2 and 3
+CHANNELS = 8
+MIN_UNIT_PARAMS = 2000  # a block has 1,184 parameters, a stage 2,368: the stages are the units
+TOL = 1e-5  # fp32 sums in another order differ by a few ulps; a wrong weight shows at >1e-3
+MODES = ("Sequential called", "loop", "checkpoint_seq, non-reentrant", "checkpoint_seq, reentrant")
+
+
+def checkpoint_seq(functions: Any, x: torch.Tensor, flatten: bool = False, use_reentrant: bool = False) -> torch.Tensor:
+    """timm.models._manipulate.checkpoint_seq (every=1, no skip_last): each module called
+    directly, each in a checkpoint of its own."""
+
+    def run(module: nn.Module) -> Any:
+        return lambda _x: module(_x)
+
+    if isinstance(functions, nn.Sequential):
+        functions = functions.children()
+    if flatten:
+        functions = chain.from_iterable(functions)
+    for module in tuple(functions):
+        x = checkpoint(run(module), x, use_reentrant=use_reentrant)
+    return x
+
+
+class BasicBlock(nn.Module):
+    """A residual block (GroupNorm rather than BatchNorm: per-rank batch statistics could not
+    be compared with one process on the whole batch)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm1 = nn.GroupNorm(2, channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm2 = nn.GroupNorm(2, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.norm2(self.conv2(F.relu(self.norm1(self.conv1(x))))))
+
+
+class TinyResNet(nn.Module):
+    def __init__(self, mode: str, channels: int = CHANNELS, classes: int = 5) -> None:
+        super().__init__()
+        self.mode = mode
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.layer1 = nn.Sequential(BasicBlock(channels), BasicBlock(channels))
+        self.layer2 = nn.Sequential(BasicBlock(channels), BasicBlock(channels))
+        self.head = nn.Linear(channels, classes)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        if self.mode.startswith("checkpoint_seq") and torch.is_grad_enabled():
+            return checkpoint_seq([self.layer1, self.layer2], x, flatten=True, use_reentrant="non-" not in self.mode)
+        if self.mode == "loop":
+            for block in self.layer1:
+                x = block(x)
+            for block in self.layer2:
+                x = block(x)
+            return x
+        return self.layer2(self.layer1(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.forward_features(x).mean((2, 3)))
+
+
+def _build(mode: str) -> TinyResNet:
+    torch.manual_seed(0)
+    return TinyResNet(mode)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, 3, 6, 6, generator=generator), torch.randint(0, 5, (BATCH,), generator=generator)
+
+
+def _eval_batch() -> torch.Tensor:
+    return torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(99))
+
+
+def _reference(mode: str) -> dict[str, Any]:
+    model = _build(mode)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    states = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(_eval_batch())
+    return {"states": states, "eval": evaluated}
+
+
+def _train(mode: str) -> dict[str, Any]:
+    rank, world_size = C.get_rank(), C.get_world_size()
+    model = shardpar.wrap(_build(mode), stage=3, min_unit_params=MIN_UNIT_PARAMS)
+    units = [unit.name for unit in model.engine.storage.units]
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    share = BATCH // world_size
+    states, gathers = [], []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        model.reset_comm_stats()
+        F.cross_entropy(model(x[rank * share:(rank + 1) * share]), y[rank * share:(rank + 1) * share]).backward()
+        gathers.append(model.comm_stats()["all_gather"]["calls"])
+        model.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        states.append(model.full_state_dict())
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(_eval_batch())
+    model.engine.close()
+    return {"units": units, "states": states, "eval": evaluated, "gathers": gathers}
+
+
+def _rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_default_policy_units_train_like_plain_torch_when_their_forward_is_bypassed(mode: str, world_size: int) -> None:
+    expected = _reference(mode)
+    results = run_ranks(_train, world_size, mode, timeout=120)
+    for rank, result in enumerate(results):
+        assert {"layer1", "layer2"} <= set(result["units"]), result["units"]  # the stages are units
+        for step, (state, reference) in enumerate(zip(result["states"], expected["states"])):
+            for name, value in reference.items():
+                error = _rel_error(state[name], value)
+                assert error <= TOL, f"{mode}, rank {rank}, step {step}: {name} off by {error:.2e}"
+        error = _rel_error(result["eval"], expected["eval"])
+        assert error <= TOL, f"{mode}, rank {rank}: evaluation off by {error:.2e}"
+
+
+def test_uses_through_entry_modules_share_a_gather_in_forward() -> None:
+    # A stage gathered once per forward whether its own forward runs or its blocks are called
+    # one by one; in backward once per block called ([Note: entry modules]): 2 more gathers
+    # per step for the two stages (all-gather calls are per flat group; one group per unit).
+    called = run_ranks(_train, 2, "Sequential called", timeout=120)[0]["gathers"]
+    looped = run_ranks(_train, 2, "loop", timeout=120)[0]["gathers"]
+    assert looped == [calls + 2 for calls in called], (called, looped)
