@@ -8,6 +8,7 @@ from .optim import GradScaler
 from .config import MixedPrecision, ShardConfig
 from .errors import CheckpointError, RanksOutOfStep, ShardedGradError
 from .module import ShardedModule
+from .engines.forward_methods import register_forward_method
 from .optim import ShardedOptimizer, optimizer
 from .planner import CommEstimate, MemoryEstimate, choose_stage, estimate_communication, estimate_memory
 from .wrap import wrap
@@ -27,6 +28,7 @@ __all__ = [
     "MixedPrecision",
     "ShardConfig",
     "ShardedModule",
+    "register_forward_method",
     "ShardedOptimizer",
     "optimizer",
     "wrap",

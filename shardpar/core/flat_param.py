@@ -70,12 +70,13 @@ class _Sharded:
     def on_access(self, param: nn.Parameter, operation: str) -> None:
         raise RuntimeError(
             f"parameter '{self.name}' of stage-3 unit '{self.group.unit}' was read ({operation}) while the unit "
-            "is sharded: its values exist only while a forward or backward of a module of that unit runs. "
-            "Read parameters of another unit only inside that unit's forward (register the module under the "
-            "unit that uses it, or tie the weight by registration), and read full values outside forward with "
-            "model.full_state_dict(). Code that needs whole parameters and their gradients between backward and "
-            "step (per-parameter clipping such as timm's adaptive gradient clipping) needs stage=0: only stage 0 "
-            "keeps whole gradients"
+            "is sharded: its values exist only while the forward (or backward) of a module of that unit runs, "
+            "or a method of such a module declared with shardpar.register_forward_method(module, 'method_name') "
+            "(a generate that reads parameters directly). Read parameters of another unit only inside that "
+            "unit's modules (register the module under the unit that uses it, or tie the weight by "
+            "registration), and read full values outside forward with model.full_state_dict(). Code that needs "
+            "whole parameters and their gradients between backward and step (per-parameter clipping such as "
+            "timm's adaptive gradient clipping) needs stage=0: only stage 0 keeps whole gradients"
         )
 
     def __str__(self) -> str:

@@ -47,6 +47,7 @@ from ..core.units import _ModuleTree
 from ..core.wait_clock import WaitClock
 from . import plain_copy
 from .buffer_sync import BufferSync
+from .forward_methods import mark_forward_hook
 from .module_state import ModuleState
 
 
@@ -69,8 +70,9 @@ is refused: a second engine would re-point its parameters and gradients behind t
 
 
 def _disabled(fn):
-    """Hooks run eagerly even inside ``torch.compile``d code: they launch collectives."""
-    return torch.compiler.disable(fn)
+    """Hooks run eagerly even inside ``torch.compile``d code: they launch collectives. Marked
+    as the engine's, which a registered forward method runs ([Note: forward methods])."""
+    return mark_forward_hook(torch.compiler.disable(fn))
 
 
 class Engine:

@@ -9,7 +9,8 @@ module a ``__deepcopy__`` and a ``__reduce_ex__`` of its own (instance attribute
 ``copy`` and ``pickle`` consult before the class), and both produce what the same call gives
 under DDP: a module of the user's class, with its own hooks and attributes, but none of
 shardpar's, and every parameter and persistent buffer holding the current full-precision
-values (``full_state_dict()``; tied parameters stay tied). Gradients are not copied.
+values (``full_state_dict()``; tied parameters stay tied). Gradients are not copied, nor
+methods declared with ``register_forward_method`` (the copy's are its class's plain methods).
 Because the values come from ``full_state_dict()``, the copy is a collective: every rank
 makes it, as every rank calls ``state_dict()``.
 
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..core.param_guard import metadata_only
+from .forward_methods import ForwardMethod
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -65,8 +67,14 @@ def plain_copy(engine: "Engine", memo: dict[int, Any], marks: tuple[str, ...]) -
     for hooks, ids in ours.values():
         memo[id(hooks)] = type(hooks)((k, copy.deepcopy(v, memo)) for k, v in hooks.items() if k not in ids)
     saved = {key: module.__dict__.pop(key) for key in (*marks, *COPY_HOOKS) if key in module.__dict__}
+    declared = [(sub, {k: v for k, v in sub.__dict__.items() if isinstance(v, ForwardMethod)}) for sub in module.modules()]
+    for sub, methods in declared:
+        for key in methods:
+            del sub.__dict__[key]
     try:
         return copy.deepcopy(module, memo)
     finally:
         module.__dict__.update(saved)
+        for sub, methods in declared:
+            sub.__dict__.update(methods)
 
