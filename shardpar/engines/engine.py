@@ -141,7 +141,7 @@ class Engine:
         self._handles += self.reducer.register_hooks(self._on_grad_ready)
         self._handles += self._install_before_accumulation_hooks()
         self.module_state = ModuleState(self)
-        self.buffers = BufferSync(module, group, self.rank, self.world_size, config.broadcast_buffers, self.comm,
+        self.buffer_sync = BufferSync(module, group, self.rank, self.world_size, config.broadcast_buffers, self.comm,
                                   self.wait_clock)
         if isinstance(self.storage, ShardedStorage):
             self._install_unit_hooks()
@@ -336,7 +336,7 @@ class Engine:
         self.check_requires_grad()
         self._take_off_grad_marks()
         self.state.phase = Phase.FORWARD
-        self.buffers.before_forward()
+        self.buffer_sync.before_forward()
         if isinstance(self.gatherer, UnitGatherer):
             self.gatherer.begin_forward()
 
@@ -344,7 +344,7 @@ class Engine:
         if self.state.is_recompute():
             return
         self.state.phase = Phase.IDLE
-        self.buffers.after_forward(torch.is_grad_enabled() and self.state.require_grad_sync)
+        self.buffer_sync.after_forward(torch.is_grad_enabled() and self.state.require_grad_sync)
         if torch.is_grad_enabled():
             tensors = _grad_tensors(output)
             if tensors:
@@ -438,7 +438,7 @@ class Engine:
                     self._put_grad_marks()
                 if isinstance(self.gatherer, UnitGatherer):
                     self.gatherer.finish_backward()
-                self.buffers.after_backward()
+                self.buffer_sync.after_backward()
         finally:
             self.state.end_backward()
 
