@@ -142,7 +142,7 @@ class Engine:
         self._handles += self._install_before_accumulation_hooks()
         self.module_state = ModuleState(self)
         self.buffer_sync = BufferSync(module, group, self.rank, self.world_size, config.broadcast_buffers, self.comm,
-                                  self.wait_clock)
+                                      self.wait_clock)
         if isinstance(self.storage, ShardedStorage):
             self._install_unit_hooks()
             self._handles += self.module_state.install_state_dict_hooks(self.module_state.full_state_dict)
