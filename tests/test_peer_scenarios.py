@@ -278,6 +278,13 @@ def test_backward_passes_through_a_submodule_called_directly_accumulate(stage: i
     _check_against_torch("chunked_head", step_name, stage, options=HEAD_OWN_UNIT if stage == 3 else {})
 
 
+@pytest.mark.parametrize("step_name", ["chunked", "head_twice"])
+def test_a_submodule_of_the_roots_unit_called_directly_at_stage_3(step_name: str) -> None:
+    """With the default policy the head's parameters go with the root's unit; calling the
+    head gathers that unit for the call ([Note: entry modules] in core/units.py)."""
+    _check_against_torch("chunked_head", step_name, 3, world_size=3)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_backward_passes_through_a_submodule_called_directly_under_mixed_precision(stage: int) -> None:
     """Under bf16 parameters ``.grad`` holds placeholders between backward and step at stage 0
