@@ -268,30 +268,8 @@ class LaunchOrder:
 
 
 class GradientReducer:
-    """See [Note: gradient readiness and launch order] and [Note: a gradient that arrives twice]
-Within one graph task autograd sums every use of a parameter before its accumulate hook
-runs, so the hook fires once per backward. Reentrant activation checkpointing breaks that:
-each checkpointed segment runs its own inner backward, so a module checkpointed twice (or
-used once inside a checkpoint and once outside) has its hook fire once per segment, and
-plain torch gives the parameter the sum. DDP raises there unless ``static_graph``; FSDP2
-reduces each use separately and adds. Here:
-
-- a second arrival before the parameter's bucket launched is *added* to the first (the
-  bucket already counted the parameter ready, and it is not final until the bucket
-  launches: nothing was sent yet);
-- an arrival after its bucket launched in this backward is *late*: it is added into a
-  zeroed bucket-sized buffer, and at the end of backward each bucket with late gradients
-  is reduced once more and the result added to what the first round reduced. So no
-  collective ever reads a buffer that a gradient is still being added to: at stages 0-1,
-  where ``param.grad`` is a view of the full buffer that autograd would accumulate into in
-  place, launching a bucket takes those views off ``.grad`` (stage 0 puts them back when
-  the backward ends).
-
-The extra rounds pair up across ranks when every rank runs the same graph, as FSDP2's
-per-use reductions do (a module checkpointed twice on one rank and once on another, by
-rank-dependent control flow, is as unsupported here as there).
-
-[Note: used parameters]."""
+    """See [Note: gradient readiness and launch order], [Note: a gradient that arrives twice]
+    and [Note: used parameters]."""
 
     def __init__(
         self,
