@@ -153,9 +153,9 @@ def test_step_profile_prints_each_figure_per_step() -> None:
     assert "mlp:tiny stage 3, shardpar of" in result.stdout.splitlines()[0]
     assert float(figures["Python calls"]) > 100 and float(figures["objects in reference cycles"]) == 0.0
     sys.path.insert(0, str(ROOT / "tools"))
-    import bench
+    from benchkit.models import parse_models
 
-    params = len(list(bench.parse_models("mlp:tiny")[0].build().parameters()))
+    params = len(list(parse_models("mlp:tiny")[0].build().parameters()))
     assert float(figures[f"{timed}: calls"]) == params, (figures, params)
     assert float(figures[f"{timed}: CPU ms"]) > 0 and float(figures[f"{timed}: page faults"]) >= 0
 

@@ -42,10 +42,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench  # noqa: E402  (this checkout's models, allocator settings and candidate loader)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+# This checkout's models, allocator settings and candidate loader: the benchmark's.
+from benchkit import runners  # noqa: E402
+from benchkit.memory import TIMING_MMAP_BYTES, set_allocator  # noqa: E402
+from benchkit.models import parse_models  # noqa: E402
+from benchkit.runners import init_group, parse_option  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,16 +77,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def load_library(args: argparse.Namespace) -> Any:
     """This checkout's shardpar, or the ``--candidate`` checkout's."""
     if args.candidate is None:
-        return bench.shardpar
-    bench.load_candidate(args.candidate.resolve())
-    return bench.LIBRARIES[bench.CANDIDATE]
+        return runners.shardpar
+    runners.load_candidate(args.candidate.resolve())
+    return runners.LIBRARIES[runners.CANDIDATE]
 
 
 def build(args: argparse.Namespace, library: Any) -> tuple[Any, Any, tuple[torch.Tensor, torch.Tensor], str]:
-    spec = bench.parse_models(args.model)[0]
+    spec = parse_models(args.model)[0]
     torch.manual_seed(0)
     options = {"wrap_policy": [spec.unit_class]} if args.stage == 3 else {}
-    options.update(bench.parse_option(text) for text in args.wrap_option)
+    options.update(parse_option(text) for text in args.wrap_option)
     model = library.wrap(spec.build(), stage=args.stage, **options)
     optimizer = library.optimizer(model, torch.optim.AdamW, lr=1e-3)
     batch = spec.batch_for(torch.Generator().manual_seed(1 + dist.get_rank()))
@@ -132,9 +137,9 @@ class FunctionTimer:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    bench.init_group()
+    init_group()
     torch.set_num_threads(1)
-    bench.set_allocator(bench.TIMING_MMAP_BYTES)  # the benchmark's timing-phase allocator
+    set_allocator(TIMING_MMAP_BYTES)  # the benchmark's timing-phase allocator
     library = load_library(args)
     # Wrapped before the model is built, so that hooks bound at construction call the wrappers.
     timer = FunctionTimer(library.__name__, args.time) if args.time else None

@@ -1,0 +1,83 @@
+"""One model's benchmark: every configuration's memory alone, one by one, then all of them
+built together, warmed up and timed in interleaved rounds (round r runs each configuration
+``--steps-per-round`` times in an order rotated by r, so machine drift lands on all alike)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .comm_alone import collectives_alone_s
+from .measure import Measured, run_step
+from .memory import TIMING_MMAP_BYTES, measure_memory, set_allocator
+from .models import SIZES, ModelSpec
+from .runners import Runner, build_runner
+from .stats import summarize
+
+
+def _on(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch[0].to(device), batch[1].to(device)
+
+
+def warm_process(configs: list[str], args) -> None:
+    """Pay one-time costs (lazy imports, gloo and autograd threads, allocator pools) on a
+    tiny model first, so the first configuration's RSS increase is its own."""
+    spec = ModelSpec("gpt", "warm-up", **SIZES["gpt"]["tiny"])
+    base = spec.build()
+    batch = _on(spec.batch_for(torch.Generator().manual_seed(0)), args.torch_device)
+    for config in configs:
+        runner = build_runner(config, copy.deepcopy(base), spec, args)
+        for _ in range(2):
+            run_step(runner, batch)
+        runner.close()
+    gc.collect()
+
+
+def bench_model(spec: ModelSpec, configs: list[str], args) -> dict[str, Any]:
+    """Every configuration on one model: memory alone one by one, then built together, warmed
+    up and timed in interleaved rounds."""
+    torch.manual_seed(args.seed)
+    base = spec.build()
+    psi = sum(p.numel() for p in base.parameters())
+    generator = torch.Generator().manual_seed(args.seed * 1000 + dist.get_rank())
+    batches = [_on(spec.batch_for(generator), args.torch_device) for _ in range(4)]
+    measured = {config: measure_memory(config, spec, base, batches, args) for config in configs}
+    set_allocator(TIMING_MMAP_BYTES)
+    runners: dict[str, Runner] = {}
+    for config in configs:
+        runners[config] = build_runner(config, copy.deepcopy(base), spec, args)
+        for i in range(args.warmup):
+            run_step(runners[config], batches[i % len(batches)])
+    step_index = args.warmup
+    for r in range(args.rounds):
+        order = configs[r % len(configs):] + configs[: r % len(configs)]
+        for config in order:
+            runner, m = runners[config], measured[config]
+            if runner.stage is not None:
+                runner.model.reset_comm_stats()
+            for s in range(args.steps_per_round):
+                m.final_loss = run_step(runner, batches[(step_index + s) % len(batches)], m)
+            if runner.stage is not None:
+                accumulate_comm(m, runner.model.comm_stats(), args.steps_per_round)
+        step_index += args.steps_per_round
+    for config in configs:
+        m = measured[config]
+        m.grad_alone_s, m.gather_alone_s = collectives_alone_s(runners[config], args.comm_reps)
+        runners[config].close()
+    runners.clear()
+    gc.collect()
+    gathered: list[dict[str, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(gathered, {c: asdict(m) for c, m in measured.items()})
+    return summarize(spec, psi, configs, gathered, args)
+
+
+def accumulate_comm(m: Measured, stats: dict[str, dict[str, float]], steps: int) -> None:
+    """Per-step bytes from one round's counters (every round moves the same bytes)."""
+    m.sent_bytes = stats["total"]["sent_bytes"] / steps
+    m.padding_bytes = stats["total"]["padding_sent_bytes"] / steps
+    m.sent_by_op = {op: v["sent_bytes"] / steps for op, v in stats.items() if op != "total"}
