@@ -5,8 +5,10 @@ waits say how much overlap hid.
 [Note: engine internals]
 The bench reads shardpar through its public surfaces (``wrap``, ``optimizer``,
 ``memory_stats()``, ``comm_stats()``, ``reset_comm_stats()``, ``stage``,
-``estimate_communication``, ``ShardConfig.option_names()``, the collectives of
-``shardpar.comm.collectives``), except for these, which API.md does not name yet:
+``estimate_communication``, ``ShardConfig.option_names()``) and two modules of its own layers
+that are functions, not state (``shardpar.comm.collectives`` for the collectives alone,
+``shardpar.comm.compat.fully_shard`` for the FSDP2 peer), except for these, which API.md does
+not name yet:
 
 - :func:`step_collectives` (the only place that reads the engine's parts): the gradient
   buckets (``engine.reducer.buckets``, each ``spec.range.size`` and ``engine.reduce_dtype(space)``),
