@@ -6,7 +6,7 @@ job: stage 0 is DDP, stages 1-3 are ZeRO (optimizer state, gradients, parameters
 
 from .optim import GradScaler
 from .config import MixedPrecision, ShardConfig
-from .errors import CheckpointError, RanksOutOfStep, ShardedGradError
+from .errors import CheckpointError, RanksOutOfStep, ShardedGradError, UnitOrderMismatch
 from .module import ShardedModule
 from .engines.forward_methods import register_forward_method
 from .optim import ShardedOptimizer, optimizer
@@ -25,6 +25,7 @@ __all__ = [
     "CheckpointError",
     "RanksOutOfStep",
     "ShardedGradError",
+    "UnitOrderMismatch",
     "MixedPrecision",
     "ShardConfig",
     "ShardedModule",

@@ -24,3 +24,13 @@ class ShardedGradError(RuntimeError):
     """Plain torch code asked for a full gradient at stages 1-3, where gradients exist only as
     shards: a torch optimizer over ``model.parameters()``, ``torch.nn.utils.clip_grad_norm_``,
     or a read of ``param.grad``. The message names the parameter and what to call instead."""
+
+
+class UnitOrderMismatch(RanksOutOfStep):
+    """Stage 3: ranks ran different units at the same point (a data-dependent branch between
+    units, a unit skipped or repeated on some ranks, a different number of forwards), so their
+    parameter all-gathers would pair up wrongly. Raised on every rank, naming each rank's unit:
+    at the first gather whose tags differ, or, where the ranks' collectives no longer meet at
+    all, once every rank's wait has stalled (see [Note: stalled waits] in
+    ``shardpar/comm/watch.py``). A :class:`RanksOutOfStep`, so scripts that catch that catch it
+    too."""

@@ -113,6 +113,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm import collectives as C
 from ..comm import host
+from ..errors import UnitOrderMismatch
 from .flat_param import FlatParamGroup, GatheredBytes, ShardState
 from .training_state import Phase, TrainingState
 from .wait_clock import WaitClock
@@ -158,10 +159,6 @@ class PostStepGatherer:
 
     def wait_all(self) -> None:
         self.wait(self.groups)
-
-
-class UnitOrderMismatch(RuntimeError):
-    """Ranks gathered different stage-3 units at the same point."""
 
 
 class Unit:
