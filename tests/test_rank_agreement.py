@@ -122,7 +122,8 @@ def _reports(rank0: str, rank1: str) -> list[str]:
     return [f"rank 0: {rank0}", f"rank 1: {rank1}"]
 
 
-IN_BACKWARD_6 = "in backward pass 6 and 2 optimizer steps; waiting in reduce_scatter"
+IN_BACKWARD_6 = "in backward pass 6 and 2 optimizer steps, at unit '0'; waiting in reduce_scatter"
+"""Stage 3 says which unit's forward or backward started last."""
 
 # Rank 1 skips step 2's synchronising backward, so its next one (step 3's) pairs with rank 0's
 # third: by then rank 1 has run one more micro-batch and one more step.
@@ -130,12 +131,14 @@ SKIPPED_BACKWARD = {
     0: _counters((3, 6, 2), (3, 7, 3)),
     1: _counters((3, 6, 2), (3, 7, 3)),
     2: _counters((3, 6, 2), (3, 7, 3)),
-    3: _reports(IN_BACKWARD_6, "in a forward pass after 6 backward passes and 3 optimizer steps; waiting in tagged all_gather"),
+    3: _reports(IN_BACKWARD_6, "in a forward pass after 6 backward passes and 3 optimizer steps, at unit '0'; "
+                               "waiting in tagged all_gather"),
 }
 EXTRA_MICRO_BATCH = {
     0: _counters((3, 6, 2), (3, 7, 2)),
     2: _counters((3, 6, 2), (3, 7, 2)),
-    3: _reports(IN_BACKWARD_6, "in a forward pass after 6 backward passes and 2 optimizer steps; waiting in tagged all_gather"),
+    3: _reports(IN_BACKWARD_6, "in a forward pass after 6 backward passes and 2 optimizer steps, at unit '0'; "
+                               "waiting in tagged all_gather"),
 }
 # Stages 1-2 all-gather after the step (in the next forward), which rank 1 skips.
 STEP_ALL_GATHER = _reports("in a forward pass after 6 backward passes and 3 optimizer steps; waiting in all_gather",

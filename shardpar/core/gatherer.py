@@ -581,6 +581,7 @@ class UnitGatherer:
         """The root's forward starts (not a recompute)."""
         self._history[self._pass_key] = self._pass
         self._pass, self._pass_key = [], torch.is_grad_enabled()
+        self.state.unit = None  # no unit of this forward yet (for reports)
         if self._forward_uses:
             self._last_forward = self._forward_uses
         self._forward_uses = []
@@ -634,6 +635,7 @@ class UnitGatherer:
             unit.running += 1
             return self._hook_inputs(unit, args, kwargs)
         self._forward_uses.append(unit)
+        self.state.unit = (Phase.FORWARD, self.state.backward_count, unit.name, torch.is_grad_enabled())  # reports
         self.on_forward_use(unit)
         self._free_forward_ended(unit)
         self.wait(unit)
@@ -714,6 +716,7 @@ class UnitGatherer:
             self._release_kept(unit)
         unit.active_backward += 1
         self._backward_uses.append(unit)
+        self.state.unit = (Phase.BACKWARD, self.state.backward_count, unit.name, True)  # for reports only
         self.wait(unit)
         self._allow_waiting_reductions()  # before the prefetch below, which it would wait for
         history = self._last_backward or self._last_forward_reversed()

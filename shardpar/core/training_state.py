@@ -52,6 +52,10 @@ class TrainingState:
         """``optimizer.step()`` calls since wrap (carried beside ``sync_count``)."""
         self.final_callback_queued = False
         """The end-of-backward callback is queued for the backward in progress."""
+        self.unit: tuple[Phase, int, str, bool] | None = None
+        """Stage 3: the unit whose forward or backward started last, with the phase, the backward
+        count and whether autograd was on at that moment (set by the gatherer; read only by
+        :meth:`describe` and :meth:`position`)."""
 
     def counters(self) -> list[int]:
         """What ranks in step agree on at every synchronising backward."""
@@ -66,7 +70,30 @@ class TrainingState:
         else:
             where = f"in a forward pass after {self.backward_count} backward passes" if self.phase is Phase.FORWARD \
                 else f"between passes after backward pass {self.backward_count}"
-        return f"{where} and {self.step_count} optimizer steps"
+        details = ""
+        unit = self._unit_now()
+        if unit is not None and not unit[3]:
+            details += ", without autograd (evaluation or generation)"
+        if unit is not None:
+            details += f", at unit '{unit[2]}'"
+        return f"{where} and {self.step_count} optimizer steps{details}"
+
+    def _unit_now(self) -> tuple[Phase, int, str, bool] | None:
+        """:attr:`unit`, if it belongs to the pass in progress."""
+        if self.unit is None or self.phase is Phase.IDLE:
+            return None
+        phase, backward_count = self.unit[:2]
+        return self.unit if phase is self.phase and backward_count == self.backward_count else None
+
+    def current_unit(self) -> str | None:
+        """The stage-3 unit whose forward or backward started last in the pass in progress."""
+        unit = self._unit_now()
+        return unit[2] if unit is not None else None
+
+    def position(self) -> dict[str, object]:
+        """:meth:`describe` as values, for comparing ranks ([Note: stalled waits] in comm/watch.py)."""
+        return {"phase": self.phase.value, "backward_count": self.backward_count, "step_count": self.step_count,
+                "unit": self.current_unit()}
 
     @staticmethod
     def autograd_running() -> bool:
