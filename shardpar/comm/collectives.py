@@ -249,20 +249,27 @@ class Handle:
 
     def __init__(
         self, work: Any = None, then: Callable[[], Any] | None = None, *, op: str = "collective",
-        group: ProcessGroup | None = None,
+        group: ProcessGroup | None = None, issued: int | None = None, collective: bool = True,
     ) -> None:
         """``work``: one torch work object, a list of them, or None (already done); ``then``
         runs once after every work finished (e.g. a local sum that completes the op);
-        ``op`` and ``group`` name the collective in error reports."""
+        ``op`` and ``group`` name the collective in error reports. ``issued``: the count of
+        ``group``'s collectives after the last work (:func:`watch.issued`), if not the count
+        now (another collective was issued on ``group`` since). ``collective`` False: a
+        point-to-point operation, which has no place in that count."""
         self._works = [] if work is None else list(work) if isinstance(work, (list, tuple)) else [work]
         self._then = then
         self._result: Any = None
         self._op = op
         self._group = group
+        self._issued = issued if issued is not None or not self._works or not collective else watch.issued(group)
 
     def wait(self) -> Any:
         while self._works:
-            watch.wait(self._works[0], op=self._op, group=self._group)
+            # The works were issued one after the other on the group, so the first one left is
+            # the one numbered len(works) - 1 before the last ([Note: stalled waits] in watch).
+            number = None if self._issued is None else self._issued - len(self._works) + 1
+            watch.wait(self._works[0], op=self._op, group=self._group, number=number)
             self._works.pop(0)
         if self._then is not None:
             then, self._then = self._then, None
@@ -655,6 +662,7 @@ class TaggedAllGather:
         self._chunk_bytes[self.rank].copy_(own)
         work = compat.all_gather_single(self._full_bytes, self._chunk_bytes[self.rank], group=self.group,
                                            async_op=True)
+        payload_number = None if gathered.number is None else gathered.number + 1
         if device.type != "cpu":
             return Handle([work], then=lambda: gathered, op=self._op, group=self.group)
 
@@ -665,10 +673,10 @@ class TaggedAllGather:
             rows = gathered.rows_now()
             if any(row != mine for row in rows):
                 return rows
-            watch.wait(work, op=self._op, group=self.group)
+            watch.wait(work, op=self._op, group=self.group, number=payload_number)
             return gathered
 
-        return Handle([tag_work], then=payload_if_tags_agree, op=self._op, group=self.group)
+        return Handle([tag_work], then=payload_if_tags_agree, op=self._op, group=self.group, issued=gathered.number)
 
 
 def all_gather_tags(tag: Sequence[int], *, group: ProcessGroup | None, device: torch.device) -> Handle:
@@ -699,6 +707,8 @@ class GatheredTags:
 
     def __init__(self, work: Any, tags: torch.Tensor, *, op: str, group: ProcessGroup | None) -> None:
         self._op, self._group = op, group
+        self.number = watch.issued(group)
+        """The tag all-gather's number on ``group`` (made right after it: :func:`watch.issued`)."""
         self._work: Any = None
         self._tags = tags
         self._read: host.DeviceToHost | None = None
@@ -725,7 +735,7 @@ class GatheredTags:
     def rows(self) -> list[list[int]]:
         """Every rank's tag (N two-int lists), waiting for them if need be."""
         if self._work is not None:
-            watch.wait(self._work, op=self._op, group=self._group)
+            watch.wait(self._work, op=self._op, group=self._group, number=self.number)
             self._work = None
             self._read = host.DeviceToHost(self._tags)
         assert self._read is not None
@@ -836,9 +846,13 @@ def send(tensor: torch.Tensor, dst: int, *, group: ProcessGroup | None = None) -
 
     Point-to-point, for moving one tensor to one rank (e.g. a full export gathering piece by
     piece on rank 0) where a collective would move it to every rank."""
-    Handle(compat.isend(tensor, group_dst=dst, group=group), op=f"send to rank {dst}", group=group).wait()
+    work = compat.isend(tensor, group_dst=dst, group=group)
+    watch.point_to_point(group)
+    Handle(work, op=f"send to rank {dst}", group=group, collective=False).wait()
 
 
 def recv(tensor: torch.Tensor, src: int, *, group: ProcessGroup | None = None) -> None:
     """Receive into ``tensor`` what rank ``src`` (a group rank) sends with :func:`send`."""
-    Handle(compat.irecv(tensor, group_src=src, group=group), op=f"recv from rank {src}", group=group).wait()
+    work = compat.irecv(tensor, group_src=src, group=group)
+    watch.point_to_point(group)
+    Handle(work, op=f"recv from rank {src}", group=group, collective=False).wait()

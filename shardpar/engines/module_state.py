@@ -17,12 +17,17 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
-from ..comm import compat
+from ..comm import compat, watch
 from ..core.param_guard import allow, metadata_only
 from ..core.pieces import TensorPiece
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+
+STATE_DICT_OPERATION = ("full_state_dict (gathering every parameter for a state dict: model.state_dict(), "
+                        "full_state_dict(), save_pretrained, a copy of the module)")
+"""What a rank gathering a full state dict is doing, in reports."""
 
 
 def _refuse_assign(what: str) -> None:
@@ -70,7 +75,17 @@ class ModuleState:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor of ``module.state_dict()``, full, detached and in full precision (the
-        master values), on every rank. Tied aliases map to the same tensor."""
+        master values), on every rank. Tied aliases map to the same tensor.
+
+        A collective that scripts written for plain torch call on rank 0 alone (``if
+        master_process: torch.save(model.state_dict(), ...)``): the ranks first meet through the
+        store, so that its all-reduces never pair with another rank's training collectives, and
+        a rank that came alone is named as gathering a state dict ([Note: stalled waits])."""
+        with watch.operation(STATE_DICT_OPERATION):
+            watch.meet(self.engine.group, "full_state_dict")
+            return self._full_state_dict()
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
         self.engine.wait_for_params()
         params = self.gather_full_params()
         out = {}
