@@ -141,10 +141,10 @@ def _diverge(scenario: str) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_rank_that_skips_a_units_forward_is_named_within_seconds(world_size: int) -> None:
-    """Rank 0 never runs the block's forward and goes straight into backward, where it waits for
-    the gradient reduction of its root while the others gather the block (or, at the start of
-    their backward, wait in reductions rank 0 posts in another order). Used to wait the whole
-    timeout and raise RanksOutOfStep."""
+    """Rank 0 never runs the block's forward and goes straight into backward, where it waits in
+    the gather of the block that the last backward's order prefetches, while the others wait in
+    a gradient reduction that rank 0 has not posted. Used to wait the whole timeout and raise
+    RanksOutOfStep."""
     with pytest.raises(RankFailure) as failure:
         run_ranks(_diverge, world_size, "skip", timeout=90)
     caught = _assert_named_in_time(failure.value, world_size, "UnitOrderMismatch",
@@ -316,7 +316,7 @@ def test_a_state_dict_on_rank_0_only_is_named_within_seconds(stage: int, how: st
 
 def _slow_rank(stage: int, slow_rank: int) -> dict[str, torch.Tensor]:
     """Three steps of BranchLM on every rank's slice of one global batch; at step 1,
-    ``slow_rank`` computes for STALL_S + 2 slices inside the block's forward, while the others
+    ``slow_rank`` computes for STALL_S + 3 slices inside a block's forward, while the others
     wait for its gathers or reductions."""
     before = watch.STALL_S
     watch.STALL_S = 0.5  # stalls sooner, so that the slow rank is slow by several of them
