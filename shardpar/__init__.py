@@ -14,6 +14,7 @@ from .planner import CommEstimate, MemoryEstimate, choose_stage, estimate_commun
 from .wrap import wrap
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_full
 from .checkpoint.pretrained import load_pretrained
+from .version import __version__
 
 __all__ = [
     "GradScaler",
@@ -39,4 +40,3 @@ __all__ = [
     "save_full",
     "latest_checkpoint",
 ]
-__version__ = "0.1.0"

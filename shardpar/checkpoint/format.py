@@ -31,6 +31,7 @@ from .io import (
     write_text_synced,
 )
 from ..errors import CheckpointError
+from ..version import __version__
 
 FORMAT_NAME = "shardpar-checkpoint"
 FORMAT_VERSION = 1
@@ -547,8 +548,6 @@ def assemble_manifest(
     has no pieces); ``optimizer``: ``{"class", "param_groups", "scalar_state"}`` (the
     elementwise state entries are built here from ``items``).
     """
-    from .. import __version__
-
     tensors: dict[str, dict[str, Any]] = {
         name: {"kind": kind, "dtype": dtype, "shape": list(shape), "pieces": []} for name, kind, dtype, shape in model
     }
