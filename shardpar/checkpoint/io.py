@@ -137,22 +137,6 @@ def parse_safetensors_dtype(name: Any, where: str = "") -> torch.dtype:
     return _FROM_ST[name]
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-def parse_size(size: int | str) -> int:
-    """``5GB`` -> 5·10⁹ bytes (decimal units as Hugging Face; ``GiB`` are binary)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
-        if match is None or match.group(2).lower() not in _SIZE_UNITS:
-            raise ValueError(f"max_shard_size {size!r} is not a size such as 5GB, 500MB or 1000000")
-        value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-    if value <= 0:
-        raise ValueError(f"max_shard_size must be positive, got {size!r}")
-    return value
-
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)

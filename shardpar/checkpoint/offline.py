@@ -34,9 +34,9 @@ from .io import (
     export_directory,
     make_temp_dir,
     parse_dtype,
-    parse_size,
     remove_stale_temps,
 )
+from ..sizes import parse_bytes
 from .hf_config import config_files, floating_dtype
 
 
@@ -54,7 +54,7 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str
     the checkpoint carries them. ``out_dir`` appears whole or not at all (a failure leaves
     it exactly as it was); files in it that are not part of an export are kept."""
     manifest = read_manifest(ckpt_dir)
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_bytes(max_shard_size, "max_shard_size")
     cast = None if dtype is None else (dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype))
     if export_directory(out_dir) == Path(os.path.realpath(manifest.directory)):
         raise ValueError("the output directory must differ from the input checkpoint")

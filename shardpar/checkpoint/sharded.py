@@ -66,11 +66,11 @@ from .io import (
     dtype_name,
     make_temp_dir,
     parse_dtype,
-    parse_size,
     remove_abandoned_temps,
     remove_stale_temps,
     sha256_file,
 )
+from ..sizes import parse_bytes
 from .hf_config import config_files, floating_dtype, hf_config_of
 from .reorder import MemoryPiece, ReorderedReads, row_major_range, to_row_major
 from ..core.element_order import ElementOrder
@@ -585,7 +585,7 @@ def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size
     problem: BaseException | None = None
     mine: list[tuple[str, int, int, str]] = []
     try:
-        max_bytes = parse_size(max_shard_size)
+        max_bytes = parse_bytes(max_shard_size, "max_shard_size")
         out_dtype = _resolve_dtype(dtype)
         engine.wait_for_params()
         local = {(p.name, *p.param_range): p.tensor for p in engine.save_pieces()}

@@ -77,8 +77,6 @@ and the ring latency growing with N (fold that into ``latency_us`` if it matters
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -92,6 +90,7 @@ from ..core.layout import Alignment, BufferLayout, alignment_for
 from ..core.training_state import TrainingState
 from ..core.units import ROOT, encloses, plan_units
 from ..config import MixedPrecision, MixedPrecisionOption, WrapPolicy
+from ..sizes import parse_bytes, parse_count
 
 __all__ = [
     "CommEstimate",
@@ -727,42 +726,7 @@ def estimate_communication(
     )
 
 
-# --------------------------------------------------------------------------- units
-
-_BYTE_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def _parse(text: Any, units: dict[str, int], what: str, example: str) -> int:
-    if isinstance(text, bool):
-        raise ValueError(f"{what} must be a number, got {text!r}")
-    if isinstance(text, (int, float)):
-        value, unit = float(text), ""
-    else:
-        match = _NUMBER.match(str(text))
-        if match is None or match.group(2).lower() not in units:
-            raise ValueError(f"cannot read {what} {text!r}; write e.g. {example}")
-        value, unit = float(match.group(1)), match.group(2).lower()
-    result = value * units[unit]
-    if not math.isfinite(result) or result <= 0:
-        raise ValueError(f"{what} must be positive, got {text!r}")
-    return round(result)
-
-
-def parse_bytes(text: int | float | str) -> int:
-    """``"24GB"`` -> 24·10⁹, ``"512MiB"`` -> 512·2²⁰, ``"80G"`` -> 80·10⁹, an int -> itself."""
-    return _parse(text, _BYTE_UNITS, "memory size", "24GB, 80GiB or 512MiB")
-
-
-def parse_count(text: int | float | str) -> int:
-    """``"7e9"``, ``"7B"``, ``"350M"``, ``"125k"`` -> a parameter count."""
-    return _parse(text, _COUNT_UNITS, "parameter count", "7e9, 7B, 350M or 125K")
-
+# --------------------------------------------------------------------------- sizes, as people read them
 
 def format_bytes(n: float, binary: bool = True) -> str:
     """``format_bytes(3 * 2**30)`` -> ``'3.00 GiB'``; ``binary=False`` -> decimal GB."""
