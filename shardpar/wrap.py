@@ -9,7 +9,7 @@ from torch import nn
 
 from .comm import collectives as C
 from .comm import devices as D
-from .checkpoint.io import is_storable
+from .checkpoint.dtypes import is_storable
 from .config import ShardConfig
 from .core.deferred_init import DeferredInit, InitFn, materialise_whole
 from .core.inventory import check_initialized, first_difference, model_signature, module_device

@@ -26,7 +26,7 @@ from torch import nn  # noqa: E402
 
 import shardpar  # noqa: E402
 from shardpar.comm import collectives as C  # noqa: E402
-from shardpar.checkpoint.sharded import TEST_CRASH_ENV  # noqa: E402
+from shardpar.checkpoint.save import TEST_CRASH_ENV  # noqa: E402
 from tests.models import KITCHEN, MLPStack  # noqa: E402
 
 

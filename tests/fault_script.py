@@ -121,7 +121,7 @@ def train(args: argparse.Namespace) -> None:
     import shardpar
     from safetensors.torch import save_file
     from shardpar.comm import collectives as C
-    from shardpar.checkpoint.sharded import TEST_CRASH_ENV
+    from shardpar.checkpoint.save import TEST_CRASH_ENV
     from tests.models import MLPStack
 
     out: Path = args.out

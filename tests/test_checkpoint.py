@@ -258,7 +258,7 @@ def test_even_split_tiles_every_tensor_and_balances_ranks(numels: list[int], wor
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=8), limit=st.integers(4, 100))
 def test_hf_shards_keep_order_and_respect_the_limit(tmp_path_factory, sizes: list[int], limit: int) -> None:
-    from shardpar.checkpoint.io import HFLayoutWriter
+    from shardpar.checkpoint.hf import HFLayoutWriter
 
     out = tmp_path_factory.mktemp("hf")
     entries = [(f"t{i}", torch.uint8, (n,)) for i, n in enumerate(sizes)]

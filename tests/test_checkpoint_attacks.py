@@ -328,7 +328,7 @@ def test_a_file_where_a_checkpoint_directory_is_expected_is_called_a_file(ckpt: 
 
 
 class _DiskFills:
-    """Stands in for ``open`` in shardpar.checkpoint.io/format: files whose name contains
+    """Stands in for ``open`` in shardpar.checkpoint.io/files: files whose name contains
     ``victim`` accept ``capacity`` bytes, then every write fails with ENOSPC, as a full disk
     does (the OSError names no file)."""
 
@@ -364,9 +364,9 @@ class _FillingFile:
 
 
 def fill_the_disk(monkeypatch: pytest.MonkeyPatch, victim: str, capacity: int = 100) -> None:
-    from shardpar.checkpoint import format as checkpoint_format
+    from shardpar.checkpoint import files as checkpoint_files
 
-    for module in (checkpoint_io, checkpoint_format):
+    for module in (checkpoint_io, checkpoint_files):
         monkeypatch.setattr(module, "open", _DiskFills(victim, capacity), raising=False)
 
 

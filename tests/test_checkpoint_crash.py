@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 import shardpar
-from shardpar.checkpoint.sharded import TEST_CRASH_ENV
+from shardpar.checkpoint.save import TEST_CRASH_ENV
 from shardpar.checkpoint.io import CHUNK_BYTES
 from tests.checkpoint_helpers import assert_equal_states, build, train
 from tests.harness import run_script

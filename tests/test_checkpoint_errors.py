@@ -100,12 +100,33 @@ def test_truncated_file(ckpt: Path) -> None:
 def test_truncated_file_caught_by_the_header_check_alone(ckpt: Path) -> None:
     """Without a manifest record (size, sha256) to compare with, the header's offsets still
     catch a file that ends early."""
-    from shardpar.checkpoint.io import FileView
+    from shardpar.checkpoint.io import SafetensorsReader
 
     data = (ckpt / FILE).read_bytes()
     (ckpt / FILE).write_bytes(data[: len(data) - 100])
-    with pytest.raises(CheckpointError, match=rf"{FILE} is truncated or not a safetensors file"):
-        FileView(ckpt / FILE)
+    with pytest.raises(CheckpointError, match=rf"{FILE}: tensor .* has data_offsets .* outside the file's \d+ data "
+                                              r"bytes \(truncated or corrupted file\)"):
+        SafetensorsReader(ckpt / FILE)
+
+
+def test_one_header_limit_for_writing_and_reading(ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank files, exports and Hugging Face files share one safetensors reader and writer with
+    one header limit (safetensors' own): the writer refuses a header the reader would refuse,
+    before creating the file, and the reader refuses a longer header by its length, naming
+    the file -- a shard file of a checkpoint too, before any byte of it is loaded."""
+    from shardpar.checkpoint import io as checkpoint_io
+
+    assert checkpoint_io.MAX_HEADER_BYTES == 100_000_000
+    header_bytes = int.from_bytes((ckpt / FILE).read_bytes()[:8], "little")
+    monkeypatch.setattr(checkpoint_io, "MAX_HEADER_BYTES", header_bytes - 1)
+    with pytest.raises(CheckpointError, match=rf"shard file .*{FILE} has a header length of {header_bytes} bytes, "
+                                              rf"over the {header_bytes - 1} bytes limit"):
+        load(ckpt)
+    entries = [(f"t{i}", torch.float32, (1,)) for i in range(header_bytes // 20)]
+    with pytest.raises(CheckpointError, match=r"cannot write .*big\.safetensors: its safetensors header would be "
+                                              rf"\d+ bytes, more than the {header_bytes - 1} bytes a reader accepts"):
+        checkpoint_io.SafetensorsWriter(tmp_path / "big.safetensors", entries)
+    assert not (tmp_path / "big.safetensors").exists()
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "../outside.safetensors", "sub/../../x.safetensors"])
@@ -257,13 +278,13 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_no_leftovers(tmp_path:
 @pytest.mark.parametrize("numel", [1, 7, 8, 9, 23])
 def test_the_pinned_bounce_moves_every_byte_across_chunk_edges(tmp_path, numel: int) -> None:
     """The two-buffer path checkpoint bytes of GPU tensors take ([Note: checkpoint bytes and the
-    GPU] in checkpoint/io.py), driven here with CPU tensors and 8-element chunks: written bytes
+    GPU] in checkpoint/host_bytes.py), driven here with CPU tensors and 8-element chunks: written bytes
     equal the tensor's, read bytes land in the right places, whatever the chunk count."""
-    from shardpar.checkpoint.io import _PinnedBounce
+    from shardpar.checkpoint.host_bytes import PinnedBounce
 
     values = torch.arange(numel, dtype=torch.float32) * 1.5 - 3
     written = bytearray()
-    _PinnedBounce(torch.float32, torch.device("cpu"), numel, chunk_bytes=32).to_host(values, lambda view: written.extend(view))
+    PinnedBounce(torch.float32, torch.device("cpu"), numel, chunk_bytes=32).to_host(values, lambda view: written.extend(view))
     assert bytes(written) == values.numpy().tobytes()
     data = b"\0" * 12 + bytes(written)
 
@@ -271,5 +292,5 @@ def test_the_pinned_bounce_moves_every_byte_across_chunk_edges(tmp_path, numel: 
         view[:] = data[offset : offset + view.nbytes]
 
     dest = torch.full((numel,), float("nan"))
-    _PinnedBounce(torch.float32, torch.device("cpu"), numel, chunk_bytes=32).from_file(dest, readinto, 12)
+    PinnedBounce(torch.float32, torch.device("cpu"), numel, chunk_bytes=32).from_file(dest, readinto, 12)
     assert torch.equal(dest, values)

@@ -42,8 +42,9 @@ from torch import nn
 import shardpar
 from shardpar.comm import collectives as C
 from shardpar import ShardedGradError
-from shardpar.checkpoint.sharded import TEST_CRASH_ENV
-from shardpar.checkpoint.format import CheckpointReader, read_manifest
+from shardpar.checkpoint.save import TEST_CRASH_ENV
+from shardpar.checkpoint.format import read_manifest
+from shardpar.checkpoint.reader import CheckpointReader
 from tests.harness import CPU_ONLY_ENV, free_port, run_ranks
 from tests.models import MLPStack
 from tests.parity import cap_mb, rank_slice

@@ -1,7 +1,8 @@
 """What a shardpar checkpoint is: the manifest (``shardpar.json``) that says where every
-piece of every tensor lives, its validation, ``latest``, and reading any range of any tensor
-from whichever files hold it. Specified in ``docs/checkpoint-format.md``; the files
-themselves are written and read by :mod:`shardpar.checkpoint.io`.
+piece of every tensor lives -- its assembly, signature and validation --, the names of its
+files, and ``latest``. Specified in ``docs/checkpoint-format.md``. Reading any range of any
+tensor through the manifest is :mod:`shardpar.checkpoint.reader`; the files themselves are
+written and read by :mod:`shardpar.checkpoint.io`.
 """
 
 from __future__ import annotations
@@ -10,28 +11,20 @@ import hashlib
 import json
 import math
 import os
-import re
 import stat
 import time
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 
-from .io import (
-    CHUNK_BYTES,
-    FileView,
-    dtype_name,
-    parse_dtype,
-    read_regular_file,
-    write_text_atomic,
-    write_text_synced,
-)
 from ..errors import CheckpointError
 from ..version import __version__
+from .dtypes import dtype_name, parse_dtype
+from .files import check_file_name, read_regular_file, write_text_atomic, write_text_synced
+from .json_values import decode_value, to_json_text
 
 FORMAT_NAME = "shardpar-checkpoint"
 FORMAT_VERSION = 1
@@ -59,18 +52,6 @@ file systems)."""
 
 
 # --------------------------------------------------------------------------- names
-
-def check_file_name(name: Any, where: str) -> str:
-    """A file named by a manifest or index must be a plain name inside the directory."""
-    if not isinstance(name, str) or not name:
-        raise CheckpointError(f"{where}: file name {name!r} is not a string")
-    if os.path.isabs(name) or name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
-        raise CheckpointError(f"{where}: file name {name!r} is absolute; refusing to read outside the checkpoint")
-    if ".." in re.split(r"[/\\]", name):
-        raise CheckpointError(f"{where}: file name {name!r} contains '..'; refusing to read outside the checkpoint")
-    if "/" in name or "\\" in name or "\0" in name or name in (".", MANIFEST):
-        raise CheckpointError(f"{where}: file name {name!r} is not a plain file name")
-    return name
 
 def rank_file_name(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
@@ -242,7 +223,7 @@ def parse_manifest(raw: Any, directory: Path) -> Manifest:
     _expect(isinstance(files_raw, dict), f"{where}: 'files' is missing or not an object")
     files: dict[str, FileRecord] = {}
     for name, record in files_raw.items():
-        check_file_name(name, where)
+        check_file_name(name, where, reserved=(MANIFEST,))
         _expect(isinstance(record, dict) and _is_int(record.get("bytes")) and isinstance(record.get("sha256"), str),
                 f"{where}: file '{name}' needs integer 'bytes' and string 'sha256'")
         files[name] = FileRecord(name, record["bytes"], record["sha256"], record.get("rank"))
@@ -383,7 +364,7 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     try:
         name = _read_latest(root)
         if name is not None:
-            check_file_name(name, "latest")
+            check_file_name(name, "latest", reserved=(MANIFEST,))
             if is_valid_checkpoint(root / name):
                 return root / name
     except CheckpointError:
@@ -396,132 +377,6 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         key = (float(created) if isinstance(created, (int, float)) else candidate.stat().st_mtime, candidate.name)
         best = key if best is None or key > best else best
     return root / best[1] if best is not None else None
-
-# --------------------------------------------------------------------------- scalar values
-
-def encode_value(value: Any, where: str) -> Any:
-    """A JSON form of a scalar optimizer state value or hyperparameter (tensors included)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise TypeError(f"{where} is a tensor of shape {list(value.shape)}; only single values are "
-                            "stored as scalar state")
-        return {"tensor": encode_value(value.item(), where), "dtype": dtype_name(value.dtype),
-                "shape": list(value.shape)}
-    if isinstance(value, float) and not math.isfinite(value):
-        return {"float": repr(value)}  # 'nan', 'inf', '-inf': JSON has no literal for them
-    if isinstance(value, (list, tuple)):
-        return [encode_value(v, where) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(f"{where} is a {type(value).__name__}, which a checkpoint cannot store as JSON")
-
-def decode_value(value: Any, device: torch.device | str = "cpu", where: str = "a manifest value") -> Any:
-    """Inverse of :func:`encode_value`; a malformed encoding is a CheckpointError naming ``where``."""
-    if isinstance(value, dict) and "tensor" in value:
-        try:
-            number = decode_value(value["tensor"], where=where)
-            return torch.tensor(number, dtype=parse_dtype(value.get("dtype"), f"{where}: "),
-                                device=device).reshape(value.get("shape", []))
-        except (TypeError, ValueError, RuntimeError, OverflowError) as error:
-            raise CheckpointError(f"{where}: {value!r} is not a valid encoded tensor ({error})") from None
-    if isinstance(value, dict) and "float" in value:
-        try:
-            return float(value["float"])
-        except (TypeError, ValueError) as error:
-            raise CheckpointError(f"{where}: {value!r} is not a valid encoded float ({error})") from None
-    if isinstance(value, list):
-        return [decode_value(v, device, where) for v in value]
-    return value
-
-def to_json_text(obj: Any, what: str) -> str:
-    """``json.dumps`` that raises TypeError for anything not plain JSON (NaN included)."""
-    try:
-        return json.dumps(obj, indent=1, allow_nan=False)
-    except (TypeError, ValueError) as error:
-        raise TypeError(f"{what} must be JSON-serialisable: {error}") from None
-
-# --------------------------------------------------------------------------- reading
-
-@dataclass
-class _Read:
-    file: str
-    key: str
-    first: int  # element offset inside the stored piece
-    dest: torch.Tensor  # 1-D
-    entry: TensorEntry
-    piece: Piece
-
-class CheckpointReader:
-    """Reads ranges of a checkpoint's tensors from whichever files hold them.
-
-    Each file is verified (size, sha256) the first time it is opened; at most
-    ``max_open`` files stay open at once.
-    """
-
-    def __init__(self, manifest: Manifest, verify: bool = True, max_open: int = 32,
-                 progress: Callable[[int], None] | None = None) -> None:
-        self.manifest = manifest
-        self.verify = verify
-        self.max_open = max_open
-        self.progress = progress
-        self._open: OrderedDict[str, FileView] = OrderedDict()
-        self._verified: set[str] = set()
-
-    def __enter__(self) -> "CheckpointReader":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def file(self, name: str) -> FileView:
-        view = self._open.get(name)
-        if view is None:
-            record = self.manifest.files[name]
-            verify = self.verify and name not in self._verified
-            view = FileView(self.manifest.directory / name, record.bytes, record.sha256 if verify else None,
-                            progress=self.progress)
-            self._verified.add(name)
-            self._open[name] = view
-            while len(self._open) > self.max_open:
-                self._open.popitem(last=False)[1].close()
-        self._open.move_to_end(name)
-        return view
-
-    def verify_files(self, names: Iterable[str]) -> None:
-        """Check (and open) these files now, before any data is read from them."""
-        for name in sorted(set(names)):
-            self.file(name)
-
-    def plan(self, entry: TensorEntry, start: int, end: int, dest: torch.Tensor) -> list[_Read]:
-        """Reads that fill ``dest`` (1-D, ``end - start`` elements) with ``entry[start:end]``."""
-        assert dest.numel() == end - start, (entry.name, start, end, dest.numel())
-        return [_Read(p.file, p.key, a - p.start, dest[a - start : b - start], entry, p)
-                for p, a, b in entry.overlapping(start, end)]
-
-    def run(self, reads: list[_Read]) -> None:
-        """Execute reads grouped by file, in file order (sequential access per file)."""
-        for read in sorted(reads, key=lambda r: (r.file, r.key, r.first)):
-            view = self.file(read.file)
-            info = view.tensor_info(read.key, read.entry.dtype, read.piece.end - read.piece.start)
-            view.read_into(info, read.first, read.dest)
-
-    def read(self, entry: TensorEntry, start: int, end: int, dest: torch.Tensor) -> None:
-        self.run(self.plan(entry, start, end, dest))
-
-    def iter_range(self, entry: TensorEntry, start: int, end: int) -> Iterator[torch.Tensor]:
-        """``entry[start:end]`` in order, as 1-D chunks of at most :data:`CHUNK_BYTES` read into
-        one reused buffer (consume each chunk before asking for the next)."""
-        step = max(1, CHUNK_BYTES // entry.dtype.itemsize)
-        buffer = torch.empty(min(step, max(0, end - start)), dtype=entry.dtype)
-        for first in range(start, end, step):
-            last = min(end, first + step)
-            part = buffer[: last - first]
-            self.read(entry, first, last, part)
-            yield part
-
-    def close(self) -> None:
-        while self._open:
-            self._open.popitem()[1].close()
 
 # --------------------------------------------------------------------------- manifest assembly
 

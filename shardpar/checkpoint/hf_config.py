@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .io import dtype_name
+from .dtypes import dtype_name
 
 FILE_NAMES = {"config": "config.json", "generation_config": "generation_config.json"}
 """Key in the manifest's ``hf_config`` -> the file an export writes it to."""

@@ -1,6 +1,6 @@
 """Checkpoint work without a process group: consolidate to the Hugging Face layout, reshard
 to another world size, verify and summarise. Used by ``tools/``; every tensor is streamed
-through one bounded buffer (:data:`~shardpar.checkpoint.io.CHUNK_BYTES`), so no step ever
+through one bounded buffer (:data:`~shardpar.checkpoint.host_bytes.CHUNK_BYTES`), so no step ever
 holds a whole model, or even a whole tensor.
 """
 
@@ -13,8 +13,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..sizes import parse_bytes
+from .dtypes import dtype_name, parse_dtype
+from .files import commit_directory, make_temp_dir, remove_stale_temps
 from .format import (
-    CheckpointReader,
     FileRecord,
     Manifest,
     StoredItem,
@@ -26,18 +28,10 @@ from .format import (
     read_manifest,
     write_manifest,
 )
-from .io import (
-    HFLayoutWriter,
-    SafetensorsWriter,
-    commit_directory,
-    dtype_name,
-    export_directory,
-    make_temp_dir,
-    parse_dtype,
-    remove_stale_temps,
-)
-from ..sizes import parse_bytes
+from .hf import HFLayoutWriter, export_directory
 from .hf_config import config_files, floating_dtype
+from .io import SafetensorsWriter
+from .reader import CheckpointReader
 
 
 def _bar(total: int, desc: str, enabled: bool) -> tqdm:
@@ -189,11 +183,11 @@ def verify(manifest: Manifest, progress: bool = True) -> None:
         reader = CheckpointReader(manifest, progress=bar.update, max_open=1)
         with reader:
             for name in sorted(manifest.files):
-                view = reader.file(name)
+                reader.file(name)  # size and sha256 first
                 for entry in manifest.entries():
                     for piece in entry.pieces:
                         if piece.file == name:
-                            view.tensor_info(piece.key, entry.dtype, piece.end - piece.start)
+                            reader.stored(entry, piece)
 
 
 def summary(manifest: Manifest) -> list[tuple[str, str]]:

@@ -3,7 +3,7 @@
 Every rank opens the directory (``model.safetensors``, or ``model.safetensors.index.json``
 and its shards), validates every header, and then reads only the byte ranges of the elements
 it keeps: its shards at stage 3, whole parameters at stages 0-2 ([Note: byte-range reading]
-in ``hf.py``). Nothing is broadcast and no file is deserialised whole; values are cast to the
+in ``io.py``). Nothing is broadcast and no file is deserialised whole; values are cast to the
 parameters' dtypes chunk by chunk, so a rank's peak is its model state plus one read chunk.
 Tied weights are stored once and fill every name tied to them; missing and unexpected keys
 are reported as ``transformers`` reports them ([Note: missing and unexpected keys]).
@@ -23,9 +23,10 @@ import torch
 from ..comm import watch
 from ..errors import CheckpointError
 from ..module import sharded_module_of
-from .hf import KeyReport, RangeRead, _tied_groups, hf_ignore_patterns, match_keys, open_hf_checkpoint
+from .hf import RangeRead, open_hf_checkpoint
+from .hf_keys import KeyReport, hf_ignore_patterns, match_keys, tied_groups
+from .protocol import agree, buffer_target, model_tensors, read_on_every_rank
 from .reorder import ReorderedReads
-from .sharded import _agree, _model_tensors, buffer_target, read_on_every_rank
 
 
 def load_pretrained(model: Any, path: str | os.PathLike[str], strict: bool = True) -> KeyReport:
@@ -50,7 +51,7 @@ def load_pretrained(model: Any, path: str | os.PathLike[str], strict: bool = Tru
                 report, reads, staged = _plan(engine, checkpoint, strict, reordered)
             except Exception as error:
                 problem = error
-            _agree(problem, "load_pretrained", group)
+            agree(problem, "load_pretrained", group)
             read_on_every_rank(lambda: (checkpoint.read_ranges(reads), reordered.run(checkpoint.read_ranges)),
                                staged, "load_pretrained", group)
         finally:
@@ -62,24 +63,24 @@ def load_pretrained(model: Any, path: str | os.PathLike[str], strict: bool = Tru
 
 def _plan(engine: Any, checkpoint: Any, strict: bool,
           reordered: ReorderedReads) -> tuple[KeyReport, list[RangeRead], list]:
-    model_tensors, aliases = _model_tensors(engine)
+    inventory, aliases = model_tensors(engine)
     stored = checkpoint.tensors
     ignore_missing, ignore_unexpected = hf_ignore_patterns(engine.module)
-    report = match_keys(stored, [name for name, _, _ in model_tensors] + list(aliases), aliases,
+    report = match_keys(stored, [name for name, _, _ in inventory] + list(aliases), aliases,
                         ignore_missing=ignore_missing, ignore_unexpected=ignore_unexpected)
     if strict and (report.missing_keys or report.unexpected_keys):
         raise CheckpointError(
             f"{checkpoint.directory}: missing keys {report.missing_keys or 'none'}; unexpected keys "
             f"{report.unexpected_keys or 'none'} (load_pretrained(..., strict=False) loads what matches)")
     # Which stored tensor supplies each of the model's tensors: its own name, else any name tied to it.
-    tied = _tied_groups(aliases)
+    tied = tied_groups(aliases)
     source: dict[str, str] = {}
-    for name, _, _ in model_tensors:
+    for name, _, _ in inventory:
         for candidate in [name, *sorted(tied.get(name, ()))]:
             if candidate in stored:
                 source[name] = candidate
                 break
-    tensors = {name: tensor for name, _, tensor in model_tensors}
+    tensors = {name: tensor for name, _, tensor in inventory}
     checkpoint.check_shapes({source[name]: tuple(tensors[name].shape) for name in source})
     engine.wait_for_params()
     orders = engine.element_orders()
@@ -90,7 +91,7 @@ def _plan(engine: Any, checkpoint: Any, strict: bool,
                 return [RangeRead(stored, start, end, dest)]
             reads += reordered.reads_for(orders[piece.name], *piece.param_range, piece.tensor, plan)
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for name, kind, tensor in model_tensors:
+    for name, kind, tensor in inventory:
         if kind == "buffer" and name in source:
             reads.append(RangeRead(source[name], 0, tensor.numel(), buffer_target(tensor, staged)))
     return report, reads, staged

@@ -35,7 +35,7 @@ import torch
 from ..comm import collectives as C
 from ..core.element_order import ElementOrder
 from ..errors import CheckpointError
-from .io import CHUNK_BYTES
+from .host_bytes import CHUNK_BYTES
 
 Ref = tuple[str, ...]
 """What a piece is of: ``("model", name)`` or ``("state", name, key)``; ``ref[1]`` names the

@@ -1,0 +1,276 @@
+"""``save_checkpoint``: every rank writes its own pieces, in parallel, into one safetensors
+file per rank; rank 0 writes the JSON manifest and makes the directory visible atomically.
+What is on disk is :mod:`shardpar.checkpoint.format`; the steps are those of
+docs/checkpoint-format.md, "Writing".
+
+[Note: optimizer state in pieces]
+The wrapped optimizer updates, per param group, a list of ``TensorPiece(name, tensor,
+param_range)`` (``ShardedOptimizer.pieces()``; their state through ``state_of`` and
+``load_state_pieces``, never the inner optimizer): whole parameters on every rank at
+stage 0, this rank's pieces at stages 1-3. A state tensor of such a tensor with the same
+number of elements (and at least one dimension, unless the parameter itself is 0-d) is
+*elementwise* (``exp_avg``): it is stored like a parameter, each rank writing the slices
+that its ``save_pieces()`` cover, so every element is written exactly once even where the
+state is replicated (stage 0). Anything else (Adam's 0-d ``step``, Python numbers) is
+*scalar* state: stored once per parameter in the manifest and given to every piece of that
+parameter on load.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..core.pieces import TensorPiece, is_elementwise
+from ..engines import Engine
+from ..errors import CheckpointError
+from ..module import ShardedModule
+from ..optim import ShardedOptimizer
+from .dtypes import dtype_name, parse_dtype
+from .files import commit_directory, make_temp_dir, remove_abandoned_temps, remove_stale_temps, sha256_file
+from .format import (
+    FileRecord,
+    StoredItem,
+    assemble_manifest,
+    check_replaceable,
+    piece_key,
+    rank_file_name,
+    write_latest,
+    write_manifest,
+)
+from .hf_config import hf_config_of
+from .io import SafetensorsWriter
+from .json_values import encode_value, to_json_text
+from .protocol import agree, check_optimizer, collective_phase, flat, in_param_space, model_tensors
+from .reorder import MemoryPiece, to_row_major
+
+TEST_CRASH_ENV = "SHARDPAR_CHECKPOINT_TEST_CRASH"
+"""Test hook: ``"<rank>:write"`` makes that rank SIGKILL itself halfway through writing its
+file; ``"0:commit"`` makes rank 0 do so after the manifest is written, before the rename.
+Only the crash-safety tests set it."""
+
+
+def _crash_point(rank: int, phase: str) -> None:
+    if os.environ.get(TEST_CRASH_ENV) == f"{rank}:{phase}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+Written = tuple[StoredItem, torch.Tensor | Callable[[], torch.Tensor]]
+"""An item and its values (1-D), or what makes them when the file is written (reordered pieces)."""
+
+
+def _stored_item(ref: tuple[str, ...], start: int, end: int, dtype: torch.dtype) -> StoredItem:
+    return StoredItem(ref, piece_key(ref, start, end), start, end, dtype_name(dtype))
+
+
+def _items_to_write(
+    engine: Engine, optimizer: ShardedOptimizer | None
+) -> tuple[list[Written], list[MemoryPiece], dict[str, dict[str, Any]], list[list[str]]]:
+    """What this rank writes: ``(item, 1-D tensor)`` pairs; the pieces of tensors kept in
+    another element order, which :func:`_row_major_items` turns into items (ranges in memory
+    order, see [Note: reordered pieces] in reorder.py); the scalar optimizer state it knows;
+    the parameter names of each param group it holds."""
+    items: list[Written] = []
+    reordered: list[MemoryPiece] = []
+    orders = engine.element_orders()
+
+    def add(ref: tuple[str, ...], tensor: torch.Tensor, start: int, end: int) -> None:
+        if orders[ref[1]].reorders:
+            reordered.append(MemoryPiece(ref, start, end, tensor))
+        else:
+            items.append((_stored_item(ref, start, end, tensor.dtype), tensor))
+
+    saved: dict[str, list[TensorPiece]] = defaultdict(list)
+    for piece in engine.save_pieces():
+        saved[piece.name].append(piece)
+        add(("model", piece.name), piece.tensor, *piece.param_range)
+    if engine.rank == 0:
+        for name, kind, tensor in model_tensors(engine)[0]:
+            if kind == "buffer":
+                items.append((_stored_item(("model", name), 0, tensor.numel(), tensor.dtype), flat(tensor)))
+
+    scalar: dict[str, dict[str, Any]] = {}
+    group_names: list[list[str]] = []
+    if optimizer is not None:
+        for index, tensors in enumerate(optimizer.pieces()):
+            group_names.append([t.name for t in tensors])
+            for owner in tensors:
+                for key, value in optimizer.state_of(owner).items():
+                    where = f"optimizer state '{key}' of parameter '{owner.name}'"
+                    if not is_elementwise(key, value, owner.tensor):
+                        scalar.setdefault(owner.name, {})[key] = encode_value(value, where)
+                        continue
+                    values = in_param_space(value, orders[owner.name])
+                    offset, owner_end = owner.param_range
+                    for piece in saved[owner.name]:  # the slices this rank writes of the parameter
+                        start, end = max(piece.param_range[0], offset), min(piece.param_range[1], owner_end)
+                        if start < end:
+                            add(("state", owner.name, key), values[start - offset : end - offset], start, end)
+    return items, reordered, scalar, group_names
+
+
+def _held(pieces: list[MemoryPiece]) -> list[tuple[tuple[str, ...], int, int]]:
+    """What every rank must know of this rank's reordered pieces to plan the transfers."""
+    return [(p.ref, p.start, p.end) for p in pieces]
+
+
+def _row_major_items(pieces: list[MemoryPiece], held: list[Any], engine: Engine) -> list[Written]:
+    """The items this rank writes of reordered tensors (a collective; see [Note: reordered
+    pieces]): values made when written, one piece at a time."""
+    return [(_stored_item(p.ref, p.start, p.end, p.dtype), p.values)
+            for p in to_row_major(pieces, held, engine.element_orders(), engine.rank, engine.group)]
+
+
+def _write_rank_file(path: Path, items: list[Written], rank: int, world_size: int) -> FileRecord:
+    writer = SafetensorsWriter(
+        path, [(item.key, parse_dtype(item.dtype), (item.end - item.start,)) for item, _ in items],
+        {"shardpar_format": "1", "rank": str(rank), "world_size": str(world_size)},
+    )
+    try:
+        for index, (_, tensor) in enumerate(items):
+            if index == len(items) // 2:
+                _crash_point(rank, "write")
+            writer.write(tensor() if callable(tensor) else tensor)
+        size, digest = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return FileRecord(path.name, size, digest, rank)
+
+
+def _hyperparameters(optimizer: ShardedOptimizer) -> list[dict[str, Any]]:
+    """Every param group's options but ``params``, as JSON (TypeError if one is not)."""
+    return [{k: encode_value(v, f"param group {index} option '{k}'") for k, v in group.items()}
+            for index, group in enumerate(optimizer.group_options())]
+
+
+def _optimizer_section(optimizer: ShardedOptimizer, hyperparameters: list[dict[str, Any]], reports: list[tuple],
+                       order: list[str]) -> dict[str, Any]:
+    """The manifest's ``optimizer`` object (elementwise state is added from the pieces)."""
+    position = {name: i for i, name in enumerate(order)}
+    groups = []
+    for index, hyper in enumerate(hyperparameters):  # a rank lists only the names it holds pieces of
+        names = sorted({n for report in reports for n in report.group_names[index]}, key=position.__getitem__)
+        groups.append({"params": names, "hyperparameters": hyper})
+    scalar: dict[str, dict[str, Any]] = {}
+    for report in reports:  # lowest rank first; equal on every rank holding a piece
+        for name, values in report.scalar_state.items():
+            scalar.setdefault(name, values)
+    return {"class": optimizer.class_name, "param_groups": groups,
+            "scalar_state": {n: scalar[n] for n in sorted(scalar, key=position.__getitem__)}}
+
+
+def _layout(engine: Engine) -> Any:
+    """The engine's bucket (stages 0-2) or unit (stage 3) layout, for information only:
+    loading never needs it, the pieces say where everything is."""
+    return engine.layout_summary()
+
+
+@dataclass
+class _RankReport:
+    """What one rank tells rank 0 after writing its file."""
+
+    file: FileRecord
+    items: list[StoredItem]
+    scalar_state: dict[str, dict[str, Any]]
+    group_names: list[list[str]]
+
+
+@collective_phase("save_checkpoint")
+def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimizer: ShardedOptimizer | None = None,
+                    extra: Any = None) -> None:
+    """Save the model (and optimizer) into the directory ``path``, every rank in parallel.
+
+    Every rank calls it. Each writes ``rank-0000r-of-0000N.safetensors`` with its pieces;
+    rank 0 verifies the files and writes ``shardpar.json`` (``extra`` must be JSON; a
+    Hugging Face model's config goes in too, for exports); the directory appears atomically
+    (replacing an existing checkpoint only once complete) and ``<parent>/latest`` names it.
+    Returns on every rank once it is visible. The steps are those of
+    docs/checkpoint-format.md, "Writing". Rank 0 first removes abandoned temporaries of other
+    checkpoints in the parent: [Note: sweeping temporaries] in :mod:`.files`.
+    """
+    engine = model.engine
+    rank, world_size, group = engine.rank, engine.world_size, engine.group
+    target = Path(path).absolute()
+    problem: BaseException | None = None
+    tmp_name = None
+    hf_config = None
+    reordered: list[MemoryPiece] = []
+    try:
+        check_optimizer(optimizer, engine)
+        to_json_text(extra, "extra")
+        hyperparameters = None if optimizer is None else _hyperparameters(optimizer)
+        engine.wait_for_params()
+        with torch.no_grad():
+            items, reordered, scalar, group_names = _items_to_write(engine, optimizer)
+        if rank == 0:
+            hf_config = hf_config_of(model.module)
+            check_replaceable(target)
+            remove_stale_temps(target)
+            remove_abandoned_temps(target.parent)
+            tmp = make_temp_dir(target)
+            tmp_name = tmp.name
+    except Exception as error:
+        problem = error
+    try:
+        agreed = agree(problem, "save_checkpoint", group, (tmp_name, _held(reordered)))
+        tmp = target.parent / agreed[0][0]
+
+        items += _row_major_items(reordered, [held for _, held in agreed], engine)
+        try:
+            record = _write_rank_file(tmp / rank_file_name(rank, world_size), items, rank, world_size)
+            report = _RankReport(record, [item for item, _ in items], scalar, group_names)
+        except Exception as error:
+            problem, report = error, None
+        reports = agree(problem, "save_checkpoint (writing files)", group, report)
+
+        try:
+            _verify_written(tmp, reports, rank)
+        except Exception as error:
+            problem = error
+        agree(problem, "save_checkpoint (verifying files)", group)
+
+        try:
+            if rank == 0:
+                inventory, aliases = model_tensors(engine)
+                manifest = assemble_manifest(
+                    stage=engine.stage, world_size=world_size,
+                    model=[(n, kind, dtype_name(t.dtype), list(t.shape)) for n, kind, t in inventory],
+                    aliases=aliases, files=[r.file for r in reports], items={r.file.name: r.items for r in reports},
+                    optimizer=None if optimizer is None else _optimizer_section(
+                        optimizer, hyperparameters, reports, [n for n, _ in engine.named_params]),
+                    extra=extra, layout=_layout(engine), hf_config=hf_config,
+                )
+                write_manifest(tmp, manifest)
+                _crash_point(rank, "commit")
+                commit_directory(tmp, target)
+                write_latest(target)
+        except Exception as error:
+            problem = error
+        agree(problem, "save_checkpoint (commit)", group)
+    except Exception:
+        if tmp_name is not None:  # rank 0: a failed save leaves nothing behind
+            shutil.rmtree(target.parent / tmp_name, ignore_errors=True)
+        raise
+
+
+def _verify_written(tmp: Path, reports: list[_RankReport], rank: int) -> None:
+    """Rank r re-reads the file of rank r+1 (in parallel; on a shared file system also a check
+    that another node sees the bytes); rank 0 checks that every file exists with its size."""
+    other = reports[(rank + 1) % len(reports)].file
+    digest, size = sha256_file(tmp / other.name)
+    if (digest, size) != (other.sha256, other.bytes):
+        raise CheckpointError(f"{tmp / other.name} reads back as {size} bytes, sha256 {digest}; rank "
+                              f"{other.rank} wrote {other.bytes} bytes, sha256 {other.sha256}")
+    if rank == 0:
+        for report in reports:
+            file = tmp / report.file.name
+            if not file.is_file() or file.stat().st_size != report.file.bytes:
+                raise CheckpointError(f"{file} is missing or has the wrong size after the save")
