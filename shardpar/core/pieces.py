@@ -28,7 +28,7 @@ class TensorPiece:
 def is_elementwise(key: str, value: object, owner: torch.Tensor) -> bool:
     """Whether optimizer state ``value`` (under ``key``) of the tensor ``owner`` has one value
     per element of it (``exp_avg``), as opposed to *scalar* state (Adam's 0-d ``step``,
-    Python numbers). See [Note: optimizer state in pieces] in checkpoint/sharded.py."""
+    Python numbers). See [Note: optimizer state in pieces] in checkpoint/save.py."""
     if not isinstance(value, torch.Tensor) or value.numel() != owner.numel():
         return False
     return value.dim() > 0 or (owner.dim() == 0 and key != "step")

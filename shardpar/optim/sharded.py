@@ -221,7 +221,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state as pieces
     # [Note: optimizer state as pieces] Checkpoints store optimizer state per parameter piece
-    # (see checkpoint/sharded.py), never by reaching into the inner optimizer: these methods
+    # (see checkpoint/save.py), never by reaching into the inner optimizer: these methods
     # are the whole interface between the two.
 
     @property
