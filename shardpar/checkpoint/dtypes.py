@@ -5,6 +5,7 @@ writer of checkpoint files, manifests and exports translates through.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -33,6 +34,22 @@ _DTYPES: dict[str, tuple[torch.dtype, str]] = {
 _NAME_OF = {dtype: name for name, (dtype, _) in _DTYPES.items()}
 _FROM_ST = {st: dtype for dtype, st in _DTYPES.values()}
 _SHORTHANDS = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+class TensorSize:
+    """``numel`` and ``nbytes`` of a record with a ``shape`` and a ``dtype`` (a tensor in a
+    file, a tensor of a manifest)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
 
 def is_storable(dtype: torch.dtype) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import stat
 import time
@@ -22,7 +21,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..version import __version__
-from .dtypes import dtype_name, parse_dtype
+from .dtypes import TensorSize, dtype_name, parse_dtype
 from .files import check_file_name, read_regular_file, write_text_atomic, write_text_synced
 from .json_values import decode_value, to_json_text
 
@@ -95,7 +94,7 @@ class Piece:
     end: int
 
 @dataclass
-class TensorEntry:
+class TensorEntry(TensorSize):
     """One stored tensor (a model tensor, or one optimizer state of one parameter)."""
 
     name: str
@@ -104,14 +103,6 @@ class TensorEntry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     pieces: list[Piece] = field(default_factory=list)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind} if self.kind else {}

@@ -63,7 +63,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
 import torch
 
 from ..errors import CheckpointError
-from .dtypes import dtype_name, parse_safetensors_dtype, safetensors_code
+from .dtypes import TensorSize, dtype_name, parse_safetensors_dtype, safetensors_code
 from .files import open_regular_file, sha256_file, write_failure
 from .host_bytes import CHUNK_BYTES, PinnedBounce, bytes_of
 
@@ -192,7 +192,7 @@ class SafetensorsWriter:
 # --------------------------------------------------------------------------- reading
 
 @dataclass(frozen=True)
-class StoredTensor:
+class StoredTensor(TensorSize):
     """Where one tensor lies: ``file`` (a name inside its directory) holds its ``numel``
     elements of ``dtype`` from byte ``offset`` on, flattened row-major."""
 
@@ -201,14 +201,6 @@ class StoredTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     offset: int  # absolute byte offset of element 0 in the file
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
 @dataclass(frozen=True)
 class FileStamp:
