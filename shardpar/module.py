@@ -9,7 +9,6 @@ and state-dict keys are the wrapped module's own, so code written for the unwrap
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -17,6 +16,7 @@ from torch import nn
 
 from .comm import collectives as C
 from .engines import Engine
+from .optim import clipping
 
 
 def sharded_module_of(model: Any, who: str) -> "ShardedModule":
@@ -147,42 +147,31 @@ class ShardedModule(nn.Module):
         self.engine.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None,
     ) -> torch.Tensor:
         """Scale gradients so their global norm (over all ranks' shards) is at most
-        ``max_norm``; return the norm before clipping, as ``torch.nn.utils.clip_grad_norm_``."""
-        grads, sharded = self.engine.owned_grads()
-        norm_type = float(norm_type)
-        device = self.engine.device
+        ``max_norm``; return the norm before clipping, as ``torch.nn.utils.clip_grad_norm_``
+        (the same arguments; a norm per parameter, or per piece of one this rank owns: see
+        [Note: a norm per piece] in ``shardpar.optim.clipping``). At stages 1-3 one
+        all-reduce of the norm; never a host sync unless ``error_if_nonfinite``."""
+        pieces, sharded = self.engine.owned_grad_pieces()
+        grads, _ = self.engine.owned_grads()
         with torch.no_grad():
-            if norm_type == math.inf:
-                local = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros((), device=device)])
-                total = local.max().float()
-                if sharded:
-                    # A MAX reduction may drop a NaN (max(1, nan) is 1 for gloo and others), so a
-                    # NaN in one rank's shard would leave the others with a finite norm. Reduce a
-                    # NaN flag beside the maximum and put the NaN back, as torch would return it.
-                    has_nan = torch.isnan(total)
-                    pair = torch.stack([torch.where(has_nan, torch.zeros_like(total), total), has_nan.float()])
-                    self.engine.wait_clock.wait(C.all_reduce(pair, group=self.engine.group, async_op=True, op="max"),
-                                                gather=False)
-                    total = torch.where(pair[1] > 0, torch.full_like(pair[0], math.nan), pair[0])
-            else:
-                norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads if g.numel()]
-                partial = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
-                if sharded:
-                    self.engine.wait_clock.wait(C.all_reduce(partial, group=self.engine.group, async_op=True),
-                                                gather=False)
-                total = partial.pow(1.0 / norm_type)
+            total = clipping.total_norm(pieces, norm_type, device=self.engine.device,
+                                        dtype=clipping.result_dtype(grads),
+                                        all_reduce=self._all_reduce_norm if sharded else None, foreach=foreach)
             if error_if_nonfinite and not torch.isfinite(total):
                 raise RuntimeError(
-                    f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
+                    f"the total norm of order {float(norm_type)} of the gradients is non-finite ({total.item()}); "
                     "pass error_if_nonfinite=False to clip anyway"
                 )
-            clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            for grad in grads:
-                grad.mul_(clip_coef.to(grad.dtype))
+            clipping.clip_with_norm_(pieces, max_norm, total, foreach=foreach)
         return total
+
+    def _all_reduce_norm(self, tensor: torch.Tensor, op: str) -> None:
+        """The one collective of a sharded clip: partial norms across the ranks of the shards."""
+        self.engine.wait_clock.wait(C.all_reduce(tensor, group=self.engine.group, async_op=True, op=op),
+                                    gather=False)
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]``, as

@@ -286,6 +286,11 @@ class AllReduceStrategy(_FullGradBuffer):
     def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
         return list(self.master_grads.values()), False
 
+    def owned_grad_pieces(self) -> list[torch.Tensor]:
+        """Every parameter's reduced gradient in registration order: what a norm is taken over
+        ([Note: a norm per piece] in optim/clipping.py)."""
+        return [self.master_grad(space, name) for space in self.spaces for name in space.params]
+
     def grad_bytes(self) -> int:
         extra = [g for s, g in self.master_grads.items() if g is not self.data[s]]
         return _nbytes(list(self.data.values()) + extra)
@@ -300,7 +305,16 @@ class _ShardedAverage:
 
     world_size: int
     rank: int
+    spaces: list[ParamSpace]
     averaging_of: dict[ParamSpace, Averaging]
+
+    def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor:
+        raise NotImplementedError
+
+    def owned_grad_pieces(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient of every piece it owns, in buffer order: what a norm is
+        taken over ([Note: a norm per piece] in optim/clipping.py)."""
+        return [self.piece_grad(space, piece) for space in self.spaces for piece in space.layout.pieces(self.rank)]
 
     def owned_in_space(self, spec, space_buffer: torch.Tensor) -> torch.Tensor:
         """This rank's slice of bucket ``spec`` in a buffer indexed like the whole space."""

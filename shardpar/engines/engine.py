@@ -558,6 +558,14 @@ class Engine:
         ``set_to_none=False`` kept), whatever the stage's buffers still hold."""
         return self.strategy.owned_grads() if self.grads_ready else ([], False)
 
+    def owned_grad_pieces(self) -> tuple[list[torch.Tensor], bool]:
+        """:meth:`owned_grads` cut per parameter (stage 0) or per piece of a parameter this rank
+        owns (stages 1-3), as views: the tensors a norm is taken over, one by one, as torch
+        takes one per parameter ([Note: a norm per piece] in optim/clipping.py)."""
+        if not self.grads_ready:
+            return [], False
+        return self.strategy.owned_grad_pieces(), self.strategy.owned_grads()[1]
+
     def has_gradient(self, name: str) -> bool:
         """Whether the optimizer should update ``name`` in the coming step (plain torch skips
         a parameter whose ``.grad`` is None; see [Note: used parameters])."""
