@@ -170,8 +170,8 @@ class ShardedModule(nn.Module):
 
     def _all_reduce_norm(self, tensor: torch.Tensor, op: str) -> None:
         """The one collective of a sharded clip: partial norms across the ranks of the shards."""
-        self.engine.wait_clock.wait(C.all_reduce(tensor, group=self.engine.group, async_op=True, op=op),
-                                    gather=False)
+        self.engine.wait_clock.wait(C.all_reduce(tensor, group=self.engine.group, async_op=True, op=op,
+                                                 stats=self.engine.comm, kind="clip_norm"), gather=False)
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]``, as

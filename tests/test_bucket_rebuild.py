@@ -21,7 +21,8 @@ first-forward launch order: on main it is launched only at the end of backward. 
   on where an element sits in the bucket, so stage 0 there is compared to 1e-6);
 - ``memory_stats()`` is the same just before and just after the rebuild and equal to a run
   without it; ``comm_stats()`` of every step equals the run without it, except the one-off
-  kind ``rebuild`` on the first step, which equals its closed form;
+  kind ``rebuild`` on the first step, which equals its closed form, and the object gather of
+  the new order (kind ``control``);
 - a rebuild after loading a checkpoint before the first step (optimizer state present)
   trains exactly like a run without rebuild; checkpoints cross between runs with and without
   rebuild and between world sizes;
@@ -298,8 +299,11 @@ def test_memory_and_traffic_are_those_of_the_run_without_rebuild(optimizer: str,
             assert stats.pop("peak_staging", 0) <= plain_stats.pop("peak_staging", 0)
             assert stats == plain_stats, f"step {step}"
         for step, (ops, plain_ops) in enumerate(zip(record["comm"], plain["comm"])):
-            ops = dict(ops)
+            ops, plain_ops = dict(ops), dict(plain_ops)
             one_off = ops.pop("rebuild", None)
+            if step == 0:  # the agreement on the new order: one object all-gather (two calls) more
+                control, plain_control = ops.pop("control"), plain_ops.pop("control")
+                assert control["calls"] == plain_control["calls"] + 2, (control, plain_control)
             assert ops == plain_ops, f"step {step}"
             moved = _moved_tensors(stage, policy) if step == 0 else 0
             if not moved:

@@ -288,11 +288,11 @@ def _gather_on_gloo(mp: pytest.MonkeyPatch, used: list[torch.device]) -> None:
     gloo group."""
     real = C.all_gather_objects
 
-    def spy(obj: Any, *, group: Any = None, device: torch.device | None = None) -> list[Any]:
+    def spy(obj: Any, *, group: Any = None, device: torch.device | None = None, **counted: Any) -> list[Any]:
         used.append(D.object_device(group, device))
         with pytest.MonkeyPatch.context() as real_backends:
             real_backends.setattr(dist, "get_backend_config", _TRUE_BACKEND_CONFIG)
-            return real(obj, group=group)
+            return real(obj, group=group, **counted)
 
     mp.setattr(C, "all_gather_objects", spy)
 

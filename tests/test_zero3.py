@@ -536,11 +536,16 @@ def _check_bytes(results: list[dict], world_size: int, gathers_per_use: int) -> 
             assert math.isclose(scatter["padding_sent_bytes"], pad * 4 * fraction, abs_tol=1e-9), what
             flags = comm["used_flags"]
             assert flags["calls"] == 1 and flags["payload_bytes"] == 4 * (tensors + 6), what  # 3 counters, negated too
-            # nothing else moves but the buffers (broadcast from rank 0 once per step)
+            # nothing else moves but the buffers (broadcast from rank 0 once per step), the
+            # clip's all-reduce and, in the first step, the launch-order exchange
             broadcast = comm.get("broadcast", {"sent_bytes": 0.0})["sent_bytes"]
-            assert set(comm) <= {"all_gather", "reduce_scatter", "broadcast", "used_flags", "total"}, what
+            assert set(comm) <= {"all_gather", "reduce_scatter", "broadcast", "used_flags", "clip_norm", "control",
+                                 "total"}, what
             assert math.isclose(broadcast, buffer_bytes * fraction, abs_tol=1e-9), what
-            total = comm["total"]["sent_bytes"] - broadcast - flags["sent_bytes"]
+            assert comm["clip_norm"]["calls"] == 1 and comm["clip_norm"]["payload_bytes"] == 8, what  # one fp64 sum
+            assert ("control" in comm) == (step == 0), what
+            others = sum(comm[op]["sent_bytes"] for op in ("clip_norm", "control") if op in comm)
+            total = comm["total"]["sent_bytes"] - broadcast - flags["sent_bytes"] - others
             assert math.isclose(total, (gather_payload + psi * 4) * fraction, rel_tol=1e-12, abs_tol=1e-9), what
 
 

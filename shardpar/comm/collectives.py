@@ -21,6 +21,19 @@ and aligned layouts leave gaps in front of tensors too: [Note: alignment] in
 ``core/layout.py``), so payload and padding are reported separately and the payload
 matches the closed form.
 
+S is what the collective carries, not what a rank posts: a broadcast's is the source's
+tensor. gloo's tagged gathers post receive buffers as large as the largest shard
+([Note: tagged all-gather]) and gloo delivers the shorter message into them, so a counter
+that prices each rank's posted tensor counts about 10% more at stage 3 than moves
+(issue #32). At N > 2 gloo's broadcast tree forwards the whole posted buffer, so there its
+real traffic for gathers of units smaller than the largest exceeds the ring model.
+
+Every collective an engine issues from the end of ``wrap`` on in training is counted, under
+the kinds of ``_SEND_FACTOR``: forward, backward, ``clip_grad_norm_``, ``GradScaler`` and
+``step()``, the one-off agreements of the first steps included; tests/test_comm_stats.py
+checks the sum against a counter wrapped around ``torch.distributed``, exactly. Not
+counted: ``wrap``'s own set-up, state dicts, checkpoints and the reports of an error.
+
 [Note: gloo reduce-scatter and all-gather]
 gloo's ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` are several times slower than its
 all-reduce on the same buffer (measured in docs/benchmarks.md), while its all-to-all and
@@ -109,8 +122,13 @@ if dist.is_available():
 # Ring-algorithm multiplier of S·(N-1)/N per collective kind (see the note above).
 # "used_flags" is the all-reduce that tells every rank which parameters got a gradient on
 # some rank (see the reducer), counted apart from gradient traffic; "rebuild" the one-off
-# all-gathers that move sharded values to rebuilt buckets ([Note: bucket rebuild]).
-_SEND_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "used_flags": 2, "rebuild": 1}
+# all-gathers that move sharded values to rebuilt buckets ([Note: bucket rebuild]);
+# "clip_norm" clip_grad_norm_'s all-reduce of the partial norms (stages 1-3), "found_inf"
+# GradScaler's of its overflow flag; "control" the gathers that carry no model values, only
+# agreement between ranks (pickles of a size no closed form gives): the launch order of the
+# first synchronising backward, the bucket rebuild's proposal, stage 3's tag probes and fillers.
+_SEND_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "used_flags": 2, "rebuild": 1,
+                "clip_norm": 2, "found_inf": 2, "control": 1}
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "avg": "AVG"}
 """``avg`` only where :func:`backend_averages` says the backend has it."""
 
@@ -550,6 +568,7 @@ def all_gather_tagged(
     stats: CommStats | None = None,
     padding_numel: int = 0,
     what: str = "",
+    kind: str = "all_gather",
 ) -> Handle:
     """All-gather every rank's shard into ``full`` (1-D, N x the shard's elements) with a tag
     per rank; see [Note: tagged all-gather]. ``send`` is a :func:`tagged_buffer` holding this
@@ -558,11 +577,12 @@ def all_gather_tagged(
     gathered payload only when every rank sent the tag this rank sent (otherwise its contents
     are undefined; the caller decides what a mismatch means). ``full`` made by
     :func:`gather_target` receives peers in place where that is safe. ``what`` names the
-    payload in reports (``unit 'blocks.0'``). One gather; :class:`TaggedAllGather` prepares
-    the gathers into one ``full`` buffer once."""
+    payload in reports (``unit 'blocks.0'``), ``kind`` the key its bytes are counted under in
+    ``stats`` (the tags as padding). One gather; :class:`TaggedAllGather` prepares the gathers
+    into one ``full`` buffer once."""
     payload_bytes = send.numel() - TAG_BYTES
     return TaggedAllGather(full, payload_bytes, max_shard_bytes=max_shard_bytes, group=group, stats=stats,
-                           padding_numel=padding_numel, what=what).start(send, tag)
+                           padding_numel=padding_numel, what=what, kind=kind).start(send, tag)
 
 
 _TAG = struct.Struct("=2q")
@@ -578,14 +598,14 @@ class TaggedAllGather:
 
     def __init__(self, full: torch.Tensor, payload_bytes: int, *, max_shard_bytes: int,
                  group: ProcessGroup | None = None, stats: CommStats | None = None, padding_numel: int = 0,
-                 what: str = "") -> None:
+                 what: str = "", kind: str = "all_gather") -> None:
         self.world_size, self.rank = get_world_size(group), get_rank(group)
         if full.numel() * full.element_size() != payload_bytes * self.world_size:
             raise ValueError(f"all_gather_tagged: output of {full.numel()} x {full.dtype} is not "
                              f"{self.world_size} x the {payload_bytes} payload bytes sent")
         assert payload_bytes <= max_shard_bytes, "max_shard_bytes must cover this shard"
         self.payload_bytes, self.max_shard_bytes = payload_bytes, max_shard_bytes
-        self.group, self.stats = group, stats
+        self.group, self.stats, self.kind = group, stats, kind
         element = full.element_size()
         self._counted = ((full.numel() - padding_numel) * element, padding_numel * element + self.world_size * TAG_BYTES)
         self._full_bytes = full.view(torch.uint8)
@@ -609,7 +629,7 @@ class TaggedAllGather:
         mine = list(tag)
         assert len(mine) == TAG_BYTES // 8, "a tag is two int64s"
         if self.stats is not None:
-            self.stats.record_bytes("all_gather", *self._counted, self.world_size)
+            self.stats.record_bytes(self.kind, *self._counted, self.world_size)
         own = send[TAG_BYTES:]
         if self.world_size == 1:
             self._chunk_bytes[0].copy_(own)
@@ -679,13 +699,16 @@ class TaggedAllGather:
         return Handle([tag_work], then=payload_if_tags_agree, op=self._op, group=self.group, issued=gathered.number)
 
 
-def all_gather_tags(tag: Sequence[int], *, group: ProcessGroup | None, device: torch.device) -> Handle:
+def all_gather_tags(tag: Sequence[int], *, group: ProcessGroup | None, device: torch.device,
+                    stats: CommStats | None = None, kind: str = "control") -> Handle:
     """Every rank's ``tag`` (two ints) alone, by one all-gather; ``wait()`` returns them as N
-    two-int lists, read on the host (it waits for the device: set-up and probes only)."""
+    two-int lists, read on the host (it waits for the device: set-up and probes only). Its
+    bytes are counted under ``kind`` in ``stats``."""
     world_size = get_world_size(group)
     if world_size == 1:
         return Handle(then=lambda: [list(tag)])
     tags = torch.empty(world_size * 2, dtype=torch.int64, device=device)
+    _record(stats, kind, tags, 0, world_size)
     work = compat.all_gather_single(tags, host.to_device(list(tag), torch.int64, device), group=group,
                                        async_op=True)
 
@@ -814,9 +837,11 @@ def broadcast(
     return _finish(Handle(work, op=f"broadcast from rank {src}", group=group), async_op)
 
 
-def all_gather_objects(obj: Any, *, group: ProcessGroup | None = None, device: torch.device | None = None) -> list[Any]:
+def all_gather_objects(obj: Any, *, group: ProcessGroup | None = None, device: torch.device | None = None,
+                       stats: CommStats | None = None, kind: str = "control") -> list[Any]:
     """Every rank's ``obj`` (small, picklable metadata such as a model signature): two
-    all-gathers (sizes, then the padded pickles) whose waits are bounded like any other.
+    all-gathers (sizes, then the pickles padded to the longest) whose waits are bounded like
+    any other, counted under ``kind`` in ``stats`` (the pickles' padding as padding).
     ``device``: the caller's (the engine's, the module's); the bytes travel on the CPU where
     the group has a CPU backend, else there ([Note: object collectives] in devices.py)."""
     world_size = get_world_size(group)
@@ -825,13 +850,14 @@ def all_gather_objects(obj: Any, *, group: ProcessGroup | None = None, device: t
     device = devices.object_device(group, device)
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     sizes = torch.zeros(world_size, dtype=torch.int64, device=device)
-    all_gather(sizes, host.to_device([payload.numel()], torch.int64, device), group=group)
+    all_gather(sizes, host.to_device([payload.numel()], torch.int64, device), group=group, stats=stats, kind=kind)
     sizes = sizes.cpu()
     longest = int(sizes.max())
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()].copy_(payload)
     gathered = torch.empty(world_size * longest, dtype=torch.uint8, device=device)
-    all_gather(gathered, padded, group=group)
+    all_gather(gathered, padded, group=group, stats=stats, padding_numel=world_size * longest - int(sizes.sum()),
+               kind=kind)
     rows = gathered.view(world_size, longest).cpu()
     return [pickle.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(world_size)]
 

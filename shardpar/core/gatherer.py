@@ -370,7 +370,8 @@ class UnitGatherer:
         self.check_tags(block=True)
         self._sequence += 1
         probe = (tag[0], tag[1] | PROBE_MARK)  # a rank that gathers without probing must see a mismatch
-        rows = self.wait_clock.wait(C.all_gather_tags(probe, group=self.group, device=device), gather=True)
+        rows = self.wait_clock.wait(C.all_gather_tags(probe, group=self.group, device=device, stats=self.comm),
+                                    gather=True)
         self._check_rows(rows)
 
     def check_tags(self, block: bool, below: int | None = None) -> None:
@@ -442,7 +443,8 @@ class UnitGatherer:
         tag = (self._sequence, self._exchange_index)
         self._sequence += 1
         self.max_shard_bytes = max(self.max_shard_bytes, size)
-        tags = C.all_gather_tagged(full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group).wait()
+        tags = C.all_gather_tagged(full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group,
+                                   stats=self.comm, kind="control").wait()
         self._check_rows(tags.rows() if isinstance(tags, C.GatheredTags) else tags)
         return full.view(C.get_world_size(self.group), -1).tolist()  # set-up, once: a host read is fine
 
@@ -527,7 +529,8 @@ class UnitGatherer:
                 tag = (self._sequence, self._filler_index)
                 self._sequence += 1
                 rows = self.wait_clock.wait(C.all_gather_tagged(
-                    filler, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group), gather=True)
+                    filler, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group, stats=self.comm,
+                    kind="control"), gather=True)
             if all(row[1] == self._filler_index for row in rows):
                 return
 

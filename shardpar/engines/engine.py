@@ -406,7 +406,8 @@ class Engine:
         else one object all-gather."""
         if isinstance(self.gatherer, UnitGatherer):
             return self.gatherer.exchange(values)
-        return [list(v) for v in C.all_gather_objects(values, group=self.group, device=self.device)]
+        return [list(v) for v in C.all_gather_objects(values, group=self.group, device=self.device,
+                                                           stats=self.comm, kind="control")]
 
     def _on_grad_ready(self, name: str, param: nn.Parameter) -> None:
         self.ensure_backward_started()
@@ -472,7 +473,8 @@ class Engine:
         sharded = storage.sharded_master  # optimizer pieces differ by rank: their state crosses ranks
         described = {serial: describe_state(state) for serial, state in states.items()} if sharded else {}
         proposal = record.proposal(reducer.names)
-        rows = C.all_gather_objects((proposal, described), group=self.group, device=self.device)
+        rows = C.all_gather_objects((proposal, described), group=self.group, device=self.device, stats=self.comm,
+                                    kind="control")
         order = [reducer.names[i] for i in rows[0][0]]
         layouts = storage.rebuilt_layouts(order)
         if layouts:
