@@ -125,14 +125,70 @@ BACKWARD_MARK = 1 << 41
 """Set in the tag of a gather issued in backward."""
 
 
-class PostStepGatherer:
+class GatherPhases:
+    """What the engine tells the gatherer of its stage at each point of a step, and asks of
+    it. Every stage has a gatherer (stage 0 :class:`NoGatherer`), so the engine never asks which
+    stage it runs: a gatherer with nothing to do at a point inherits the no-op here."""
+
+    group: Any
+    device: torch.device
+    comm: C.CommStats
+
+    def begin_forward(self) -> None:
+        """The root's forward starts (not a recompute)."""
+
+    def end_forward(self) -> None:
+        """The root's forward ended."""
+
+    def abandon_forward(self) -> None:
+        """The root's forward raised."""
+
+    def begin_backward(self) -> None:
+        """The first hook of a backward ran."""
+
+    def grads_final(self, space: Any) -> None:
+        """Every gradient of parameter space ``space`` is final in this backward."""
+
+    def check_previous_backward(self) -> None:
+        """The end of a backward, before any wait for its reductions."""
+
+    def finish_backward(self) -> None:
+        """The end of a backward, after its reductions."""
+
+    def check_tags(self, block: bool) -> None:
+        """Check what arrived of deferred order checks (``block``: wait for all of it)."""
+
+    def exchange(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values``, in rank order (collective): one object all-gather."""
+        return [list(v) for v in C.all_gather_objects(values, group=self.group, device=self.device,
+                                                           stats=self.comm, kind="control")]
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes of its own to report beside ``memory_stats()``'s common kinds."""
+        return {}
+
+    def gathers_per_step(self) -> list[tuple[int, torch.dtype]]:
+        """(elements with padding, dtype) of each parameter all-gather one steady step issues."""
+        return []
+
+
+class NoGatherer(GatherPhases):
+    """Stage 0: every rank holds every parameter; nothing is gathered."""
+
+    def __init__(self, group: Any, device: torch.device, comm: C.CommStats) -> None:
+        self.group, self.device, self.comm = group, device, comm
+
+
+class PostStepGatherer(GatherPhases):
     """Stages 1-2: all-gather every bucket's updated slices after ``step()``; completed lazily
     (see [Note: lazy parameter gather] in replicated.py)."""
 
-    def __init__(self, groups: list[FlatParamGroup], group: Any, comm: C.CommStats, wait_clock: WaitClock) -> None:
+    def __init__(self, groups: list[FlatParamGroup], group: Any, comm: C.CommStats, wait_clock: WaitClock,
+                 device: torch.device) -> None:
         self.group = group
         self.comm = comm
         self.wait_clock = wait_clock
+        self.device = device
         self.track(groups)
 
     def track(self, groups: list[FlatParamGroup]) -> None:
@@ -159,6 +215,9 @@ class PostStepGatherer:
 
     def wait_all(self) -> None:
         self.wait(self.groups)
+
+    def gathers_per_step(self) -> list[tuple[int, torch.dtype]]:
+        return [(flat.layout.numel, flat.dtype) for flat in self.groups]
 
 
 class Unit:
@@ -230,7 +289,7 @@ def on_first_grad(tensors: list[torch.Tensor], hook: Callable[[Any], None]) -> A
     return torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
 
 
-class UnitGatherer:
+class UnitGatherer(GatherPhases):
     """Stage 3; see [Note: one step at stage 3] and [Note: unit order across ranks]."""
 
     def __init__(
@@ -555,6 +614,23 @@ class UnitGatherer:
     def reshard(self, unit: Unit, flats: Sequence[FlatParamGroup] | None = None) -> None:
         for flat in flats if flats is not None else unit.flats:
             flat.reshard()
+
+    def gathers_per_step(self) -> list[tuple[int, torch.dtype]]:
+        """Every unit's groups before its forward, and again before its backward when
+        ``reshard_after_forward``, except the units the last forward kept gathered into
+        backward ([Note: kept for backward]); each unit used once per pass."""
+        gathers = [(flat.layout.numel, flat.dtype) for flat in self.flats]
+        if not self.reshard_after_forward:
+            return gathers
+        kept = {flat for unit in self.last_kept for flat in unit.flats}
+        return gathers + [(flat.layout.numel, flat.dtype) for flat in self.flats if flat not in kept]
+
+    def memory_stats(self) -> dict[str, int]:
+        return {
+            "peak_params": self.peak_params_bytes,
+            "gather_buffers": self.receive_buffers.now,  # what a gather receives into
+            "peak_gather_buffers": self.receive_buffers.peak,
+        }
 
     def params_bytes(self) -> int:
         return self._shard_bytes + self.gathered.now

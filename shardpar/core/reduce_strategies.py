@@ -113,6 +113,8 @@ class _FullGradBuffer:
     otherwise each finished gradient is added into it and ``param.grad`` is released."""
 
     full_grads_on_params: bool
+    peak_staging_bytes = 0
+    """Stages 0-1 stage nothing: the full buffer is reduced in place."""
 
     def __init__(self, spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype) -> None:
         self.spaces = list(spaces)
@@ -215,6 +217,7 @@ class AllReduceStrategy(_FullGradBuffer):
     """Stage 0."""
 
     max_in_flight: int | None = None
+    collective = "all_reduce"
     full_grads_on_params = True
     """Whether ``param.grad`` holds the whole reduced gradient after a synchronising backward
     (else see [Note: no full gradients at stages 1-3] in core/sharded_grads.py)."""
@@ -307,6 +310,7 @@ class _ShardedAverage:
     rank: int
     spaces: list[ParamSpace]
     averaging_of: dict[ParamSpace, Averaging]
+    collective = "reduce_scatter"
 
     def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor:
         raise NotImplementedError

@@ -190,9 +190,22 @@ class GradBucket:
 
 
 class ReduceStrategy(Protocol):
-    """Where gradients live and which collective reduces a bucket (see reduce_strategies)."""
+    """Where gradients live and which collective reduces a bucket (see reduce_strategies):
+    the whole contract its callers (the reducer, the engine, the storages) use."""
 
     max_in_flight: int | None
+    """How many reductions may be outstanding (None: no bound)."""
+    collective: str
+    """The collective that reduces a bucket (``comm_stats()``'s kind)."""
+    full_grads_on_params: bool
+    """Whether ``param.grad`` holds the whole reduced gradient after a synchronising backward."""
+    peak_staging_bytes: int
+
+    def owned_grads(self) -> tuple[list[torch.Tensor], bool]: ...
+    def owned_grad_pieces(self) -> list[torch.Tensor]: ...
+    def grad_bytes(self) -> int: ...
+    def workspace_bytes(self) -> int: ...
+    def relayout(self, moves: dict) -> None: ...
 
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
     def accumulate_no_sync(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
@@ -207,6 +220,21 @@ class ReduceStrategy(Protocol):
     def clear(self) -> None: ...
     def clear_params(self, names: set[str], set_to_none: bool = True) -> None: ...
     def release_unused(self, names: set[str]) -> None: ...
+
+
+class FullGradients(ReduceStrategy, Protocol):
+    """Stage 0: every rank holds every reduced gradient; the optimizer reads whole tensors."""
+
+    views: dict[str, torch.Tensor]
+    """Each parameter's view of the gradient buffer (its ``.grad`` after a backward)."""
+
+    def master_grad(self, space: ParamSpace, name: str) -> torch.Tensor: ...
+
+
+class ShardedGradients(ReduceStrategy, Protocol):
+    """Stages 1-3: each rank holds its slice of every bucket's reduced gradient."""
+
+    def piece_grad(self, space: ParamSpace, piece: Any) -> torch.Tensor: ...
 
 
 class FlagsInFlight:

@@ -166,6 +166,12 @@ class ReplicatedStorage:
                     param.data = param.data.to(param_dtype)
         self.gatherer: PostStepGatherer | None = None
         self.groups: list[FlatParamGroup] = []
+        self.params_are_masters = param_dtype is None
+        """Whether the module's parameters hold the values the optimizer updates (else they are
+        compute copies of fp32 masters: state dicts and loads go to the masters)."""
+
+    relayouts = True
+    """The buckets may be laid out again after the first backward ([Note: bucket rebuild])."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -180,7 +186,7 @@ class ReplicatedStorage:
             for buf in self.buffers:
                 buf.shard_master(self.rank)
             self.groups = [g for buf in self.buffers for g in buf.bucket_groups(self.rank)]
-            self.gatherer = PostStepGatherer(self.groups, group, comm, wait_clock)
+            self.gatherer = PostStepGatherer(self.groups, group, comm, wait_clock, self.buffers[0].device)
 
     @property
     def spaces(self) -> list[ParamBuffer]:
@@ -315,6 +321,18 @@ class ReplicatedStorage:
         frozen = sum(p.numel() * p.element_size() for _, p in self.inventory.frozen)
         frozen += sum(t.numel() * t.element_size() for t in self.frozen_masters.values())
         return sum(t.numel() * t.element_size() for t in tensors) + frozen
+
+    def state_dict_source(self, module_state: Any) -> Callable[[], dict] | None:
+        """What the module's own ``state_dict`` returns instead of its parameters, if anything:
+        the masters under mixed precision (gathered at stages 1-2)."""
+        if self.params_are_masters:
+            return None
+        return module_state.full_state_dict if self.sharded_master else module_state.replicated_master_state
+
+    def layout_summary(self) -> dict[str, Any]:
+        return {"buckets": [{"dtype": str(buf.compute_dtype).replace("torch.", ""), "start": b.range.start,
+                             "end": b.range.end, "padding": b.padding, "params": list(b.names)}
+                            for buf in self.buffers for b in buf.layout.buckets]}
 
     def layouts(self) -> list[BufferLayout]:
         return [b.layout for b in self.buffers]

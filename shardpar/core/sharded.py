@@ -9,7 +9,7 @@ is built, so building never holds more than the shards plus one group.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -160,6 +160,19 @@ class ShardedStorage:
     def element_orders(self) -> dict[str, ElementOrder]:
         """Every parameter's element order: what its pieces' ranges count in ([Note: element order])."""
         return {name: order for flat in self.groups for name, order in flat.layout.orders().items()}
+
+    params_are_masters = False
+    """Parameters are placeholders between uses: state dicts and loads go to the shards."""
+    relayouts = False
+    """Its buckets are its units: never laid out again."""
+
+    def state_dict_source(self, module_state: Any) -> Callable[[], dict]:
+        """The module's own ``state_dict`` gathers full tensors (a collective)."""
+        return module_state.full_state_dict
+
+    def layout_summary(self) -> dict[str, Any]:
+        return {"units": [{"name": u.name, "params": [n for f in u.flats for n in f.layout.names]}
+                          for u in self.units]}
 
     def layouts(self) -> list[BufferLayout]:
         return [f.layout for f in self.groups]

@@ -33,13 +33,12 @@ from ..comm import watch
 from ..config import ShardConfig
 from ..core.deferred_init import DeferredInit
 from ..core.element_order import ElementOrder
-from ..core.gatherer import Unit, UnitGatherer, _grad_tensors, on_first_grad
+from ..core.gatherer import GatherPhases, Unit, UnitGatherer, _grad_tensors, on_first_grad
 from ..core.inventory import (ParamInventory, check_dense_gradients, check_supported_dtypes, module_device,
                               sparse_gradient_error)
 from ..core.pieces import TensorPiece
 from ..core.rebuild import ReadyOrder, Relayout, describe_state, merge_descriptions, move_state
 from ..core.reducer import GradBucket, GradientReducer
-from ..core.replicated import ReplicatedStorage
 from ..core.sharded import ShardedStorage
 from ..core.sharded_grads import ShardedGradMarks, where_grads_live
 from ..core.training_state import Phase, TrainingState
@@ -128,11 +127,10 @@ class Engine:
 
         self.storage = row.storage(self)
         self.strategy = row.strategy(self, self.storage.spaces)
-        rebuilds = config.rebuild_buckets and isinstance(self.storage, ReplicatedStorage)
+        rebuilds = config.rebuild_buckets and self.storage.relayouts
         self.reducer = GradientReducer(self.storage.spaces, self.strategy, self.state, self.comm, group,
                                        self.wait_clock, on_bucket_complete=self._on_bucket_complete,
                                        ready_order=ReadyOrder(self._module_of_params()) if rebuilds else None)
-        self.gatherer = getattr(self.storage, "gatherer", None)
         # Where param.grad cannot be the gradient (shards; fp32 masters under mixed precision),
         # plain torch code that reads it must fail loudly: see core/sharded_grads.py.
         hidden = not self.strategy.full_grads_on_params or self.param_dtype is not None
@@ -143,15 +141,11 @@ class Engine:
         self.module_state = ModuleState(self)
         self.buffer_sync = BufferSync(module, group, self.rank, self.world_size, config.broadcast_buffers, self.comm,
                                       self.wait_clock)
-        if isinstance(self.storage, ShardedStorage):
-            self._install_unit_hooks()
-            self._handles += self.module_state.install_state_dict_hooks(self.module_state.full_state_dict)
-        else:
-            self._install_use_hooks()
-            if self.param_dtype is not None:  # the parameters are compute copies: give the masters
-                values = self.module_state.full_state_dict if self.storage.sharded_master \
-                    else self.module_state.replicated_master_state
-                self._handles += self.module_state.install_state_dict_hooks(values)
+        self.gatherer: GatherPhases = row.gatherer(self)
+        """The stage's gatherer, its hooks installed (see stages.py)."""
+        state_dict_source = self.storage.state_dict_source(self.module_state)
+        if state_dict_source is not None:
+            self._handles += self.module_state.install_state_dict_hooks(state_dict_source)
         self._install_root_hooks()
         self._install_cast_hooks()
         self._module_attributes = self._install_module_attributes()
@@ -165,7 +159,7 @@ class Engine:
             "_apply": lambda fn, recurse=True: self.module_state.refuse_moves(fn) or module,  # .to()/.half()...
             WRAPPED_MARK: True,
         }
-        if self.param_dtype is not None or isinstance(self.storage, ShardedStorage):
+        if not self.storage.params_are_masters:
             # Its parameters are compute copies or placeholders: loading into them would be lost
             # at the next step (or raise), so the module's own load_state_dict loads the masters.
             attributes["load_state_dict"] = self.module_state.load_module_state
@@ -224,7 +218,7 @@ class Engine:
         self._handles.append(self.module.register_forward_hook(_disabled(self._root_post_forward)))
         self._handles.append(self.module.register_forward_hook(_disabled(self._root_forward_raised), always_call=True))
 
-    def _install_use_hooks(self) -> None:
+    def install_use_hooks(self) -> None:
         """Stages 0-2: the modules that register parameters (lifted out of compiled regions)
         record first use (launch order) and complete lazy gathers (stages 1-2)."""
         modules = self._tree.modules
@@ -243,7 +237,9 @@ class Engine:
                 module_of.setdefault(name, hook_name)
         return module_of
 
-    def _install_unit_hooks(self) -> None:
+    def install_unit_gatherer(self) -> UnitGatherer:
+        """Stage 3: the per-unit gatherer over its own process group, and its hooks on every
+        unit's hook and entry modules."""
         storage: ShardedStorage = self.storage
         gather_group = C.sibling_group(self.group, self.config.timeout_s)
         if gather_group is not None:
@@ -255,29 +251,30 @@ class Engine:
             on_forward_use=self._on_unit_use, on_backward_start=self.ensure_backward_started,
             wait_clock=self.wait_clock,
         )
-        self.gatherer = storage.gatherer
-        self.gatherer.retire_group = lambda: C.retire_sibling_group(self.group)
+        gatherer = storage.gatherer
+        gatherer.retire_group = lambda: C.retire_sibling_group(self.group)
         if self.world_size > 1:  # one rank cannot depart from the others' order
-            self.reducer.may_launch = self.gatherer.may_reduce
-            self.gatherer.on_reductions_allowed = self._launch_waiting_reductions
+            self.reducer.may_launch = gatherer.may_reduce
+            gatherer.on_reductions_allowed = self._launch_waiting_reductions
         self._bucket_of_group = {b.space: b for b in self.reducer.buckets}
         modules = self._tree.modules
         for unit in storage.units:
             for hook_name in unit.hook_modules:
                 module = modules[hook_name]
                 self._handles.append(module.register_forward_pre_hook(
-                    _disabled(lambda m, args, kwargs, unit=unit: self.gatherer.pre_forward(unit, args, kwargs)),
+                    _disabled(lambda m, args, kwargs, unit=unit: gatherer.pre_forward(unit, args, kwargs)),
                     prepend=True, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
-                    _disabled(lambda m, args, output, unit=unit: self.gatherer.post_forward(unit, output))))
+                    _disabled(lambda m, args, output, unit=unit: gatherer.post_forward(unit, output))))
         for unit, plan in zip(storage.units, storage.plans):
             for entry_name in plan.entry_modules:  # see [Note: entry modules] in core/units.py
                 module = modules[entry_name]
                 self._handles.append(module.register_forward_pre_hook(
-                    _disabled(lambda m, args, kwargs, unit=unit: self.gatherer.enter(unit, m, args, kwargs)),
+                    _disabled(lambda m, args, kwargs, unit=unit: gatherer.enter(unit, m, args, kwargs)),
                     prepend=True, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
-                    _disabled(lambda m, args, output, unit=unit: self.gatherer.leave(unit, m, output)), always_call=True))
+                    _disabled(lambda m, args, output, unit=unit: gatherer.leave(unit, m, output)), always_call=True))
+        return gatherer
 
     # ------------------------------------------------------------------ forward
 
@@ -337,8 +334,7 @@ class Engine:
         self._take_off_grad_marks()
         self.state.phase = Phase.FORWARD
         self.buffer_sync.before_forward()
-        if isinstance(self.gatherer, UnitGatherer):
-            self.gatherer.begin_forward()
+        self.gatherer.begin_forward()
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.state.is_recompute():
@@ -350,10 +346,8 @@ class Engine:
             if tensors:
                 on_first_grad(tensors, self._backward_start_hook)
             self.reducer.launch_order.stop_recording()
-            if not self.storage_is_sharded and not self.storage.groups:
-                self._remove_use_hooks()  # stage 0 needs them for the first forward only
-        if isinstance(self.gatherer, UnitGatherer):
-            self.gatherer.end_forward()
+            self._remove_use_hooks()  # those of stage 0: needed for the first forward only
+        self.gatherer.end_forward()
 
     def _root_forward_raised(self, module: nn.Module, args: Any, output: Any) -> None:
         """Runs after every root forward, raising or not; acts only when it raised (the
@@ -361,12 +355,7 @@ class Engine:
         if self.state.phase is not Phase.FORWARD or self.state.is_recompute():
             return
         self.state.phase = Phase.IDLE
-        if isinstance(self.gatherer, UnitGatherer):
-            self.gatherer.abandon_forward()
-
-    @property
-    def storage_is_sharded(self) -> bool:
-        return isinstance(self.storage, ShardedStorage)
+        self.gatherer.abandon_forward()
 
     def _remove_use_hooks(self) -> None:
         for handle in self._use_handles:
@@ -397,17 +386,8 @@ class Engine:
         self.state.final_callback_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         if self.state.backward_syncs and not self.reducer.launch_order.agreed:
-            self.reducer.launch_order.agree(self._exchange)
-        if isinstance(self.gatherer, UnitGatherer):
-            self.gatherer.begin_backward()
-
-    def _exchange(self, values: list[int]) -> list[list[int]]:
-        """Every rank's ``values``: over stage 3's tagged gathers (see UnitGatherer.exchange),
-        else one object all-gather."""
-        if isinstance(self.gatherer, UnitGatherer):
-            return self.gatherer.exchange(values)
-        return [list(v) for v in C.all_gather_objects(values, group=self.group, device=self.device,
-                                                           stats=self.comm, kind="control")]
+            self.reducer.launch_order.agree(self.gatherer.exchange)
+        self.gatherer.begin_backward()
 
     def _on_grad_ready(self, name: str, param: nn.Parameter) -> None:
         self.ensure_backward_started()
@@ -424,21 +404,18 @@ class Engine:
             self.reducer.launch_ready()
 
     def _on_bucket_complete(self, bucket: GradBucket) -> None:
-        if isinstance(self.gatherer, UnitGatherer):
-            self.gatherer.grads_final(bucket.space)
+        self.gatherer.grads_final(bucket.space)
 
     def _finish_backward(self) -> None:
         try:
             with torch.no_grad():
-                if isinstance(self.gatherer, UnitGatherer):
-                    self.gatherer.check_previous_backward()  # before any wait on reductions: see its note
+                self.gatherer.check_previous_backward()  # before any wait on reductions: see its note
                 if self.state.backward_syncs:
                     self.reducer.finish_backward()
                     if self.reducer.ready_order is not None:
                         self._rebuild_buckets()
                     self._put_grad_marks()
-                if isinstance(self.gatherer, UnitGatherer):
-                    self.gatherer.finish_backward()
+                self.gatherer.finish_backward()
                 self.buffer_sync.after_backward()
         finally:
             self.state.end_backward()
@@ -457,8 +434,7 @@ class Engine:
     def settle_gradients(self) -> None:
         """Read the used-parameter flags in flight, waiting for them on a GPU: after it, which
         parameters have a gradient is known (step(), zero_grad(set_to_none=False), checkpoints)."""
-        if isinstance(self.gatherer, UnitGatherer):
-            self.gatherer.check_tags(block=True)  # first: see [Note: deferred tag checks]
+        self.gatherer.check_tags(block=True)  # first: see [Note: deferred tag checks]
         if self.reducer.settle(block=True) and self._marks_wait_for_flags:
             self._put_grad_marks()
 
@@ -489,7 +465,7 @@ class Engine:
             for handle in self._gather_handles:
                 handle.remove()
             self._gather_handles.clear()
-            self._install_use_hooks()
+            self.install_use_hooks()
         # An optimizer alive on some ranks only is garbage not collected yet elsewhere: left
         # alone, it refuses to step (its generation is old).
         everywhere = set.intersection(*(set(row[1]) for row in rows)) if sharded else set(states)
@@ -649,14 +625,18 @@ class Engine:
             "params": self.storage.param_bytes(),
             "grads": self.strategy.grad_bytes(),
             "workspace": self.strategy.workspace_bytes(),
+            "peak_staging": self.strategy.peak_staging_bytes,
         }
-        if hasattr(self.strategy, "peak_staging_bytes"):
-            stats["peak_staging"] = self.strategy.peak_staging_bytes
-        if isinstance(self.gatherer, UnitGatherer):
-            stats["peak_params"] = self.gatherer.peak_params_bytes
-            stats["gather_buffers"] = self.gatherer.receive_buffers.now  # what a gather receives into
-            stats["peak_gather_buffers"] = self.gatherer.receive_buffers.peak
+        stats.update(self.gatherer.memory_stats())
         return stats
+
+    def collective_schedule(self) -> list[tuple[str, int, torch.dtype]]:
+        """(kind, elements with padding, dtype) of each gradient reduction and parameter
+        all-gather one steady step issues, in that order: what the benchmark times on its own
+        to tell exposed from hidden communication."""
+        kind = self.strategy.collective
+        reductions = [(kind, b.spec.range.size, self.reduce_dtype(b.space)) for b in self.reducer.buckets]
+        return reductions + [("all_gather", numel, dtype) for numel, dtype in self.gatherer.gathers_per_step()]
 
     def layouts(self):
         """The BufferLayout of every parameter space: stage 0-2 buffers, stage 3 groups."""
@@ -664,12 +644,7 @@ class Engine:
 
     def layout_summary(self) -> dict[str, Any]:
         """Where parameters live, as JSON-able information (checkpoint manifests carry it)."""
-        if isinstance(self.storage, ShardedStorage):
-            return {"units": [{"name": u.name, "params": [n for f in u.flats for n in f.layout.names]}
-                              for u in self.storage.units]}
-        return {"buckets": [{"dtype": str(buf.compute_dtype).replace("torch.", ""), "start": b.range.start,
-                             "end": b.range.end, "padding": b.padding, "params": list(b.names)}
-                            for buf in self.storage.buffers for b in buf.layout.buckets]}
+        return self.storage.layout_summary()
 
     @property
     def hook_handles(self) -> list[Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..core.gatherer import GatherPhases, NoGatherer, PostStepGatherer, UnitGatherer
 from ..core.reduce_strategies import AllReduceStrategy, ReduceScatterInPlace, StagedReduceScatter
 from ..core.replicated import ReplicatedStorage
 from ..core.deferred_init import InitWalk
@@ -49,6 +50,20 @@ def _sharded_units(engine: "Engine") -> ShardedStorage:
     return storage
 
 
+def _no_gatherer(engine: "Engine") -> NoGatherer:
+    engine.install_use_hooks()  # they record the launch order in the first forward
+    return NoGatherer(engine.group, engine.device, engine.comm)
+
+
+def _post_step_gatherer(engine: "Engine") -> PostStepGatherer:
+    engine.install_use_hooks()  # they also complete the lazy gathers of the current buckets
+    return engine.storage.gatherer
+
+
+def _unit_gatherer(engine: "Engine") -> UnitGatherer:
+    return engine.install_unit_gatherer()
+
+
 def _all_reduce(engine: "Engine", spaces: list) -> AllReduceStrategy:
     return AllReduceStrategy(spaces, engine.reduce_dtype, engine.world_size, engine.group, engine.comm)
 
@@ -68,11 +83,13 @@ class StageRow:
     """Builds the parameter storage (and, at stages 1-3, its gatherer)."""
     strategy: Callable[["Engine", list], Any]
     """Builds the reducer's strategy over the storage's parameter spaces."""
+    gatherer: Callable[["Engine"], GatherPhases]
+    """Builds the gatherer and installs the module hooks that drive it."""
 
 
 STAGES: dict[int, StageRow] = {
-    0: StageRow(0, _replicated(sharded_master=False), _all_reduce),
-    1: StageRow(1, _replicated(sharded_master=True), _reduce_scatter_in_place),
-    2: StageRow(2, _replicated(sharded_master=True), _staged_reduce_scatter),
-    3: StageRow(3, _sharded_units, _staged_reduce_scatter),
+    0: StageRow(0, _replicated(sharded_master=False), _all_reduce, _no_gatherer),
+    1: StageRow(1, _replicated(sharded_master=True), _reduce_scatter_in_place, _post_step_gatherer),
+    2: StageRow(2, _replicated(sharded_master=True), _staged_reduce_scatter, _post_step_gatherer),
+    3: StageRow(3, _sharded_units, _staged_reduce_scatter, _unit_gatherer),
 }

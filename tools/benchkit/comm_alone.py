@@ -10,14 +10,8 @@ that are functions, not state (``shardpar.comm.collectives`` for the collectives
 ``shardpar.comm.compat.fully_shard`` for the FSDP2 peer), except for these, which API.md does
 not name yet:
 
-- :func:`step_collectives` (the only place that reads the engine's parts): the gradient
-  buckets (``engine.reducer.buckets``, each ``spec.range.size`` and ``engine.reduce_dtype(space)``),
-  the parameter all-gathers (``engine.gatherer.groups`` at stages 1-2, ``.flats`` at stage 3,
-  each ``layout.numel`` and ``dtype``; ``engine.config.reshard_after_forward``) and the units
-  the last forward kept gathered into backward (``engine.gatherer.last_kept``). A public
-  ``engine.collective_schedule()`` returning one record per collective of a step (kind,
-  full numel with padding, dtype, process group), the planner's ``estimate_communication``
-  built from the same records, would replace all of it: :class:`Collective` is that record.
+- :func:`step_collectives` reads ``engine.collective_schedule()`` (the engine's parts answer it:
+  the reducer's buckets, each gatherer's gathers per step).
 - ``engine.wait_clock`` (``reset()``, ``seconds``) and its phase names
   ``shardpar.core.wait_clock.PHASES`` (runners.py, measure.py): a public
   ``model.wait_stats()`` / ``reset_wait_stats()`` beside ``comm_stats()`` would replace them.
@@ -57,21 +51,8 @@ def step_collectives(model: nn.Module) -> list[Collective]:
     at stage 0, a reduce-scatter at stages 1-3), then its parameter all-gathers: none at stage
     0, one per bucket at stages 1-2, one per flat group of every unit and use at stage 3 (twice
     with ``reshard_after_forward``: forward and backward, except for the units the last forward
-    kept gathered into backward; the bench's models use every unit once). The stand-in for an
-    engine method: see [Note: engine internals]."""
-    engine = model.engine
-    kind = "all_reduce" if model.stage == 0 else "reduce_scatter"
-    schedule = [Collective(kind, b.spec.range.size, engine.reduce_dtype(b.space)) for b in engine.reducer.buckets]
-    if model.stage == 0:
-        return schedule
-    flats = engine.gatherer.groups if model.stage < 3 else engine.gatherer.flats
-    uses = 2 if model.stage == 3 and engine.config.reshard_after_forward else 1
-    gathers = [(flat.layout.numel, flat.dtype) for flat in flats] * uses
-    if uses == 2:  # the units kept gathered from forward into backward are gathered once
-        for unit in engine.gatherer.last_kept:
-            for flat in unit.flats:
-                gathers.remove((flat.layout.numel, flat.dtype))
-    return schedule + [Collective("all_gather", numel, dtype) for numel, dtype in gathers]
+    kept gathered into backward; the bench's models use every unit once)."""
+    return [Collective(kind, numel, dtype) for kind, numel, dtype in model.engine.collective_schedule()]
 
 
 LAUNCH: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
