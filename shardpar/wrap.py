@@ -14,7 +14,7 @@ from .config import ShardConfig
 from .core.deferred_init import DeferredInit, InitFn, materialise_whole
 from .core.inventory import check_initialized, first_difference, model_signature, module_device
 from .engines import WRAPPED_MARK, build_engine
-from .module import ShardedModule
+from .facade import ShardedModule
 from .planner import choose_stage
 
 

@@ -1,4 +1,4 @@
-"""Methods other than ``forward`` ([Note: forward methods] in shardpar/engines/forward_methods.py),
+"""Methods other than ``forward`` ([Note: forward methods] in shardpar/facade/forward_methods.py),
 against plain torch (one process, the concatenated batch), stages 0-3:
 
 - a method of the root that calls a unit's submodules (a block's norm and linears, never the
@@ -30,7 +30,7 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
-from shardpar.engines.forward_methods import ForwardMethod
+from shardpar.facade.forward_methods import ForwardMethod
 from tests.harness import run_ranks
 
 STAGES = (0, 1, 2, 3)

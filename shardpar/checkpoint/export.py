@@ -13,7 +13,7 @@ import torch
 
 from ..comm import collectives as C
 from ..errors import CheckpointError
-from ..module import ShardedModule
+from ..facade import ShardedModule
 from ..sizes import parse_bytes
 from .dtypes import dtype_name, parse_dtype
 from .hf import HFLayoutWriter

@@ -16,7 +16,7 @@ import torch
 from ..core.element_order import ElementOrder
 from ..engines import Engine
 from ..errors import CheckpointError
-from ..module import ShardedModule
+from ..facade import ShardedModule
 from ..optim import ShardedOptimizer
 from .format import Manifest, read_manifest
 from .json_values import decode_value

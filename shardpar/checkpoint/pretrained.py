@@ -22,7 +22,7 @@ import torch
 
 from ..comm import watch
 from ..errors import CheckpointError
-from ..module import sharded_module_of
+from ..facade import sharded_module_of
 from .hf import RangeRead, open_hf_checkpoint
 from .hf_keys import KeyReport, hf_ignore_patterns, match_keys, tied_groups
 from .protocol import agree, buffer_target, model_tensors, read_on_every_rank

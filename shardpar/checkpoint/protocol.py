@@ -22,7 +22,7 @@ from ..comm import watch
 from ..core.element_order import ElementOrder
 from ..engines import Engine
 from ..errors import CheckpointError
-from ..module import sharded_module_of
+from ..facade import sharded_module_of
 from ..optim import ShardedOptimizer
 
 

@@ -31,7 +31,7 @@ import torch
 from ..core.pieces import TensorPiece, is_elementwise
 from ..engines import Engine
 from ..errors import CheckpointError
-from ..module import ShardedModule
+from ..facade import ShardedModule
 from ..optim import ShardedOptimizer
 from .dtypes import dtype_name, parse_dtype
 from .files import commit_directory, make_temp_dir, remove_abandoned_temps, remove_stale_temps, sha256_file

@@ -291,7 +291,7 @@ class AllReduceStrategy(_FullGradBuffer):
 
     def owned_grad_pieces(self) -> list[torch.Tensor]:
         """Every parameter's reduced gradient in registration order: what a norm is taken over
-        ([Note: a norm per piece] in optim/clipping.py)."""
+        ([Note: a norm per piece] in core/clipping.py)."""
         return [self.master_grad(space, name) for space in self.spaces for name in space.params]
 
     def grad_bytes(self) -> int:
@@ -317,7 +317,7 @@ class _ShardedAverage:
 
     def owned_grad_pieces(self) -> list[torch.Tensor]:
         """This rank's reduced gradient of every piece it owns, in buffer order: what a norm is
-        taken over ([Note: a norm per piece] in optim/clipping.py)."""
+        taken over ([Note: a norm per piece] in core/clipping.py)."""
         return [self.piece_grad(space, piece) for space in self.spaces for piece in space.layout.pieces(self.rank)]
 
     def owned_in_space(self, spec, space_buffer: torch.Tensor) -> torch.Tensor:

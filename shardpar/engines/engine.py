@@ -44,10 +44,8 @@ from ..core.sharded_grads import ShardedGradMarks, where_grads_live
 from ..core.training_state import Phase, TrainingState
 from ..core.units import _ModuleTree
 from ..core.wait_clock import WaitClock
-from . import plain_copy
 from .buffer_sync import BufferSync
-from .forward_methods import mark_forward_hook
-from .module_state import ModuleState
+from .hooks import engine_hook
 
 
 def _collect_cycles_before_exit() -> None:
@@ -68,10 +66,7 @@ WRAPPED_MARK = "_shardpar_wrapped"
 is refused: a second engine would re-point its parameters and gradients behind the first."""
 
 
-def _disabled(fn):
-    """Hooks run eagerly even inside ``torch.compile``d code: they launch collectives. Marked
-    as the engine's, which a registered forward method runs ([Note: forward methods])."""
-    return mark_forward_hook(torch.compiler.disable(fn))
+_disabled = engine_hook
 
 
 class Engine:
@@ -138,36 +133,17 @@ class Engine:
             if hidden else None
         self._handles += self.reducer.register_hooks(self._on_grad_ready)
         self._handles += self._install_before_accumulation_hooks()
-        self.module_state = ModuleState(self)
         self.buffer_sync = BufferSync(module, group, self.rank, self.world_size, config.broadcast_buffers, self.comm,
                                       self.wait_clock)
         self.gatherer: GatherPhases = row.gatherer(self)
         """The stage's gatherer, its hooks installed (see stages.py)."""
-        state_dict_source = self.storage.state_dict_source(self.module_state)
-        if state_dict_source is not None:
-            self._handles += self.module_state.install_state_dict_hooks(state_dict_source)
         self._install_root_hooks()
         self._install_cast_hooks()
-        self._module_attributes = self._install_module_attributes()
-
-    def _install_module_attributes(self) -> tuple[str, ...]:
-        """Instance attributes on the wrapped module that route its own torch methods to this
-        engine (``close`` takes them off again); returns their names."""
-        module = self.module
-        attributes: dict[str, Any] = {
-            "zero_grad": lambda set_to_none=True: self.zero_grad(set_to_none=set_to_none),  # the module's own clears ours
-            "_apply": lambda fn, recurse=True: self.module_state.refuse_moves(fn) or module,  # .to()/.half()...
-            WRAPPED_MARK: True,
-        }
-        if not self.storage.params_are_masters:
-            # Its parameters are compute copies or placeholders: loading into them would be lost
-            # at the next step (or raise), so the module's own load_state_dict loads the masters.
-            attributes["load_state_dict"] = self.module_state.load_module_state
-            self._handles += self.module_state.install_submodule_load_hooks()
-        attributes.update(plain_copy.copy_hooks(self, marks=tuple(attributes)))  # copy.deepcopy / torch.save
-        for name, value in attributes.items():
-            setattr(module, name, value)
-        return tuple(attributes)
+        self.module_attributes: tuple[str, ...] = (WRAPPED_MARK,)
+        """Instance attributes the engine sets on the module (taken off when it closes)."""
+        setattr(module, WRAPPED_MARK, True)
+        self._attached: list[Any] = []
+        """What attached itself to this engine (the module facade): closed with it."""
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -539,7 +515,7 @@ class Engine:
     def owned_grad_pieces(self) -> tuple[list[torch.Tensor], bool]:
         """:meth:`owned_grads` cut per parameter (stage 0) or per piece of a parameter this rank
         owns (stages 1-3), as views: the tensors a norm is taken over, one by one, as torch
-        takes one per parameter ([Note: a norm per piece] in optim/clipping.py)."""
+        takes one per parameter ([Note: a norm per piece] in core/clipping.py)."""
         if not self.grads_ready:
             return [], False
         return self.strategy.owned_grad_pieces(), self.strategy.owned_grads()[1]
@@ -613,10 +589,6 @@ class Engine:
     def after_load(self) -> None:
         self.storage.after_load()
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """See :meth:`ModuleState.full_state_dict`."""
-        return self.module_state.full_state_dict()
-
     # ------------------------------------------------------------------ memory
 
     def memory_stats(self) -> dict[str, int]:
@@ -651,6 +623,11 @@ class Engine:
         """Every hook this engine has registered and not removed yet."""
         return self._handles + self._use_handles + self._gather_handles
 
+    def attach(self, part: Any) -> None:
+        """Something built over this engine that must be undone with it: ``part.close()`` runs
+        when the engine closes (the module facade's attributes and hooks)."""
+        self._attached.append(part)
+
     def close(self) -> None:
         """Remove every hook this engine registered (the module keeps working unwrapped)."""
         watch.untrack(self.state)  # a closed engine is not what a rank is doing
@@ -659,5 +636,8 @@ class Engine:
         self._handles.clear()
         self._use_handles.clear()
         self._gather_handles.clear()
-        for name in self._module_attributes:
+        for name in self.module_attributes:
             self.module.__dict__.pop(name, None)
+        for part in reversed(self._attached):
+            part.close()
+        self._attached.clear()

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..comm import collectives as C
-from ..module import ShardedModule, sharded_module_of
+from ..facade import ShardedModule, sharded_module_of
 
 
 class GradScaler:

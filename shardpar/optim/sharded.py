@@ -18,7 +18,7 @@ from torch import nn
 
 from ..core.pieces import TensorPiece
 from ..engines import Engine
-from ..module import ShardedModule, sharded_module_of
+from ..facade import ShardedModule, sharded_module_of
 
 
 def _unname(members: list[Any]) -> list[Any]:

@@ -29,25 +29,25 @@ from ..core.param_guard import metadata_only
 from .forward_methods import ForwardMethod
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .surface import ModuleSurface
 
 COPY_HOOKS = ("__deepcopy__", "__reduce_ex__")
 """The instance attributes through which ``copy`` and ``pickle`` reach :func:`plain_copy`."""
 
 
-def copy_hooks(engine: "Engine", marks: tuple[str, ...]) -> dict[str, Any]:
-    """The instance attributes that give ``engine.module`` its plain copies; ``marks`` are the
-    other instance attributes the engine sets on it, which a copy must not carry."""
+def copy_hooks(surface: "ModuleSurface", marks: tuple[str, ...]) -> dict[str, Any]:
+    """The instance attributes that give the managed module its plain copies; ``marks`` are the
+    other instance attributes set on it, which a copy must not carry."""
     return {
-        "__deepcopy__": lambda memo: plain_copy(engine, memo, marks),
-        "__reduce_ex__": lambda protocol: plain_copy(engine, {}, marks).__reduce_ex__(protocol),
+        "__deepcopy__": lambda memo: plain_copy(surface, memo, marks),
+        "__reduce_ex__": lambda protocol: plain_copy(surface, {}, marks).__reduce_ex__(protocol),
     }
 
 
-def plain_copy(engine: "Engine", memo: dict[int, Any], marks: tuple[str, ...]) -> nn.Module:
+def plain_copy(surface: "ModuleSurface", memo: dict[int, Any], marks: tuple[str, ...]) -> nn.Module:
     """See [Note: plain copies]."""
-    module = engine.module
-    full = engine.full_state_dict()  # collective: every rank copies
+    module = surface.engine.module
+    full = surface.full_state_dict()  # collective: every rank copies
     # deepcopy takes what ``memo`` already holds for an object instead of copying it: fresh
     # plain Parameters with the full values (one per Parameter object, so tied ones stay tied)...
     for name, param in module.named_parameters():
@@ -59,7 +59,7 @@ def plain_copy(engine: "Engine", memo: dict[int, Any], marks: tuple[str, ...]) -
             memo[id(buffer)] = full[name].clone()
     # ... and each hook dict the engine registered into, without the engine's entries.
     ours: dict[int, tuple[dict, set[int]]] = {}
-    for handle in engine.hook_handles:
+    for handle in surface.hook_handles:
         for ref in (handle.hooks_dict_ref, *getattr(handle, "extra_dict_ref", ())):
             hooks = ref()
             if hooks is not None:

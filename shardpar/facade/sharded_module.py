@@ -14,9 +14,10 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-from .comm import collectives as C
-from .engines import Engine
-from .optim import clipping
+from ..comm import collectives as C
+from ..core import clipping
+from ..engines import Engine
+from .surface import ModuleSurface
 
 
 def sharded_module_of(model: Any, who: str) -> "ShardedModule":
@@ -43,6 +44,7 @@ class ShardedModule(nn.Module):
         super().__init__()
         self.module = module
         self.engine = engine
+        self._surface = ModuleSurface(engine)
 
     @property
     def stage(self) -> int:
@@ -78,7 +80,7 @@ class ShardedModule(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> "ShardedModule":
         """``to()``, ``double()``, ``cuda()``, ``half()``... after wrap: see
         :meth:`ModuleState.refuse_moves` (the wrapped module's own ``_apply`` does the same)."""
-        self.engine.module_state.refuse_moves(fn)
+        self._surface.state.refuse_moves(fn)
         return self
 
     # ------------------------------------------------------------------ original names
@@ -96,7 +98,7 @@ class ShardedModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` with full, detached tensors, on every rank (every key,
         tied aliases, frozen parameters and persistent buffers included)."""
-        return self.engine.full_state_dict()
+        return self._surface.full_state_dict()
 
     def state_dict(  # type: ignore[override]
         self, *args: Any, destination: dict | None = None, prefix: str = "", keep_vars: bool = False
@@ -113,7 +115,7 @@ class ShardedModule(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
         """Load full tensors (keys as in ``module.state_dict()``) into every stage's storage.
         ``strict=False`` loads the keys present and reports the rest, as ``nn.Module`` does."""
-        return self.engine.module_state.load_module_state(state_dict, strict=strict, assign=assign)
+        return self._surface.state.load_module_state(state_dict, strict=strict, assign=assign)
 
     # ------------------------------------------------------------------ training helpers
 
@@ -152,7 +154,7 @@ class ShardedModule(nn.Module):
         """Scale gradients so their global norm (over all ranks' shards) is at most
         ``max_norm``; return the norm before clipping, as ``torch.nn.utils.clip_grad_norm_``
         (the same arguments; a norm per parameter, or per piece of one this rank owns: see
-        [Note: a norm per piece] in ``shardpar.optim.clipping``). At stages 1-3 one
+        [Note: a norm per piece] in ``shardpar.core.clipping``). At stages 1-3 one
         all-reduce of the norm; never a host sync unless ``error_if_nonfinite``."""
         pieces, sharded = self.engine.owned_grad_pieces()
         grads, _ = self.engine.owned_grads()

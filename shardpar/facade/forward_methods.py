@@ -27,13 +27,9 @@ from typing import Any, Callable
 
 from torch import nn
 
-FORWARD_HOOK_MARK = "_shardpar_forward_hook"
-"""Set on every forward hook an engine registers: what a registered method runs."""
+from ..engines import Engine
+from ..engines.hooks import FORWARD_HOOK_MARK
 
-
-def mark_forward_hook(hook: Callable) -> Callable:
-    setattr(hook, FORWARD_HOOK_MARK, True)
-    return hook
 
 
 def _ours(hooks: dict[int, Callable]) -> list[tuple[int, Callable]]:
@@ -99,8 +95,6 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
     directly, e.g. a ``generate`` (FSDP2's ``register_fsdp_forward_method``). ``module``: the
     wrapped module, one of its submodules, or the ``ShardedModule``. See [Note: forward
     methods]."""
-    from .engine import Engine  # (engine.py imports this module for the mark)
-
     if not isinstance(module, nn.Module):
         raise TypeError(f"register_forward_method: module must be an nn.Module, got {type(module).__name__}")
     engine = module.__dict__.get("engine")
