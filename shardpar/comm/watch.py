@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import json
 import os
 import time
@@ -101,14 +102,19 @@ def operation(name: str) -> Iterator[None]:
         _operations.pop()
 
 
+def _live_describers() -> list[Any]:
+    """The trackers still in use. A wrapped model dropped by the script is a reference cycle
+    until the collector runs ([Note: collecting at exit] in engines/engine.py), so one collection
+    first keeps dropped models out of the report; this runs only where a report or a stalled
+    wait's position is written, never per step."""
+    gc.collect()
+    live = [ref() for ref in _describers]
+    _describers[:] = [ref for ref, describer in zip(list(_describers), live) if describer is not None]
+    return [describer for describer in live if describer is not None]
+
+
 def doing() -> str:
-    parts = list(_operations)
-    for ref in list(_describers):
-        describer = ref()
-        if describer is None:
-            _describers.remove(ref)
-        else:
-            parts.append(describer.describe())
+    parts = list(_operations) + [describer.describe() for describer in _live_describers()]
     return "; ".join(parts) or "outside any shardpar model"
 
 
@@ -416,12 +422,7 @@ def _issued_on_every_group() -> dict[str, int]:
 
 
 def _engine_positions() -> list[dict[str, Any]]:
-    positions = []
-    for ref in list(_describers):
-        describer = ref()
-        if describer is not None and hasattr(describer, "position"):
-            positions.append(describer.position())
-    return positions
+    return [describer.position() for describer in _live_describers() if hasattr(describer, "position")]
 
 
 def _is_unit_gather(op: str) -> bool:
