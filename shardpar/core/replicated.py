@@ -1,13 +1,10 @@
 """Replicated parameter storage (stages 0-2): every rank holds every trainable parameter, as
 views of one flat buffer per dtype, cut into gradient buckets.
 
-What differs between the stages is who owns the values the optimizer updates:
-
-- stage 0: every rank updates everything (the full master copy under mixed precision);
-- stages 1-2: each rank updates its slice of every bucket (its *master shard*: the slice of
-  the buffer itself, or a full-precision copy of it under mixed precision) and the updated
-  slices are all-gathered back into every rank's buffer after ``step()``
-  (:class:`PostStepGatherer`): one :class:`FlatParamGroup` per bucket tracks that gather.
+What differs between the stages is who owns the values the optimizer updates: the storage's
+*master* part (core/masters.py), :class:`FullMaster` at stage 0 and :class:`ShardedMaster` at
+stages 1-2 (whose updated slices are all-gathered back after ``step()`` by a
+:class:`PostStepGatherer`).
 
 [Note: lazy parameter gather]
 The all-gathers after ``step()`` are launched and left in flight: each bucket's gather is
@@ -36,6 +33,7 @@ from .element_order import ElementOrder
 from .flat_param import FlatParamGroup
 from .gatherer import PostStepGatherer
 from .inventory import group_by_dtype
+from .masters import FullMaster, ShardedMaster
 from .layout import Alignment, BufferLayout, ShardPiece, alignment_for
 from .pieces import TensorPiece
 from .rebuild import Relayout, same_buckets
@@ -134,14 +132,15 @@ class ParamBuffer:
 
 
 class ReplicatedStorage:
-    """Stages 0-2 (see the module docstring). ``sharded_master`` selects stages 1-2."""
+    """Stages 0-2 (see the module docstring). ``master`` is the part that differs between them:
+    who holds the values the optimizer updates (core/masters.py)."""
 
     def __init__(self, module: nn.Module, inventory, config, group: Any, comm: C.CommStats,
-                 world_size: int, rank: int, sharded_master: bool) -> None:
+                 world_size: int, rank: int, master: "FullMaster | ShardedMaster") -> None:
         self.module = module
         self.inventory = inventory
         self.rank = rank
-        self.sharded_master = sharded_master
+        self.master = master
         mp = config.mixed_precision
         param_dtype = mp.param_dtype if mp is not None else None
         bytes_cap = int(config.bucket_cap_mb * 1024 * 1024)
@@ -180,13 +179,14 @@ class ReplicatedStorage:
         return ([b.data for b in self.buffers] + [b.full_master for b in self.buffers if b.full_master is not None]
                 + list(self.frozen_masters.values()) + [p.data for _, p in self.inventory.frozen])
 
+    @property
+    def sharded_master(self) -> bool:
+        """Whether optimizer pieces differ between ranks (stages 1-2)."""
+        return self.master.sharded
+
     def finish_setup(self, group: Any, comm: C.CommStats, wait_clock: WaitClock) -> None:
-        """After the broadcast: stages 1-2 keep only their master shard and track buckets."""
-        if self.sharded_master:
-            for buf in self.buffers:
-                buf.shard_master(self.rank)
-            self.groups = [g for buf in self.buffers for g in buf.bucket_groups(self.rank)]
-            self.gatherer = PostStepGatherer(self.groups, group, comm, wait_clock, self.buffers[0].device)
+        """After the broadcast from rank 0 (see the master part)."""
+        self.master.finish_setup(self, group, comm, wait_clock)
 
     @property
     def spaces(self) -> list[ParamBuffer]:
@@ -207,9 +207,7 @@ class ReplicatedStorage:
         self.wait_for_params()
         for buf, move in moves.items():
             buf.relayout(move)
-        if self.sharded_master:
-            self.groups = [g for buf in self.buffers for g in buf.bucket_groups(self.rank)]
-            self.gatherer.track(self.groups)
+        self.master.after_relayout(self)
 
     def element_orders(self) -> dict[str, ElementOrder]:
         """Every parameter's element order: what its pieces' ranges count in ([Note: element order])."""
@@ -226,26 +224,7 @@ class ReplicatedStorage:
 
     def optimizer_pieces(self, names: Sequence[str], strategy: Any) -> list[TensorPiece]:
         """Stage 0: whole parameters; stages 1-2: this rank's pieces (see TensorPiece)."""
-        if self.sharded_master:
-            wanted = set(names)
-            found = {}
-            for buf in self.buffers:
-                for piece in buf.layout.pieces(self.rank):
-                    if piece.name in wanted:
-                        found[piece.name] = TensorPiece(piece.name, buf.master_piece(piece),
-                                                        (piece.param_range.start, piece.param_range.end),
-                                                        strategy.piece_grad(buf, piece))
-            return [found[name] for name in names if name in found]  # names this rank owns nothing of drop out
-        pieces = []
-        for name in names:
-            buf = self.buffer_of[name]
-            param = buf.params[name]
-            master_grad = strategy.master_grad(buf, name)
-            if buf.full_master is None and master_grad is strategy.views[name]:
-                pieces.append(TensorPiece(name, param, (0, param.numel()), None))  # the parameter itself
-            else:
-                pieces.append(TensorPiece(name, buf.layout.view(buf.values, name), (0, param.numel()), master_grad))
-        return pieces
+        return self.master.optimizer_pieces(self, names, strategy)
 
     def before_optimizer_step(self) -> None:
         if self.gatherer is not None:
@@ -281,18 +260,7 @@ class ReplicatedStorage:
         return pieces
 
     def load_pieces(self) -> list[TensorPiece]:
-        if self.sharded_master:
-            pieces = [
-                TensorPiece(p.name, buf.master_piece(p), (p.param_range.start, p.param_range.end))
-                for buf in self.buffers
-                for p in buf.layout.pieces(self.rank)
-            ]
-        else:
-            pieces = [
-                TensorPiece(name, buf.layout.slots[name].range.of(buf.values), (0, param.numel()))
-                for buf in self.buffers
-                for name, param in buf.params.items()
-            ]
+        pieces = self.master.load_pieces(self)
         return pieces + self._frozen_load_pieces()
 
     def _frozen_load_pieces(self) -> list[TensorPiece]:
@@ -327,7 +295,7 @@ class ReplicatedStorage:
         the masters under mixed precision (gathered at stages 1-2)."""
         if self.params_are_masters:
             return None
-        return module_state.full_state_dict if self.sharded_master else module_state.replicated_master_state
+        return self.master.state_dict_source(module_state)
 
     def layout_summary(self) -> dict[str, Any]:
         return {"buckets": [{"dtype": str(buf.compute_dtype).replace("torch.", ""), "start": b.range.start,

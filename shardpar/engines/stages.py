@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.gatherer import GatherPhases, NoGatherer, PostStepGatherer, UnitGatherer
 from ..core.reduce_strategies import AllReduceStrategy, ReduceScatterInPlace, StagedReduceScatter
+from ..core.masters import FullMaster, ShardedMaster
 from ..core.replicated import ReplicatedStorage
 from ..core.deferred_init import InitWalk
 from ..core.sharded import FromInit, FromLiveModule, ShardedStorage
@@ -24,10 +25,10 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
-def _replicated(sharded_master: bool) -> Callable[["Engine"], ReplicatedStorage]:
+def _replicated(master: Callable[[], FullMaster | ShardedMaster]) -> Callable[["Engine"], ReplicatedStorage]:
     def build(engine: "Engine") -> ReplicatedStorage:
         storage = ReplicatedStorage(engine.module, engine.inventory, engine.config, engine.group, engine.comm,
-                                    engine.world_size, engine.rank, sharded_master)
+                                    engine.world_size, engine.rank, master())
         engine.broadcast_from_rank0(storage.tensors_to_broadcast() + list(engine.module.buffers()))
         storage.finish_setup(engine.group, engine.comm, engine.wait_clock)
         return storage
@@ -80,7 +81,7 @@ def _staged_reduce_scatter(engine: "Engine", spaces: list) -> StagedReduceScatte
 class StageRow:
     stage: int
     storage: Callable[["Engine"], Any]
-    """Builds the parameter storage (and, at stages 1-3, its gatherer)."""
+    """Builds the parameter storage (stages 0-2 with their master part: full or sharded)."""
     strategy: Callable[["Engine", list], Any]
     """Builds the reducer's strategy over the storage's parameter spaces."""
     gatherer: Callable[["Engine"], GatherPhases]
@@ -88,8 +89,8 @@ class StageRow:
 
 
 STAGES: dict[int, StageRow] = {
-    0: StageRow(0, _replicated(sharded_master=False), _all_reduce, _no_gatherer),
-    1: StageRow(1, _replicated(sharded_master=True), _reduce_scatter_in_place, _post_step_gatherer),
-    2: StageRow(2, _replicated(sharded_master=True), _staged_reduce_scatter, _post_step_gatherer),
+    0: StageRow(0, _replicated(FullMaster), _all_reduce, _no_gatherer),
+    1: StageRow(1, _replicated(ShardedMaster), _reduce_scatter_in_place, _post_step_gatherer),
+    2: StageRow(2, _replicated(ShardedMaster), _staged_reduce_scatter, _post_step_gatherer),
     3: StageRow(3, _sharded_units, _staged_reduce_scatter, _unit_gatherer),
 }

@@ -1,0 +1,101 @@
+"""Who holds the values the optimizer updates at stages 0-2: the *master copy* part of a
+replicated storage (core/replicated.py), the column of the stage table that stage 0 and stages
+1-2 differ in.
+
+- :class:`FullMaster` (stage 0): every rank updates every parameter: the parameters themselves,
+  or a full-precision copy of the whole buffer under mixed precision, copied into the compute
+  buffer after each step.
+- :class:`ShardedMaster` (stages 1-2): each rank updates its slice of every bucket (its *master
+  shard*: the slice of the buffer itself, or a full-precision copy of it under mixed precision),
+  and the updated slices are all-gathered back into every rank's buffer after ``step()`` by a
+  :class:`PostStepGatherer`, one :class:`FlatParamGroup` per bucket.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from ..comm import collectives as C
+from .gatherer import PostStepGatherer
+from .pieces import TensorPiece
+from .wait_clock import WaitClock
+
+if TYPE_CHECKING:
+    from .replicated import ReplicatedStorage
+
+
+class FullMaster:
+    """Stage 0 (see the module docstring)."""
+
+    sharded = False
+
+    def finish_setup(self, storage: "ReplicatedStorage", group: Any, comm: C.CommStats, wait_clock: WaitClock) -> None:
+        """Nothing to shard: every rank keeps every value."""
+
+    def after_relayout(self, storage: "ReplicatedStorage") -> None:
+        """Nothing tracks the buckets."""
+
+    def optimizer_pieces(self, storage: "ReplicatedStorage", names: Sequence[str], strategy: Any) -> list[TensorPiece]:
+        """Whole parameters (their full-precision copies under mixed precision)."""
+        pieces = []
+        for name in names:
+            buf = storage.buffer_of[name]
+            param = buf.params[name]
+            master_grad = strategy.master_grad(buf, name)
+            if buf.full_master is None and master_grad is strategy.views[name]:
+                pieces.append(TensorPiece(name, param, (0, param.numel()), None))  # the parameter itself
+            else:
+                pieces.append(TensorPiece(name, buf.layout.view(buf.values, name), (0, param.numel()), master_grad))
+        return pieces
+
+    def load_pieces(self, storage: "ReplicatedStorage") -> list[TensorPiece]:
+        return [
+            TensorPiece(name, buf.layout.slots[name].range.of(buf.values), (0, param.numel()))
+            for buf in storage.buffers
+            for name, param in buf.params.items()
+        ]
+
+    def state_dict_source(self, module_state: Any) -> Callable[[], dict]:
+        """The masters, on every rank without a collective."""
+        return module_state.replicated_master_state
+
+
+class ShardedMaster:
+    """Stages 1-2 (see the module docstring)."""
+
+    sharded = True
+
+    def finish_setup(self, storage: "ReplicatedStorage", group: Any, comm: C.CommStats, wait_clock: WaitClock) -> None:
+        """After the broadcast: keep only this rank's master shard, and track the buckets."""
+        for buf in storage.buffers:
+            buf.shard_master(storage.rank)
+        storage.groups = [g for buf in storage.buffers for g in buf.bucket_groups(storage.rank)]
+        storage.gatherer = PostStepGatherer(storage.groups, group, comm, wait_clock, storage.buffers[0].device)
+
+    def after_relayout(self, storage: "ReplicatedStorage") -> None:
+        """New buckets, new flat groups to gather."""
+        storage.groups = [g for buf in storage.buffers for g in buf.bucket_groups(storage.rank)]
+        storage.gatherer.track(storage.groups)
+
+    def optimizer_pieces(self, storage: "ReplicatedStorage", names: Sequence[str], strategy: Any) -> list[TensorPiece]:
+        """This rank's pieces of the named parameters (names it owns nothing of drop out)."""
+        wanted = set(names)
+        found = {}
+        for buf in storage.buffers:
+            for piece in buf.layout.pieces(storage.rank):
+                if piece.name in wanted:
+                    found[piece.name] = TensorPiece(piece.name, buf.master_piece(piece),
+                                                    (piece.param_range.start, piece.param_range.end),
+                                                    strategy.piece_grad(buf, piece))
+        return [found[name] for name in names if name in found]
+
+    def load_pieces(self, storage: "ReplicatedStorage") -> list[TensorPiece]:
+        return [
+            TensorPiece(p.name, buf.master_piece(p), (p.param_range.start, p.param_range.end))
+            for buf in storage.buffers
+            for p in buf.layout.pieces(storage.rank)
+        ]
+
+    def state_dict_source(self, module_state: Any) -> Callable[[], dict]:
+        """The masters are sharded: gathered (a collective)."""
+        return module_state.full_state_dict
