@@ -34,7 +34,7 @@ from torch import nn
 from ..comm import collectives as C
 from .element_order import ElementOrder
 from .flat_param import FlatParamGroup
-from .gatherer import PostStepGatherer
+from .gather_phases import PostStepGatherer
 from .inventory import group_by_dtype
 from .layout import Alignment, BufferLayout, ShardPiece, alignment_for
 from .pieces import TensorPiece

@@ -33,7 +33,8 @@ from ..comm import watch
 from ..config import ShardConfig
 from ..core.deferred_init import DeferredInit
 from ..core.element_order import ElementOrder
-from ..core.gatherer import GatherPhases, Unit, UnitGatherer, _grad_tensors, on_first_grad
+from ..core.gather_phases import GatherPhases
+from ..core.gatherer import UnitGatherer, grad_tensors, on_first_grad
 from ..core.inventory import (ParamInventory, check_dense_gradients, check_supported_dtypes, module_device,
                               sparse_gradient_error)
 from ..core.pieces import TensorPiece
@@ -42,7 +43,7 @@ from ..core.reducer import GradBucket, GradientReducer
 from ..core.sharded import ShardedStorage
 from ..core.sharded_grads import ShardedGradMarks, where_grads_live
 from ..core.training_state import Phase, TrainingState
-from ..core.units import _ModuleTree
+from ..core.units import Unit, _ModuleTree
 from ..core.wait_clock import WaitClock
 from .buffer_sync import BufferSync
 from .hooks import engine_hook
@@ -225,10 +226,9 @@ class Engine:
             self.config.units_to_prefetch_in_forward, self.config.units_to_prefetch_in_backward,
             self.comm, gather_group, self.rank,
             on_forward_use=self._on_unit_use, on_backward_start=self.ensure_backward_started,
-            wait_clock=self.wait_clock,
+            wait_clock=self.wait_clock, retire_group=lambda: C.retire_sibling_group(self.group),
         )
         gatherer = storage.gatherer
-        gatherer.retire_group = lambda: C.retire_sibling_group(self.group)
         if self.world_size > 1:  # one rank cannot depart from the others' order
             self.reducer.may_launch = gatherer.may_reduce
             gatherer.on_reductions_allowed = self._launch_waiting_reductions
@@ -318,7 +318,7 @@ class Engine:
         self.state.phase = Phase.IDLE
         self.buffer_sync.after_forward(torch.is_grad_enabled() and self.state.require_grad_sync)
         if torch.is_grad_enabled():
-            tensors = _grad_tensors(output)
+            tensors = grad_tensors(output)
             if tensors:
                 on_first_grad(tensors, self._backward_start_hook)
             self.reducer.launch_order.stop_recording()
@@ -410,7 +410,7 @@ class Engine:
     def settle_gradients(self) -> None:
         """Read the used-parameter flags in flight, waiting for them on a GPU: after it, which
         parameters have a gradient is known (step(), zero_grad(set_to_none=False), checkpoints)."""
-        self.gatherer.check_tags(block=True)  # first: see [Note: deferred tag checks]
+        self.gatherer.check_tags(block=True)  # first: see [Note: deferred tag checks] in core/unit_order.py
         if self.reducer.settle(block=True) and self._marks_wait_for_flags:
             self._put_grad_marks()
 
