@@ -399,7 +399,7 @@ class Engine:
     def _put_grad_marks(self) -> None:
         """Placeholders on the ``.grad`` of parameters that have a gradient: all of them once the
         used-parameter flags are read, until then those this rank used (see [Note: reading the
-        used-parameter flags] in core/reducer.py; the rest follow when the flags are read)."""
+        used-parameter flags] in core/used_flags.py; the rest follow when the flags are read)."""
         if self.grad_marks is None:
             return
         reducer = self.reducer
@@ -522,7 +522,7 @@ class Engine:
 
     def has_gradient(self, name: str) -> bool:
         """Whether the optimizer should update ``name`` in the coming step (plain torch skips
-        a parameter whose ``.grad`` is None; see [Note: used parameters])."""
+        a parameter whose ``.grad`` is None; see [Note: used parameters] in core/used_flags.py)."""
         if not self.reducer.unused_known:
             self.settle_gradients()
         return self.reducer.has_gradient(name)
