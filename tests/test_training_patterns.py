@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import shardpar
 from shardpar.comm import collectives as C
-from shardpar.core.reduce_strategies import StagedReduceScatter
+from shardpar.core.staged_reduce_scatter import StagedReduceScatter
 from tests.harness import run_ranks
 
 STAGES = (0, 1, 2, 3)

@@ -400,7 +400,7 @@ class GradientReducer:
     def settle(self, block: bool) -> bool:
         """Read the flags in flight if they have landed (``block``: wait for them), check the
         counters and learn which parameters no rank used; see [Note: reading the
-        used-parameter flags]. Returns whether nothing is left in flight."""
+        used-parameter flags] in used_flags.py. Returns whether nothing is left in flight."""
         pending = self.flags_in_flight
         if pending is None:
             return True

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.gather_phases import GatherPhases, NoGatherer, PostStepGatherer
 from ..core.gatherer import UnitGatherer
-from ..core.reduce_strategies import AllReduceStrategy, ReduceScatterInPlace, StagedReduceScatter
+from ..core.reduce_strategies import AllReduceStrategy, ReduceScatterInPlace
+from ..core.staged_reduce_scatter import StagedReduceScatter
 from ..core.replicated import ReplicatedStorage
 from ..core.deferred_init import InitWalk
 from ..core.sharded import FromInit, FromLiveModule, ShardedStorage
