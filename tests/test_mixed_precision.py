@@ -916,7 +916,7 @@ def test_fp16_reduction_divides_by_root_n_around_the_sum(world_size: int, stage:
 def test_averaging_plans() -> None:
     """Which passes each backend and dtype gets ([Note: averaging]); NCCL's in-collective
     average is chosen here without a GPU, the plan being a pure function."""
-    from shardpar.core.reduce_strategies import Averaging, averaging
+    from shardpar.core.averaging import Averaging, averaging
 
     assert averaging(torch.float32, 1, True, True) == Averaging()
     assert averaging(torch.float32, 4, True, True) == Averaging(op="avg")  # NCCL: no pass

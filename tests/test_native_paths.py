@@ -4,7 +4,7 @@
 reduce-scatter and all-gather (``reduce_scatter_tensor``, ``all_gather_into_tensor``, which gloo
 also has) and stage 3's tagged gathers take NCCL's shape: a tag all-gather plus the payload
 straight into the unit's buffer, checked later ([Note: deferred tag checks] in
-core/gatherer.py). ``host.deferring_reads()`` makes every device-to-host read say "not ready"
+core/unit_order.py). ``host.deferring_reads()`` makes every device-to-host read say "not ready"
 until it must be made, as a CUDA event does while the GPU is behind, so the used-parameter
 flags and the tags are read where CUDA reads them. Under both, training must match plain
 torch exactly as on the default paths, and every agreement check must still raise on every
@@ -23,7 +23,7 @@ from torch import nn
 import shardpar
 from shardpar.comm import collectives as C
 from shardpar.comm import host
-from shardpar.core.gatherer import UnitOrderMismatch
+from shardpar.core.unit_order import UnitOrderMismatch
 from shardpar.errors import RanksOutOfStep
 from tests.harness import run_ranks
 from tests.models import KITCHEN_BRANCHES, MLP, TRANSFORMER

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import shardpar
 from shardpar.comm import collectives as C
-from shardpar.core.reduce_strategies import StagedReduceScatter
+from shardpar.core.staged_reduce_scatter import StagedReduceScatter
 from tests.harness import run_ranks
 
 STAGES = (0, 1, 2, 3)
@@ -740,7 +740,7 @@ def _leftover_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _leftover_divergence(prefetch: int) -> tuple[str | None, list[dict[str, torch.Tensor]]]:
     """The parameters after every completed step, and the unit order error if one came."""
-    from shardpar.core.gatherer import UnitOrderMismatch
+    from shardpar.core.unit_order import UnitOrderMismatch
 
     torch.manual_seed(0)
     model = shardpar.wrap(LeftoverPaths(), stage=3, wrap_policy=[_PathBlock], min_unit_params=1,

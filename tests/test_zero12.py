@@ -216,7 +216,7 @@ def _staging_bound(result: Result, in_flight: int) -> int:
 
 
 def _max_in_flight() -> int:
-    from shardpar.core.reduce_strategies import StagedReduceScatter
+    from shardpar.core.staged_reduce_scatter import StagedReduceScatter
 
     return StagedReduceScatter.max_in_flight
 

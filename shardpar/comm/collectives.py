@@ -149,7 +149,7 @@ class BackendTraits:
     """A receiver may post more bytes than a sender sends (gloo's broadcast), so a tagged gather
     of units of different sizes completes and shows the mismatch. Where it may not (NCCL: a
     mismatch hangs), no rank may post a gather it does not know the others post too: see
-    [Note: deferred tag checks] in core/gatherer.py."""
+    [Note: deferred tag checks] in core/unit_order.py."""
     aligns: bool
     """Layouts are aligned for bandwidth when ``align_for_bandwidth`` is None ([Note: alignment])."""
 
@@ -671,7 +671,7 @@ class TaggedAllGather:
         """Other backends: every rank's tag by a 16-byte all-gather, then the payload by an
         all-gather straight into ``full`` (this rank's chunk is its input: no receive buffer,
         no copy out). Every rank must post the same payload size: the gatherer makes sure
-        before it starts one ([Note: deferred tag checks] in core/gatherer.py). ``wait()``
+        before it starts one ([Note: deferred tag checks] in core/unit_order.py). ``wait()``
         returns the tags as :class:`GatheredTags`, read when the caller chooses; ``full``
         holds the gathered payload only if they agree."""
         device = own.device
@@ -726,7 +726,7 @@ class GatheredTags:
     all-gather alone (not for the payload, nor for anything queued after it), so the tags of
     a gather whose payload never completes (another rank raised) still arrive; on the CPU the
     all-gather's own work. Read with :meth:`rows` (blocking) once :meth:`ready` says so, or
-    where the caller must know ([Note: deferred tag checks] in core/gatherer.py)."""
+    where the caller must know ([Note: deferred tag checks] in core/unit_order.py)."""
 
     def __init__(self, work: Any, tags: torch.Tensor, *, op: str, group: ProcessGroup | None) -> None:
         self._op, self._group = op, group

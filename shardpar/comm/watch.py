@@ -313,7 +313,7 @@ def meet(group: Any, name: str) -> None:
 # A rank that skips a unit at stage 3, takes another branch, generates longer, or gathers a
 # state dict alone soon waits in a collective that another rank will never issue, while that
 # rank waits in one the first will never issue: no collective of theirs completes again, and
-# the tags of [Note: unit order across ranks] (core/gatherer.py) are never exchanged. Only
+# the tags of [Note: unit order across ranks] (core/unit_order.py) are never exchanged. Only
 # the timeout would end it. Instead, a wait (a bounded one, or a meeting) that has not
 # completed after STALL_S posts this rank's position to the store, and takes it back when
 # the wait ends (nothing is posted or read while no wait stalls):

@@ -133,7 +133,7 @@ class FlatParamGroup:
         """Called with the group and what the gather's handle returned (stage 3 checks tags)."""
         self.before_wait: Callable[["FlatParamGroup"], None] | None = None
         """Called as a wait for this group's gather begins (stage 3: completes the gathers
-        issued before it first, see [Note: unit order across ranks] in gatherer.py)."""
+        issued before it first, see [Note: unit order across ranks] in unit_order.py)."""
         self.meter: GatheredBytes | None = None
         """Told of every allocation and release of the full buffer's storage (stage 3)."""
         self.wait_clock: WaitClock | None = None

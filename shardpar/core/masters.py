@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..comm import collectives as C
-from .gatherer import PostStepGatherer
+from .gather_phases import PostStepGatherer
 from .pieces import TensorPiece
 from .wait_clock import WaitClock
 

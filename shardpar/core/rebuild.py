@@ -7,7 +7,7 @@ the last of its gradients does, so when forward runs modules in another order th
 registered in (reversed, interleaved, a parameter registered on a parent and used at the end
 of its forward), a bucket mixes gradients that are ready early with some that are ready late:
 it completes late, its collective overlaps less of backward, and at stage 2 its staging is
-held longer. The learnt launch order ([Note: launch order] in reducer.py) only orders those
+held longer. The learnt launch order ([Note: launch order] in launch_order.py) only orders those
 fixed buckets. So, as torch DDP does, the buckets are rebuilt once from what backward did:
 
 1. *Record.* During the first synchronising backward (a ``no_sync`` one records nothing)

@@ -4,23 +4,13 @@
   reduce dtype, ``param.grad`` are views of it; each bucket is divided by N and all-reduced.
 - :class:`ReduceScatterInPlace` (stage 1): the same full buffer; each bucket is
   reduce-scattered in place, so this rank's slice holds the averaged gradient.
-- :class:`StagedReduceScatter` (stages 2-3): no full buffer; a bucket's gradients are copied
-  into a staging buffer from a bounded pool, reduce-scattered out of it into this rank's
-  gradient shard, and the staging buffer goes back to the pool.
+- :class:`~.staged_reduce_scatter.StagedReduceScatter` (stages 2-3, in staged_reduce_scatter.py):
+  no full buffer; a bucket's gradients are copied into a staging buffer from a bounded pool,
+  reduce-scattered out of it into this rank's gradient shard, and the staging buffer goes
+  back to the pool.
 
-[Note: averaging]
-Every strategy turns the sum over N ranks into DDP's mean, with as few passes as it can
-(:func:`averaging` picks the factors, once per parameter space):
-
-- A backend that averages inside the collective (NCCL's ``ReduceOp.AVG``) does it all: no
-  pass of ours.
-- Otherwise (gloo) stage 0 divides the whole bucket before its all-reduce, and stages 1-3
-  divide only the owned 1/N after the reduce-scatter ((N-1)/N of a pass saved).
-- An fp16 reduce dtype is split around the sum, on every backend: the bucket is divided by
-  the power of two at or above √N before (exact), and by the rest of N after. Dividing by N
-  first would flush gradients below N times fp16's smallest subnormal to zero; dividing
-  after would let a sum of N large gradients overflow. The split halves the exponent range
-  each side gives up (N = 4: ÷2, sum, ÷2).
+Each turns the sum over N ranks into the mean as [Note: averaging] in averaging.py says; the
+two that reduce-scatter share :class:`ShardedAverage` (here).
 
 [Note: stage 1 accumulation across reductions]
 Stage 1 reduce-scatters each bucket in place, so after backward the owned slice of the full
@@ -31,79 +21,31 @@ memory (DESIGN.md's ``8Ψ + 8Ψ/N``). ``param.grad`` of the bucket's parameters 
 finds ``param.grad`` None; the first new gradient of such a bucket moves the reduced slice
 to a carry shard and zeroes the bucket before anything is added, and the next reduction adds
 the carry back. The carry (``4Ψ/N``) exists only then and ``zero_grad`` frees it.
-
-[Note: no_sync at stages 2-3]
-Inside ``no_sync()`` nothing is reduced, so gradients must be kept in full. They are added,
-as each becomes final, into a full-size accumulation buffer per parameter space in the
-*reduce* dtype (as stages 0-1 accumulate in their full buffer), and ``param.grad`` is
-released; the synchronising backward stages "accumulated + new" and reduces it, after which
-the accumulation buffer is freed. Its bytes are what gradient accumulation costs at these
-stages (``memory_stats()["grads"]`` counts them while they exist).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from ..comm import collectives as C
-from .layout import Bucket, ShardPiece
-from .param_guard import metadata_only
+from .averaging import Averaging, ReduceDtype, averaging_per_space, scale
+from .layout import ShardPiece
 from .rebuild import Relayout
 from .reducer import GradBucket, ParamSpace
 
-ReduceDtype = Callable[[ParamSpace], torch.dtype]
 
-
-@dataclass(frozen=True)
-class Averaging:
-    """How one bucket's sum over N ranks becomes the mean; see [Note: averaging]."""
-
-    before: float = 1.0
-    """Factor applied to the bucket before the collective (1.0: no pass)."""
-    after: float = 1.0
-    """Factor applied to the result after it (1.0: no pass)."""
-    op: str = "sum"
-    """The collective's reduction: ``avg`` where the backend divides by N itself."""
-
-
-def averaging(dtype: torch.dtype, world_size: int, backend_averages: bool, divide_before: bool) -> Averaging:
-    """See [Note: averaging]; ``divide_before``: the result is the whole bucket (all-reduce),
-    so dividing before costs no more than after."""
-    if world_size == 1:
-        return Averaging()
-    if dtype == torch.float16:
-        before = 2.0 ** math.ceil(math.log2(math.sqrt(world_size)))
-        return Averaging(before=1.0 / before, after=before / world_size)
-    if backend_averages:
-        return Averaging(op="avg")
-    return Averaging(before=1.0 / world_size) if divide_before else Averaging(after=1.0 / world_size)
-
-
-def averaging_per_space(spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype, world_size: int, group,
-                        divide_before: bool) -> dict[ParamSpace, Averaging]:
-    """:func:`averaging` of each space, decided once: the backend and dtypes never change."""
-    backend = C.backend_averages(group, spaces[0].device if spaces else None)
-    return {s: averaging(reduce_dtype(s), world_size, backend, divide_before) for s in spaces}
-
-
-def _scale(tensor: torch.Tensor, factor: float) -> None:
-    if factor != 1.0:
-        tensor.mul_(factor)
-
-
-def _zero_pieces(space: ParamSpace, rank: int, names: set[str], shards: torch.Tensor) -> None:
+def zero_pieces(space: ParamSpace, rank: int, names: set[str], shards: torch.Tensor) -> None:
     """Zero the elements of ``names`` in ``shards`` (this rank's slices of ``space``, local layout)."""
     for piece in space.layout.pieces(rank):
         if piece.name in names:
             piece.local_range.of(shards).zero_()
 
 
-def _nbytes(tensors) -> int:
+def nbytes(tensors) -> int:
+    """Bytes of ``tensors`` together."""
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -236,17 +178,17 @@ class AllReduceStrategy(_FullGradBuffer):
         return self.start_late(bucket, bucket.spec.range.of(self.data[bucket.space]))
 
     def finish(self, bucket: GradBucket) -> None:
-        _scale(bucket.spec.range.of(self.data[bucket.space]), self.averaging_of[bucket.space].after)
+        scale(bucket.spec.range.of(self.data[bucket.space]), self.averaging_of[bucket.space].after)
         self._copy_to_master(bucket)
 
     def start_late(self, bucket: GradBucket, data: torch.Tensor) -> C.Handle:
         plan = self.averaging_of[bucket.space]
-        _scale(data, plan.before)
+        scale(data, plan.before)
         return C.all_reduce(data, group=self.group, async_op=True, stats=self.comm, padding_numel=bucket.spec.padding,
                             op=plan.op)
 
     def finish_late(self, bucket: GradBucket, late: torch.Tensor) -> None:
-        _scale(late, self.averaging_of[bucket.space].after)
+        scale(late, self.averaging_of[bucket.space].after)
         bucket.spec.range.of(self.data[bucket.space]).add_(late)
         self._copy_to_master(bucket)
 
@@ -296,13 +238,13 @@ class AllReduceStrategy(_FullGradBuffer):
 
     def grad_bytes(self) -> int:
         extra = [g for s, g in self.master_grads.items() if g is not self.data[s]]
-        return _nbytes(list(self.data.values()) + extra)
+        return nbytes(list(self.data.values()) + extra)
 
     def workspace_bytes(self) -> int:
         return 0
 
 
-class _ShardedAverage:
+class ShardedAverage:
     """What stages 1-3 share: which slice is this rank's, and [Note: averaging] after a
     reduce-scatter."""
 
@@ -332,17 +274,17 @@ class _ShardedAverage:
         """Reduce-scatter a bucket-sized buffer: the late gradients of [Note: a gradient that
         arrives twice] in reducer.py (zeros for every other parameter)."""
         plan = self.averaging_of[bucket.space]
-        _scale(late, plan.before)
+        scale(late, plan.before)
         return C.reduce_scatter(self.owned_in_staging(bucket, late), late, group=self.group, async_op=True,
                                 stats=self.comm, padding_numel=bucket.spec.padding, op=plan.op)
 
     def _reduced_late(self, bucket: GradBucket, late: torch.Tensor) -> torch.Tensor:
         owned = self.owned_in_staging(bucket, late)
-        _scale(owned, self.averaging_of[bucket.space].after)
+        scale(owned, self.averaging_of[bucket.space].after)
         return owned
 
 
-class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
+class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
     """Stage 1; see [Note: stage 1 accumulation across reductions]."""
 
     max_in_flight: int | None = None
@@ -363,7 +305,7 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
         self._take_views_off(bucket)
         data = bucket.spec.range.of(self.data[bucket.space])
         plan = self.averaging_of[bucket.space]
-        _scale(data, plan.before)
+        scale(data, plan.before)
         return C.reduce_scatter(self.owned_in_space(bucket.spec, self.data[bucket.space]), data, group=self.group, async_op=True,
                                 stats=self.comm, padding_numel=bucket.spec.padding, op=plan.op)
 
@@ -377,7 +319,7 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
     def finish(self, bucket: GradBucket) -> None:
         space = bucket.space
         reduced = self.owned_in_space(bucket.spec, self.data[space])
-        _scale(reduced, self.averaging_of[space].after)
+        scale(reduced, self.averaging_of[space].after)
         if self._carry is not None:
             carried = space.layout.shard_of(bucket.spec, self._carry[space])
             reduced.add_(carried)
@@ -418,7 +360,7 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
             carry = self._carry[space] if self._carry is not None else None
             for shards in (self.master_grad_shards.get(space), carry):
                 if shards is not None:
-                    _zero_pieces(space, self.rank, names, shards)
+                    zero_pieces(space, self.rank, names, shards)
 
     def release_unused(self, names: set[str]) -> None:
         """The optimizer skips them (see ShardedOptimizer); nothing to release here."""
@@ -455,171 +397,9 @@ class ReduceScatterInPlace(_FullGradBuffer, _ShardedAverage):
         tensors = list(self.data.values()) + list(self.master_grad_shards.values())
         if self._carry is not None:
             tensors += list(self._carry.values())
-        return _nbytes(tensors)
+        return nbytes(tensors)
 
     def workspace_bytes(self) -> int:
         return 0
 
 
-class StagedReduceScatter(_ShardedAverage):
-    """Stages 2-3; see [Note: no_sync at stages 2-3]. ``max_in_flight`` reductions may be
-    outstanding; launching one more waits for the oldest, and the pool keeps at most
-    ``max_in_flight + 1`` released staging buffers."""
-
-    max_in_flight: int | None = 2
-    full_grads_on_params = False
-
-    def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm) -> None:
-        self.spaces = list(spaces)
-        self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = reduce_dtype, world_size, rank, group, comm
-        self.averaging_of = averaging_per_space(spaces, reduce_dtype, world_size, group, divide_before=False)
-        self.grad_shards = {
-            s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device) for s in spaces
-        }  # 1-D, this rank's slice of every bucket, in bucket order (local space), master dtype
-        self._staging: dict[int, torch.Tensor] = {}  # bucket position -> its full-size gradients
-        self._free: list[tuple[torch.Tensor, Bucket | None]] = []
-        """Released staging buffers, each with the layout bucket it last served."""
-        self._accumulated: dict[ParamSpace, torch.Tensor] = {}  # no_sync, full size, reduce dtype
-        self.peak_staging_bytes = 0
-        for space in spaces:
-            for param in space.params.values():
-                param.grad = None
-
-    # ------------------------------------------------------------------ staging
-
-    def _staging_for(self, bucket: GradBucket) -> torch.Tensor:
-        staging = self._staging.get(bucket.position)
-        if staging is None:
-            dtype, numel = self.reduce_dtype(bucket.space), bucket.spec.range.size
-            reusable = [i for i, (t, _) in enumerate(self._free) if t.dtype == dtype and t.numel() == numel]
-            reusable.sort(key=lambda i: self._free[i][1] is not bucket.spec)  # one that served this bucket first
-            if reusable:
-                staging, served = self._free.pop(reusable[0])
-            else:
-                staging, served = torch.empty(numel, dtype=dtype, device=bucket.space.device), None
-            # Not zeroed as a whole: every slot is overwritten by its gradient or, if none comes,
-            # by fill_missing; only the padding must be zero. It stays zero while the buffer
-            # serves the same bucket (the collective sums zeros there), so it is zeroed only
-            # when the buffer comes new or from another bucket -- of this layout or of the
-            # one before a rebuild, whose gaps differ ([Note: bucket rebuild]).
-            if served is not bucket.spec:
-                for gap in bucket.spec.gaps:
-                    gap.shift(-bucket.spec.range.start).of(staging).zero_()
-            self._staging[bucket.position] = staging
-            self.peak_staging_bytes = max(self.peak_staging_bytes, _nbytes(self._staging.values()))
-        return staging
-
-    def _slot(self, bucket: GradBucket, name: str, full: torch.Tensor | None = None) -> torch.Tensor:
-        """``name``'s gradient slot in the bucket's staging buffer (or in ``full``, a buffer
-        indexed like the whole space)."""
-        slot = bucket.space.layout.slots[name]
-        if full is not None:
-            return slot.shaped(slot.range.of(full))
-        return slot.shaped(slot.range.shift(-bucket.spec.range.start).of(self._staging_for(bucket)))
-
-    def _accumulation(self, space: ParamSpace) -> torch.Tensor:
-        if space not in self._accumulated:
-            self._accumulated[space] = torch.zeros(space.layout.numel, dtype=self.reduce_dtype(space), device=space.device)
-        return self._accumulated[space]
-
-    # ------------------------------------------------------------------ gradients arriving
-
-    def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
-        slot = self._slot(bucket, name)
-        slot.copy_(param.grad)
-        if bucket.space in self._accumulated:
-            slot.add_(self._slot(bucket, name, self._accumulated[bucket.space]))
-        param.grad = None
-
-    def accept_again(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
-        """See [Note: a gradient that arrives twice] in reducer.py."""
-        self._slot(bucket, name).add_(param.grad)
-        param.grad = None
-
-    def accumulate_no_sync(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
-        self._slot(bucket, name, self._accumulation(bucket.space)).add_(param.grad)
-        param.grad = None
-
-    def late_buffer(self, bucket: GradBucket) -> torch.Tensor:
-        return torch.zeros(bucket.spec.range.size, dtype=self.reduce_dtype(bucket.space), device=bucket.space.device)
-
-    def finish_late(self, bucket: GradBucket, late: torch.Tensor) -> None:
-        shard = bucket.space.layout.shard_of(bucket.spec, self.grad_shards[bucket.space])
-        shard.add_(self._reduced_late(bucket, late))
-
-    def fill_missing(self, bucket: GradBucket) -> None:
-        accumulated = self._accumulated.get(bucket.space)
-        for name in bucket.missing:
-            if accumulated is not None:
-                self._slot(bucket, name).copy_(self._slot(bucket, name, accumulated))
-            else:
-                self._slot(bucket, name).zero_()
-
-    # ------------------------------------------------------------------ collectives
-
-    def start(self, bucket: GradBucket) -> C.Handle:
-        staging = self._staging_for(bucket)
-        plan = self.averaging_of[bucket.space]
-        _scale(staging, plan.before)
-        return C.reduce_scatter(self.owned_in_staging(bucket, staging), staging, group=self.group, async_op=True,
-                                stats=self.comm, padding_numel=bucket.spec.padding, op=plan.op)
-
-    def finish(self, bucket: GradBucket) -> None:
-        staging = self._staging.pop(bucket.position)
-        owned = self.owned_in_staging(bucket, staging)
-        shard = bucket.space.layout.shard_of(bucket.spec, self.grad_shards[bucket.space])
-        scale = self.averaging_of[bucket.space].after
-        if bucket.reduced:  # accumulating over a reduction since zero_grad
-            shard.add_(owned, alpha=scale)
-        elif shard.dtype == owned.dtype:
-            torch.mul(owned, scale, out=shard)
-        else:
-            shard.copy_(owned).mul_(scale)
-        bucket.reduced = True
-        self._free.append((staging, bucket.spec))
-        if len(self._free) > self.max_in_flight + 1:
-            self._free.pop(0)
-
-    def after_sync_backward(self) -> None:
-        self._accumulated.clear()
-
-    def clear(self) -> None:
-        # Nothing reduced is zeroed: the first reduction of a bucket after zero_grad
-        # (`bucket.reduced` False) overwrites its gradient-shard slice.
-        self._accumulated.clear()
-        with metadata_only():
-            for space in self.spaces:
-                for param in space.params.values():
-                    param.grad = None
-
-    def clear_params(self, names: set[str], set_to_none: bool = True) -> None:
-        for space in self.spaces:
-            _zero_pieces(space, self.rank, names, self.grad_shards[space])
-            if space in self._accumulated:
-                for name in names & space.params.keys():
-                    space.layout.view(self._accumulated[space], name).zero_()
-
-    def release_unused(self, names: set[str]) -> None:
-        """The optimizer skips them (see ShardedOptimizer); nothing to release here."""
-
-    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None:
-        """See [Note: bucket rebuild]: between backwards only the gradient shards exist (the
-        pool's free staging buffers are kept: each served a bucket of the old layout, so its
-        padding is zeroed again on first use)."""
-        assert not self._staging and not self._accumulated, "rebuilding buckets while gradients are staged"
-        for space, move in moves.items():
-            self.grad_shards[space] = move.local(self.grad_shards[space])
-
-    # ------------------------------------------------------------------ what the optimizer reads
-
-    def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor:
-        return piece.local_range.of(self.grad_shards[space])
-
-    def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
-        return list(self.grad_shards.values()), True
-
-    def grad_bytes(self) -> int:
-        return _nbytes(list(self.grad_shards.values()) + list(self._accumulated.values()))
-
-    def workspace_bytes(self) -> int:
-        return _nbytes(list(self._staging.values()) + [t for t, _ in self._free])

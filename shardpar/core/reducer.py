@@ -8,26 +8,12 @@ computes earlier layers. Collectives pair up across ranks by the order they are 
 so buckets are *launched in one agreed order*, the same on every rank: a bucket that
 completes early waits until every bucket before it in that order has launched.
 
-The order is learnt once ([Note: launch order]); until then it is the layout order (reverse
-registration order). At the end of backward (a callback queued on the *outermost* backward:
-see the engine) every bucket not launched yet -- those holding parameters that got no
-gradient on this rank -- is launched with zeros for the missing gradients, so unused
-branches and rank-dependent control flow neither hang nor need a graph walk; then every
-handle is waited on, so gradients are final when ``backward()`` returns.
-
-[Note: launch order]
-Gradients become final roughly in the reverse order of the parameters' *first use* in
-forward (a parameter's gradient is complete once the backward of its earliest use ran), so
-a bucket completes when the earliest-used of its parameters does. The engine records, in
-the first forward with autograd, the order in which buckets are first used; at the start of
-the first synchronising backward every rank proposes the launch order "latest first use
-first, never used last" and all adopt rank 0's (one object all-gather, once). Models whose
-forward runs modules in another order than they are registered in (reversed, interleaved)
-then still reduce each bucket as soon as it is complete, which is what bounds stage 2-3
-staging. A model whose order changes later keeps the learnt order (correct, less overlap).
-At stages 0-2 this order serves the first backward only: at its end the buckets themselves
-are rebuilt from the order gradients became ready ([Note: bucket rebuild] in rebuild.py) and
-launch in the order they complete in that record (:meth:`LaunchOrder.adopt`).
+The order is learnt once ([Note: launch order] in launch_order.py); until then it is the
+layout order (reverse registration order). At the end of backward (a callback queued on the
+*outermost* backward: see the engine) every bucket not launched yet -- those holding
+parameters that got no gradient on this rank -- is launched with zeros for the missing
+gradients, so unused branches and rank-dependent control flow neither hang nor need a graph
+walk; then every handle is waited on, so gradients are final when ``backward()`` returns.
 
 [Note: a gradient that arrives twice]
 Within one graph task autograd sums every use of a parameter before its accumulate hook
@@ -51,40 +37,6 @@ reduces each use separately and adds. Here:
 The extra rounds pair up across ranks when every rank runs the same graph, as FSDP2's
 per-use reductions do (a module checkpointed twice on one rank and once on another, by
 rank-dependent control flow, is as unsupported here as there).
-
-[Note: used parameters]
-Plain torch leaves ``.grad`` of a parameter that took no part in the backward untouched
-(``None`` after ``zero_grad``) and its optimizer skips it: no weight decay, no moment
-update. Here a parameter unused on *this* rank still takes part in its bucket's collective
-(with zeros), so that ranks that did use it get DDP's average. Which parameters were used
-on *some* rank is one small all-reduce (max) per synchronising backward of a flag per
-trainable parameter, launched with the last buckets: a parameter no rank used since
-``zero_grad`` gets ``.grad = None`` (stage 0) or no gradient in the optimizer (stages
-1-3), exactly as torch. The same vector carries this rank's count of synchronising
-backward passes (and its negation, so one max-reduction yields the minimum too): if ranks
-disagree, one of them skipped or added a backward and every gradient reduced in this
-backward paired with the wrong partner, so every rank raises, naming the counts per rank.
-
-[Note: reading the used-parameter flags]
-The flags are kept on the host (a byte per parameter, set by the gradient hooks) and cross
-to the device once per synchronising backward, from pinned memory without blocking; the
-reduced vector comes back the same way behind an event (see [Note: no host sync in a step]
-in comm/host.py). It is *read* only where the host needs it, so a CUDA step never waits:
-
-- Every parameter got a gradient on this rank (the usual case): then every rank used it,
-  and nothing but the counters is left to check. They are read at the end of the *next*
-  synchronising backward (the device finished this one long before), or earlier where
-  ``ready()`` says the copy has landed.
-- Some parameter got none here: which of them no rank used is needed by ``step()`` (torch
-  skips a parameter whose ``.grad`` is None) and by ``zero_grad(set_to_none=False)``; they
-  wait for the copy then, as DDP's ``find_unused_parameters`` waits for its bitmap. Until
-  then stage 0's ``.grad`` of such a parameter is its zero-filled view.
-
-On the CPU every read is ready at once, so the flags are read at the end of the backward
-that reduced them, as they always were. A mismatch of counters found at a read whose place
-may differ between ranks (a deferred one) is raised with the range of each counter over the
-ranks, without the object all-gather that names every rank's counts: that collective must
-run at the same point everywhere.
 
 [Note: zero_grad of some parameters]
 An optimizer built over part of the model (a GAN's two optimizers over one module, a second
@@ -121,17 +73,18 @@ from __future__ import annotations
 import enum
 import time
 import weakref
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
 
 from ..comm import collectives as C
 from ..comm import host
-from ..errors import RanksOutOfStep
+from .launch_order import LaunchOrder
 from .layout import Bucket, BufferLayout
 from .rebuild import ReadyOrder, completion_order
 from .training_state import TrainingState
+from .used_flags import FlagsInFlight
 from .wait_clock import WaitClock
 
 
@@ -237,67 +190,9 @@ class ShardedGradients(ReduceStrategy, Protocol):
     def piece_grad(self, space: ParamSpace, piece: Any) -> torch.Tensor: ...
 
 
-class FlagsInFlight:
-    """One synchronising backward's reduced flags on their way to the host (see [Note:
-    reading the used-parameter flags])."""
-
-    def __init__(self, read: host.DeviceToHost, counters: list[int], window: int) -> None:
-        self.read = read
-        self.counters = counters
-        """This rank's counters as it sent them."""
-        self.window = window
-        """The ``zero_grad`` window they belong to: after a ``zero_grad`` only the counters matter."""
-
-
-class LaunchOrder:
-    """See [Note: launch order]."""
-
-    def __init__(self, bucket_names: Sequence[Sequence[str]]) -> None:
-        self.bucket_names = [list(names) for names in bucket_names]
-        self.order = list(range(len(self.bucket_names)))
-        self.agreed = False
-        self._first_use: dict[str, int] = {}
-        self._recording = True
-
-    @property
-    def recording(self) -> bool:
-        return self._recording and not self.agreed
-
-    def saw(self, names: Iterable[str]) -> None:
-        """Parameters a module about to run uses (first forward only)."""
-        for name in names:
-            self._first_use.setdefault(name, len(self._first_use))
-
-    def stop_recording(self) -> None:
-        self._recording = False
-
-    def proposal(self) -> list[int]:
-        """A bucket completes when its earliest-used parameter's gradient does: latest such
-        first use first. A bucket with a parameter forward never used completes only at the
-        end of backward: those last, in layout order."""
-        if not self._first_use:
-            return list(self.order)
-        completes: dict[int, int] = {}
-        for position, names in enumerate(self.bucket_names):
-            if all(name in self._first_use for name in names):
-                completes[position] = min(self._first_use[name] for name in names)
-        used = sorted(completes, key=lambda position: -completes[position])
-        return used + [position for position in self.order if position not in completes]
-
-    def agree(self, exchange: Callable[[list[int]], list[list[int]]]) -> None:
-        """Adopt rank 0's proposal; ``exchange`` gives every rank's list (a collective)."""
-        self.adopt(exchange(self.proposal())[0])
-
-    def adopt(self, order: Sequence[int]) -> None:
-        """Launch in ``order`` (bucket positions) from now on, recording nothing more."""
-        assert sorted(order) == list(range(len(self.bucket_names))), f"not an order of the buckets: {order}"
-        self.order = list(order)
-        self.agreed = True
-
-
 class GradientReducer:
     """See [Note: gradient readiness and launch order], [Note: a gradient that arrives twice]
-    and [Note: used parameters]."""
+    and [Note: used parameters] (used_flags.py)."""
 
     def __init__(
         self,
@@ -326,7 +221,7 @@ class GradientReducer:
         """Parameters no rank used since ``zero_grad`` (known after a synchronising backward,
         once ``unused_known``)."""
         self.unused_known = True
-        """Whether ``unused`` is read yet (see [Note: reading the used-parameter flags])."""
+        """Whether ``unused`` is read yet (see [Note: reading the used-parameter flags] in used_flags.py)."""
         self.flags_in_flight: FlagsInFlight | None = None
         """The last synchronising backward's flags, not read yet."""
         self._window = 0
@@ -466,7 +361,7 @@ class GradientReducer:
     def finish_backward(self) -> None:
         """End of a synchronising backward: launch what is left (zeros for gradients that never
         came), agree on which parameters were used, wait for everything (on CUDA: order the
-        current stream after it; see [Note: reading the used-parameter flags])."""
+        current stream after it; see [Note: reading the used-parameter flags] in used_flags.py)."""
         started = time.perf_counter()
         self.settle(block=True)  # the previous backward's flags, one backward later
         if self.may_launch is not None:
@@ -505,48 +400,19 @@ class GradientReducer:
     def settle(self, block: bool) -> bool:
         """Read the flags in flight if they have landed (``block``: wait for them), check the
         counters and learn which parameters no rank used; see [Note: reading the
-        used-parameter flags]. Returns whether nothing is left in flight."""
+        used-parameter flags] in used_flags.py. Returns whether nothing is left in flight."""
         pending = self.flags_in_flight
         if pending is None:
             return True
         if not block and not pending.read.ready():
             return False
-        immediate = pending.read.immediate  # read where it was reduced: the same point on every rank
         self.flags_in_flight = None
-        values = pending.read.values()
-        k = len(pending.counters)
-        tail = values[-2 * k:]
-        if tail[:k] != [-c for c in tail[k:]]:
-            self._raise_diverged(pending.counters, tail[:k], [-c for c in tail[k:]], gather=immediate)
+        flags = pending.checked_flags(self.state.COUNTER_NAMES, self.group, self.device)
         if pending.window == self._window and not self.unused_known:
-            self.unused = {name for name, flag in zip(self.names, values[: -2 * k]) if not flag}
+            self.unused = {name for name, flag in zip(self.names, flags) if not flag}
             self.unused_known = True
             self.strategy.release_unused(self.unused - self.kept_as_zeros)
         return True
-
-    def _raise_diverged(self, mine: list[int], highest: list[int], lowest: list[int], gather: bool) -> None:
-        if not gather:
-            spread = "; ".join(f"{name}: {low} to {high} (this rank {own})" for name, own, high, low
-                               in zip(self.state.COUNTER_NAMES, mine, highest, lowest) if high != low)
-            raise RanksOutOfStep(
-                f"ranks fell out of step at a synchronising backward: they differ in {spread}. This backward's "
-                "gradient collectives paired with another point of training on some rank. Every rank must run the "
-                "same sequence of forward/backward passes (no_sync() on all ranks or none, the same number of "
-                "micro-batches) and optimizer steps",
-                reports={},
-            )
-        counts = C.all_gather_objects(mine, group=self.group, device=self.device)
-        differ = [name for i, name in enumerate(self.state.COUNTER_NAMES) if len({row[i] for row in counts}) > 1]
-        detail = "; ".join(
-            f"rank {rank}: " + ", ".join(f"{row[i]} {name}" for i, name in enumerate(self.state.COUNTER_NAMES))
-            for rank, row in enumerate(counts))
-        raise RanksOutOfStep(
-            f"ranks fell out of step at a synchronising backward: they differ in {' and '.join(differ)} ({detail}). "
-            "This backward's gradient collectives paired with another point of training on some rank. Every rank "
-            "must run the same sequence of forward/backward passes (no_sync() on all ranks or none, the same number "
-            "of micro-batches) and optimizer steps",
-            reports={rank: {"counters": row} for rank, row in enumerate(counts)},
-        )
 
     def has_gradient(self, name: str) -> bool:
         if not self.unused_known:

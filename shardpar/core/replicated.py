@@ -31,7 +31,7 @@ from torch import nn
 from ..comm import collectives as C
 from .element_order import ElementOrder
 from .flat_param import FlatParamGroup
-from .gatherer import PostStepGatherer
+from .gather_phases import PostStepGatherer
 from .inventory import group_by_dtype
 from .masters import FullMaster, ShardedMaster
 from .layout import Alignment, BufferLayout, ShardPiece, alignment_for

@@ -16,13 +16,13 @@ from torch import nn
 
 from ..comm import collectives as C
 from .flat_param import FlatParamGroup
-from .gatherer import Unit, UnitGatherer
+from .gatherer import UnitGatherer
 from .inventory import ParamInventory, group_by_dtype
 from .deferred_init import InitWalk
 from .element_order import ElementOrder
 from .layout import BufferLayout, alignment_for
 from .pieces import TensorPiece
-from .units import UnitPlan, plan_units
+from .units import Unit, UnitPlan, plan_units
 
 
 class ValueSource(Protocol):

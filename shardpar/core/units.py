@@ -1,4 +1,5 @@
-"""Stage-3 units: which parameters are gathered together, and around which modules' forward.
+"""Stage-3 units: which parameters are gathered together, and around which modules' forward
+(:func:`plan_units`); what a backward still needs of each (:class:`Unit`).
 
 [Note: units]
 A wrap policy picks submodules as *units* (a transformer block, typically): their parameters
@@ -46,6 +47,8 @@ from typing import Any
 
 from torch import nn
 
+from .flat_param import FlatParamGroup
+
 ROOT = ""
 """Qualified name of the wrapped module itself."""
 
@@ -86,6 +89,41 @@ class UnitPlan:
     entry_modules: tuple[str, ...] = ()
     """Modules whose forward gathers the unit when no use of it is in progress (see [Note:
     entry modules])."""
+
+
+class Unit:
+    """One stage-3 unit: its flat groups and what this backward still needs of them."""
+
+    def __init__(self, index: int, name: str, hook_modules: tuple[str, ...], flats: list[FlatParamGroup],
+                 from_policy: bool = True) -> None:
+        self.index = index
+        self.name = name
+        self.hook_modules = hook_modules
+        self.flats = flats
+        self.from_policy = from_policy
+        self.active_backward = 0
+        """Uses whose backward started (pre-backward) and has not reached the inputs yet."""
+        self.final: set[FlatParamGroup] = set()
+        """Trainable groups whose gradients are final in this backward (not gathered again)."""
+        self.running = 0
+        """Uses of the unit whose forward is running (see [Note: entry modules])."""
+        self.entered_by: Any = None
+        """The entry module whose forward started the use in progress, if one did."""
+
+    @property
+    def trainable(self) -> list[FlatParamGroup]:
+        return [f for f in self.flats if f.trainable]
+
+    @property
+    def backward_done(self) -> bool:
+        trainable = self.trainable
+        return bool(trainable) and len(self.final) == len(trainable)
+
+    def needed(self) -> list[FlatParamGroup]:
+        return [f for f in self.flats if f not in self.final]
+
+    def full_bytes(self) -> int:
+        return sum(f.full_bytes for f in self.flats)
 
 
 def display_name(qualified: str) -> str:

@@ -26,26 +26,29 @@ from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from ..comm import collectives as C
 from ..comm import watch
 from ..config import ShardConfig
 from ..core.deferred_init import DeferredInit
 from ..core.element_order import ElementOrder
-from ..core.gatherer import GatherPhases, Unit, UnitGatherer, _grad_tensors, on_first_grad
+from ..core.gather_phases import GatherPhases
+from ..core.gatherer import UnitGatherer, grad_tensors, on_first_grad
 from ..core.inventory import (ParamInventory, check_dense_gradients, check_supported_dtypes, module_device,
                               sparse_gradient_error)
 from ..core.pieces import TensorPiece
-from ..core.rebuild import ReadyOrder, Relayout, describe_state, merge_descriptions, move_state
+from ..core.rebuild import ReadyOrder
 from ..core.reducer import GradBucket, GradientReducer
 from ..core.sharded import ShardedStorage
-from ..core.sharded_grads import ShardedGradMarks, where_grads_live
 from ..core.training_state import Phase, TrainingState
-from ..core.units import _ModuleTree
+from ..core.units import Unit, _ModuleTree
 from ..core.wait_clock import WaitClock
+from .bucket_rebuild import BucketRebuild
 from .buffer_sync import BufferSync
+from .casts import MixedPrecisionCasts
+from .grad_marks import GradPlaceholders
 from .hooks import engine_hook
+from .module_hooks import UseHooks, module_of_params, unit_hooks
 
 
 def _collect_cycles_before_exit() -> None:
@@ -98,11 +101,11 @@ class Engine:
             )
         check_supported_dtypes(self.inventory)
         check_dense_gradients(module, self.inventory)
-        mp = config.mixed_precision
-        self.param_dtype = mp.param_dtype if mp is not None else None
-        self.original_buffer_dtypes: dict[str, torch.dtype] = {}
+        self.casts = MixedPrecisionCasts(config.mixed_precision)
+        self.param_dtype = self.casts.param_dtype
+        self.original_buffer_dtypes = self.casts.original_buffer_dtypes
         """Buffers that ``MixedPrecision.buffer_dtype`` cast: their dtypes as created."""
-        self._cast_buffers()
+        self.casts.cast_buffers(module)
         self.optimizer: Any = None
         """The ShardedOptimizer built over this engine last, once there is one."""
         self._optimizers: list[weakref.ref] = []
@@ -112,33 +115,30 @@ class Engine:
         self._handles: list[Any] = []
         self._backward_start_hook = _disabled(lambda grad: self.ensure_backward_started())
         """Put on the root output once per forward; made once (see on_first_grad)."""
-        self._use_handles: list[Any] = []
-        """Stage 0's use-module hooks: they record first use in the first forward only."""
-        self._gather_handles: list[Any] = []
-        """Stages 1-2's use-module hooks: they complete lazy gathers of the current buckets."""
         self._tree = _ModuleTree(module)
-        self._marks_wait_for_flags = False
-        """Some ``.grad`` placeholders wait for the used-parameter flags (see _put_grad_marks)."""
 
         self.storage = row.storage(self)
         self.strategy = row.strategy(self, self.storage.spaces)
         rebuilds = config.rebuild_buckets and self.storage.relayouts
+        ready_order = ReadyOrder(module_of_params(self._tree, self.storage)) if rebuilds else None
         self.reducer = GradientReducer(self.storage.spaces, self.strategy, self.state, self.comm, group,
                                        self.wait_clock, on_bucket_complete=self._on_bucket_complete,
-                                       ready_order=ReadyOrder(self._module_of_params()) if rebuilds else None)
+                                       ready_order=ready_order)
+        self.use_hooks = UseHooks(self._tree, self.storage, self.reducer, self.state)
+        """Stages 0-2's hooks on the modules that use parameters (installed by the stage's row)."""
         # Where param.grad cannot be the gradient (shards; fp32 masters under mixed precision),
         # plain torch code that reads it must fail loudly: see core/sharded_grads.py.
         hidden = not self.strategy.full_grads_on_params or self.param_dtype is not None
-        self.grad_marks = ShardedGradMarks(self.inventory.trainable, where_grads_live(self.stage)) \
-            if hidden else None
+        self.grad_marks = GradPlaceholders(self.inventory.trainable, self.stage, self.reducer) if hidden else None
         self._handles += self.reducer.register_hooks(self._on_grad_ready)
-        self._handles += self._install_before_accumulation_hooks()
+        if self.grad_marks is not None:
+            self._handles += self.grad_marks.before_accumulation_hooks(self.ensure_backward_started)
         self.buffer_sync = BufferSync(module, group, self.rank, self.world_size, config.broadcast_buffers, self.comm,
                                       self.wait_clock)
         self.gatherer: GatherPhases = row.gatherer(self)
         """The stage's gatherer, its hooks installed (see stages.py)."""
         self._install_root_hooks()
-        self._install_cast_hooks()
+        self._handles += self.casts.install_hooks(self._tree)
         self.module_attributes: tuple[str, ...] = (WRAPPED_MARK,)
         """Instance attributes the engine sets on the module (taken off when it closes)."""
         setattr(module, WRAPPED_MARK, True)
@@ -146,15 +146,6 @@ class Engine:
         """What attached itself to this engine (the module facade): closed with it."""
 
     # ------------------------------------------------------------------ construction helpers
-
-    def _cast_buffers(self) -> None:
-        mp = self.config.mixed_precision
-        if mp is None or mp.buffer_dtype is None:
-            return
-        for name, buffer in self.module.named_buffers():
-            if buffer.is_floating_point():
-                self.original_buffer_dtypes[name] = buffer.dtype
-                buffer.data = buffer.data.to(mp.buffer_dtype)
 
     def broadcast_from_rank0(self, tensors: Sequence[torch.Tensor]) -> None:
         """Make ``tensors`` equal rank 0's on every rank (set-up only; not per step)."""
@@ -164,30 +155,7 @@ class Engine:
 
     def reduce_dtype(self, space: Any) -> torch.dtype:
         """dtype gradients of ``space`` are accumulated and communicated in."""
-        mp = self.config.mixed_precision
-        if mp is None or not space.master_dtype.is_floating_point:
-            return space.compute_dtype
-        return mp.reduce_dtype if mp.reduce_dtype is not None else space.master_dtype
-
-    def _install_before_accumulation_hooks(self) -> list[Any]:
-        """Where ``.grad`` holds placeholders between backward and step (stages 1-3, mixed
-        precision), they must come off before autograd accumulates into them. The root's
-        output hook does that for a backward through the model's output; a backward through
-        a submodule called directly (FSDP2's chunked loss: ``model.module.head(h).backward()``)
-        or through a parameter used outside any forward reaches a parameter first. So each
-        parameter gets a tensor hook, which runs before accumulation: it starts the backward
-        (and takes the marks off) if nothing did yet, and otherwise returns at once."""
-        if self.grad_marks is None:
-            return []
-        receiver = weakref.WeakMethod(self.ensure_backward_started)
-
-        def before_accumulation(grad: torch.Tensor) -> None:
-            start = receiver()
-            if start is not None:  # else the engine is gone ([Note: hooks hold their owner weakly])
-                start()
-
-        hook = _disabled(before_accumulation)
-        return [param.register_hook(hook) for _, param in self.inventory.trainable]
+        return self.casts.reduce_dtype(space)
 
     def _install_root_hooks(self) -> None:
         self._handles.append(self.module.register_forward_pre_hook(_disabled(self._root_pre_forward), prepend=True))
@@ -197,21 +165,7 @@ class Engine:
     def install_use_hooks(self) -> None:
         """Stages 0-2: the modules that register parameters (lifted out of compiled regions)
         record first use (launch order) and complete lazy gathers (stages 1-2)."""
-        modules = self._tree.modules
-        for hook_name, names in self.storage.use_modules(self._tree.lift).items():
-            positions = sorted({self.reducer.bucket_of[name].position for name in names})
-            groups = [self.storage.groups[p] for p in positions] if self.storage.groups else []
-            hook = _disabled(lambda module, args, names=names, groups=groups: self._on_module_use(names, groups))
-            handle = modules[hook_name].register_forward_pre_hook(hook, prepend=True)
-            (self._gather_handles if groups else self._use_handles).append(handle)
-
-    def _module_of_params(self) -> dict[str, str]:
-        """Stages 0-2: each trainable parameter's use module (the first, for a tied one)."""
-        module_of: dict[str, str] = {}
-        for hook_name, names in self.storage.use_modules(self._tree.lift).items():
-            for name in names:
-                module_of.setdefault(name, hook_name)
-        return module_of
+        self.use_hooks.install()
 
     def install_unit_gatherer(self) -> UnitGatherer:
         """Stage 3: the per-unit gatherer over its own process group, and its hooks on every
@@ -225,31 +179,14 @@ class Engine:
             self.config.units_to_prefetch_in_forward, self.config.units_to_prefetch_in_backward,
             self.comm, gather_group, self.rank,
             on_forward_use=self._on_unit_use, on_backward_start=self.ensure_backward_started,
-            wait_clock=self.wait_clock,
+            wait_clock=self.wait_clock, retire_group=lambda: C.retire_sibling_group(self.group),
         )
         gatherer = storage.gatherer
-        gatherer.retire_group = lambda: C.retire_sibling_group(self.group)
         if self.world_size > 1:  # one rank cannot depart from the others' order
             self.reducer.may_launch = gatherer.may_reduce
             gatherer.on_reductions_allowed = self._launch_waiting_reductions
         self._bucket_of_group = {b.space: b for b in self.reducer.buckets}
-        modules = self._tree.modules
-        for unit in storage.units:
-            for hook_name in unit.hook_modules:
-                module = modules[hook_name]
-                self._handles.append(module.register_forward_pre_hook(
-                    _disabled(lambda m, args, kwargs, unit=unit: gatherer.pre_forward(unit, args, kwargs)),
-                    prepend=True, with_kwargs=True))
-                self._handles.append(module.register_forward_hook(
-                    _disabled(lambda m, args, output, unit=unit: gatherer.post_forward(unit, output))))
-        for unit, plan in zip(storage.units, storage.plans):
-            for entry_name in plan.entry_modules:  # see [Note: entry modules] in core/units.py
-                module = modules[entry_name]
-                self._handles.append(module.register_forward_pre_hook(
-                    _disabled(lambda m, args, kwargs, unit=unit: gatherer.enter(unit, m, args, kwargs)),
-                    prepend=True, with_kwargs=True))
-                self._handles.append(module.register_forward_hook(
-                    _disabled(lambda m, args, output, unit=unit: gatherer.leave(unit, m, output)), always_call=True))
+        self._handles += unit_hooks(gatherer, storage.units, storage.plans, self._tree.modules)
         return gatherer
 
     # ------------------------------------------------------------------ forward
@@ -265,43 +202,8 @@ class Engine:
 
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Floating-point inputs are cast to ``param_dtype`` so layers see one dtype (see
-        [Note: what mixed precision casts])."""
-        if self.param_dtype is None:
-            return args, kwargs
-        dtype = self.param_dtype
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # layer(x): no tree walk
-            return tuple(a.to(dtype) if a.is_floating_point() else a for a in args), kwargs
-
-        def cast(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                return value.to(dtype)
-            return value
-
-        return tree_map(cast, args), tree_map(cast, kwargs)
-
-    def _install_cast_hooks(self) -> None:
-        """[Note: what mixed precision casts]
-        Under ``param_dtype`` every floating-point input of the wrapped model *and of each
-        module that registers parameters* is cast to it, at every stage. FSDP2 casts the inputs
-        of each ``fully_shard`` module, so a block may add an fp32 buffer (a position table, a
-        mask, an fp32 norm statistic) to a bf16 activation and the next block still gets bf16;
-        casting at each parameter-holding module keeps that working wherever the units are,
-        and gives every stage the same cast points (stage 3's units differ from stages 0-2's
-        buckets). Outputs are not cast back, buffers only by ``buffer_dtype``, and code that
-        casts inside a module (an RMSNorm computing in fp32) is left alone. Modules compiled
-        before wrapping are cast at the compiled module's inputs."""
-        if self.param_dtype is None:
-            return
-        tree, seen = self._tree, set()
-        for name, module in tree.modules.items():
-            if not name or next(module.parameters(recurse=False), None) is None:
-                continue  # the root's inputs are cast by ShardedModule.forward
-            lifted = tree.lift(name)
-            if lifted in seen:
-                continue
-            seen.add(lifted)
-            self._handles.append(tree.modules[lifted].register_forward_pre_hook(
-                _disabled(lambda m, args, kwargs: self.cast_inputs(args, kwargs)), with_kwargs=True))
+        [Note: what mixed precision casts] in casts.py)."""
+        return self.casts.cast_inputs(args, kwargs)
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if self.state.is_recompute():
@@ -318,11 +220,11 @@ class Engine:
         self.state.phase = Phase.IDLE
         self.buffer_sync.after_forward(torch.is_grad_enabled() and self.state.require_grad_sync)
         if torch.is_grad_enabled():
-            tensors = _grad_tensors(output)
+            tensors = grad_tensors(output)
             if tensors:
                 on_first_grad(tensors, self._backward_start_hook)
             self.reducer.launch_order.stop_recording()
-            self._remove_use_hooks()  # those of stage 0: needed for the first forward only
+            self.use_hooks.remove_first_use()  # those of stage 0: needed for the first forward only
         self.gatherer.end_forward()
 
     def _root_forward_raised(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -332,19 +234,6 @@ class Engine:
             return
         self.state.phase = Phase.IDLE
         self.gatherer.abandon_forward()
-
-    def _remove_use_hooks(self) -> None:
-        for handle in self._use_handles:
-            handle.remove()
-        self._use_handles.clear()
-
-    def _on_module_use(self, names: list[str], groups: list) -> None:
-        if self.reducer.launch_order.recording and torch.is_grad_enabled() and not self.state.is_recompute():
-            self.reducer.launch_order.saw(names)
-        if self.reducer.ready_order is not None:
-            self.reducer.ready_order.ran(names)
-        for group in groups:
-            group.wait_unsharded()
 
     def _on_unit_use(self, unit: Unit) -> None:
         if self.reducer.launch_order.recording and torch.is_grad_enabled():
@@ -396,64 +285,25 @@ class Engine:
         finally:
             self.state.end_backward()
 
-    def _put_grad_marks(self) -> None:
-        """Placeholders on the ``.grad`` of parameters that have a gradient: all of them once the
-        used-parameter flags are read, until then those this rank used (see [Note: reading the
-        used-parameter flags] in core/reducer.py; the rest follow when the flags are read)."""
-        if self.grad_marks is None:
-            return
-        reducer = self.reducer
-        self._marks_wait_for_flags = not reducer.unused_known
-        known = reducer.has_gradient if reducer.unused_known else reducer.has_gradient_here
-        self.grad_marks.put_on(n for n, _ in self.inventory.trainable if known(n))
-
     def settle_gradients(self) -> None:
         """Read the used-parameter flags in flight, waiting for them on a GPU: after it, which
         parameters have a gradient is known (step(), zero_grad(set_to_none=False), checkpoints)."""
-        self.gatherer.check_tags(block=True)  # first: see [Note: deferred tag checks]
-        if self.reducer.settle(block=True) and self._marks_wait_for_flags:
-            self._put_grad_marks()
+        self.gatherer.check_tags(block=True)  # first: see [Note: deferred tag checks] in core/unit_order.py
+        if self.reducer.settle(block=True) and self.grad_marks is not None and self.grad_marks.wait_for_flags:
+            self.grad_marks.put_on()
 
     def _rebuild_buckets(self) -> None:
         """Once, at the end of the first synchronising backward: see [Note: bucket rebuild] in
-        core/rebuild.py. Every rank takes part, in the same order: one object all-gather, then
-        (where a layout changes) the all-gathers that move sharded values."""
-        reducer, storage = self.reducer, self.storage
-        record, reducer.ready_order = reducer.ready_order, None
+        core/rebuild.py and :class:`BucketRebuild`."""
         optimizers = [(serial, ref()) for serial, ref in enumerate(self._optimizers) if ref() is not None]
-        states = {serial: opt.state_by_name() for serial, opt in optimizers}
-        sharded = storage.sharded_master  # optimizer pieces differ by rank: their state crosses ranks
-        described = {serial: describe_state(state) for serial, state in states.items()} if sharded else {}
-        proposal = record.proposal(reducer.names)
-        rows = C.all_gather_objects((proposal, described), group=self.group, device=self.device, stats=self.comm,
-                                    kind="control")
-        order = [reducer.names[i] for i in rows[0][0]]
-        layouts = storage.rebuilt_layouts(order)
-        if layouts:
-            moves = {buf: Relayout(buf.layout, layout, self.rank, self.group, self.comm) for buf, layout in layouts.items()}
-            storage.relayout(moves)
-            self.strategy.relayout(moves)
-        reducer.relayout(order)
-        if not layouts:
+        rebuild = BucketRebuild(self.reducer, self.storage, self.strategy, optimizers, self.rank, self.group,
+                                self.comm, self.device)
+        if not rebuild.relayout():
             return
         self.layout_generation += 1
-        if storage.groups:
-            for handle in self._gather_handles:
-                handle.remove()
-            self._gather_handles.clear()
-            self.install_use_hooks()
-        # An optimizer alive on some ranks only is garbage not collected yet elsewhere: left
-        # alone, it refuses to step (its generation is old).
-        everywhere = set.intersection(*(set(row[1]) for row in rows)) if sharded else set(states)
-        for serial, opt in optimizers:
-            if serial not in everywhere:
-                continue
-            if sharded:
-                merged = merge_descriptions(row[1][serial] for row in rows)
-                opt.repoint(move_state(states[serial], merged, [moves[b] for b in storage.buffers if b in moves],
-                                       self.device))
-            else:
-                opt.repoint({name: state for name, (_, state) in states[serial].items()})
+        if self.storage.groups:
+            self.use_hooks.reinstall_gathers()
+        rebuild.repoint_optimizers()
 
     def add_optimizer(self, optimizer: Any) -> None:
         """A ShardedOptimizer was built over this engine (a rebuild moves its pieces)."""
@@ -497,6 +347,10 @@ class Engine:
         self._take_off_grad_marks(some)
         self.reducer.zero_grad(some, set_to_none)
 
+    def _put_grad_marks(self) -> None:
+        if self.grad_marks is not None:
+            self.grad_marks.put_on()
+
     def _take_off_grad_marks(self, names: Iterable[str] | None = None) -> None:
         if self.grad_marks is not None:
             self.grad_marks.take_off(names)
@@ -522,7 +376,7 @@ class Engine:
 
     def has_gradient(self, name: str) -> bool:
         """Whether the optimizer should update ``name`` in the coming step (plain torch skips
-        a parameter whose ``.grad`` is None; see [Note: used parameters])."""
+        a parameter whose ``.grad`` is None; see [Note: used parameters] in core/used_flags.py)."""
         if not self.reducer.unused_known:
             self.settle_gradients()
         return self.reducer.has_gradient(name)
@@ -621,7 +475,7 @@ class Engine:
     @property
     def hook_handles(self) -> list[Any]:
         """Every hook this engine has registered and not removed yet."""
-        return self._handles + self._use_handles + self._gather_handles
+        return self._handles + self.use_hooks.handles
 
     def attach(self, part: Any) -> None:
         """Something built over this engine that must be undone with it: ``part.close()`` runs
@@ -634,8 +488,7 @@ class Engine:
         for handle in self.hook_handles:
             handle.remove()
         self._handles.clear()
-        self._use_handles.clear()
-        self._gather_handles.clear()
+        self.use_hooks.forget()
         for name in self.module_attributes:
             self.module.__dict__.pop(name, None)
         for part in reversed(self._attached):

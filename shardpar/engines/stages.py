@@ -14,9 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..core.gatherer import GatherPhases, NoGatherer, PostStepGatherer, UnitGatherer
-from ..core.reduce_strategies import AllReduceStrategy, ReduceScatterInPlace, StagedReduceScatter
+from ..core.gather_phases import GatherPhases, NoGatherer, PostStepGatherer
+from ..core.gatherer import UnitGatherer
 from ..core.masters import FullMaster, ShardedMaster
+from ..core.reduce_strategies import AllReduceStrategy, ReduceScatterInPlace
+from ..core.staged_reduce_scatter import StagedReduceScatter
 from ..core.replicated import ReplicatedStorage
 from ..core.deferred_init import InitWalk
 from ..core.sharded import FromInit, FromLiveModule, ShardedStorage

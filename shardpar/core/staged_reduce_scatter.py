@@ -1,0 +1,189 @@
+"""Stages 2-3's gradient strategy: no full gradient buffer; a bucket's gradients are copied
+into a staging buffer from a bounded pool, reduce-scattered out of it into this rank's
+gradient shard, and the staging buffer goes back to the pool.
+
+[Note: no_sync at stages 2-3]
+Inside ``no_sync()`` nothing is reduced, so gradients must be kept in full. They are added,
+as each becomes final, into a full-size accumulation buffer per parameter space in the
+*reduce* dtype (as stages 0-1 accumulate in their full buffer), and ``param.grad`` is
+released; the synchronising backward stages "accumulated + new" and reduces it, after which
+the accumulation buffer is freed. Its bytes are what gradient accumulation costs at these
+stages (``memory_stats()["grads"]`` counts them while they exist).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import collectives as C
+from .averaging import ReduceDtype, averaging_per_space, scale
+from .layout import Bucket, ShardPiece
+from .param_guard import metadata_only
+from .rebuild import Relayout
+from .reduce_strategies import ShardedAverage, nbytes, zero_pieces
+from .reducer import GradBucket, ParamSpace
+
+
+class StagedReduceScatter(ShardedAverage):
+    """Stages 2-3; see [Note: no_sync at stages 2-3]. ``max_in_flight`` reductions may be
+    outstanding; launching one more waits for the oldest, and the pool keeps at most
+    ``max_in_flight + 1`` released staging buffers."""
+
+    max_in_flight: int | None = 2
+    full_grads_on_params = False
+
+    def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm) -> None:
+        self.spaces = list(spaces)
+        self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = reduce_dtype, world_size, rank, group, comm
+        self.averaging_of = averaging_per_space(spaces, reduce_dtype, world_size, group, divide_before=False)
+        self.grad_shards = {
+            s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device) for s in spaces
+        }  # 1-D, this rank's slice of every bucket, in bucket order (local space), master dtype
+        self._staging: dict[int, torch.Tensor] = {}  # bucket position -> its full-size gradients
+        self._free: list[tuple[torch.Tensor, Bucket | None]] = []
+        """Released staging buffers, each with the layout bucket it last served."""
+        self._accumulated: dict[ParamSpace, torch.Tensor] = {}  # no_sync, full size, reduce dtype
+        self.peak_staging_bytes = 0
+        for space in spaces:
+            for param in space.params.values():
+                param.grad = None
+
+    # ------------------------------------------------------------------ staging
+
+    def _staging_for(self, bucket: GradBucket) -> torch.Tensor:
+        staging = self._staging.get(bucket.position)
+        if staging is None:
+            dtype, numel = self.reduce_dtype(bucket.space), bucket.spec.range.size
+            reusable = [i for i, (t, _) in enumerate(self._free) if t.dtype == dtype and t.numel() == numel]
+            reusable.sort(key=lambda i: self._free[i][1] is not bucket.spec)  # one that served this bucket first
+            if reusable:
+                staging, served = self._free.pop(reusable[0])
+            else:
+                staging, served = torch.empty(numel, dtype=dtype, device=bucket.space.device), None
+            # Not zeroed as a whole: every slot is overwritten by its gradient or, if none comes,
+            # by fill_missing; only the padding must be zero. It stays zero while the buffer
+            # serves the same bucket (the collective sums zeros there), so it is zeroed only
+            # when the buffer comes new or from another bucket -- of this layout or of the
+            # one before a rebuild, whose gaps differ ([Note: bucket rebuild]).
+            if served is not bucket.spec:
+                for gap in bucket.spec.gaps:
+                    gap.shift(-bucket.spec.range.start).of(staging).zero_()
+            self._staging[bucket.position] = staging
+            self.peak_staging_bytes = max(self.peak_staging_bytes, nbytes(self._staging.values()))
+        return staging
+
+    def _slot(self, bucket: GradBucket, name: str, full: torch.Tensor | None = None) -> torch.Tensor:
+        """``name``'s gradient slot in the bucket's staging buffer (or in ``full``, a buffer
+        indexed like the whole space)."""
+        slot = bucket.space.layout.slots[name]
+        if full is not None:
+            return slot.shaped(slot.range.of(full))
+        return slot.shaped(slot.range.shift(-bucket.spec.range.start).of(self._staging_for(bucket)))
+
+    def _accumulation(self, space: ParamSpace) -> torch.Tensor:
+        if space not in self._accumulated:
+            self._accumulated[space] = torch.zeros(space.layout.numel, dtype=self.reduce_dtype(space), device=space.device)
+        return self._accumulated[space]
+
+    # ------------------------------------------------------------------ gradients arriving
+
+    def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        slot = self._slot(bucket, name)
+        slot.copy_(param.grad)
+        if bucket.space in self._accumulated:
+            slot.add_(self._slot(bucket, name, self._accumulated[bucket.space]))
+        param.grad = None
+
+    def accept_again(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        """See [Note: a gradient that arrives twice] in reducer.py."""
+        self._slot(bucket, name).add_(param.grad)
+        param.grad = None
+
+    def accumulate_no_sync(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        self._slot(bucket, name, self._accumulation(bucket.space)).add_(param.grad)
+        param.grad = None
+
+    def late_buffer(self, bucket: GradBucket) -> torch.Tensor:
+        return torch.zeros(bucket.spec.range.size, dtype=self.reduce_dtype(bucket.space), device=bucket.space.device)
+
+    def finish_late(self, bucket: GradBucket, late: torch.Tensor) -> None:
+        shard = bucket.space.layout.shard_of(bucket.spec, self.grad_shards[bucket.space])
+        shard.add_(self._reduced_late(bucket, late))
+
+    def fill_missing(self, bucket: GradBucket) -> None:
+        accumulated = self._accumulated.get(bucket.space)
+        for name in bucket.missing:
+            if accumulated is not None:
+                self._slot(bucket, name).copy_(self._slot(bucket, name, accumulated))
+            else:
+                self._slot(bucket, name).zero_()
+
+    # ------------------------------------------------------------------ collectives
+
+    def start(self, bucket: GradBucket) -> C.Handle:
+        staging = self._staging_for(bucket)
+        plan = self.averaging_of[bucket.space]
+        scale(staging, plan.before)
+        return C.reduce_scatter(self.owned_in_staging(bucket, staging), staging, group=self.group, async_op=True,
+                                stats=self.comm, padding_numel=bucket.spec.padding, op=plan.op)
+
+    def finish(self, bucket: GradBucket) -> None:
+        staging = self._staging.pop(bucket.position)
+        owned = self.owned_in_staging(bucket, staging)
+        shard = bucket.space.layout.shard_of(bucket.spec, self.grad_shards[bucket.space])
+        scale = self.averaging_of[bucket.space].after
+        if bucket.reduced:  # accumulating over a reduction since zero_grad
+            shard.add_(owned, alpha=scale)
+        elif shard.dtype == owned.dtype:
+            torch.mul(owned, scale, out=shard)
+        else:
+            shard.copy_(owned).mul_(scale)
+        bucket.reduced = True
+        self._free.append((staging, bucket.spec))
+        if len(self._free) > self.max_in_flight + 1:
+            self._free.pop(0)
+
+    def after_sync_backward(self) -> None:
+        self._accumulated.clear()
+
+    def clear(self) -> None:
+        # Nothing reduced is zeroed: the first reduction of a bucket after zero_grad
+        # (`bucket.reduced` False) overwrites its gradient-shard slice.
+        self._accumulated.clear()
+        with metadata_only():
+            for space in self.spaces:
+                for param in space.params.values():
+                    param.grad = None
+
+    def clear_params(self, names: set[str], set_to_none: bool = True) -> None:
+        for space in self.spaces:
+            zero_pieces(space, self.rank, names, self.grad_shards[space])
+            if space in self._accumulated:
+                for name in names & space.params.keys():
+                    space.layout.view(self._accumulated[space], name).zero_()
+
+    def release_unused(self, names: set[str]) -> None:
+        """The optimizer skips them (see ShardedOptimizer); nothing to release here."""
+
+    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None:
+        """See [Note: bucket rebuild]: between backwards only the gradient shards exist (the
+        pool's free staging buffers are kept: each served a bucket of the old layout, so its
+        padding is zeroed again on first use)."""
+        assert not self._staging and not self._accumulated, "rebuilding buckets while gradients are staged"
+        for space, move in moves.items():
+            self.grad_shards[space] = move.local(self.grad_shards[space])
+
+    # ------------------------------------------------------------------ what the optimizer reads
+
+    def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor:
+        return piece.local_range.of(self.grad_shards[space])
+
+    def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
+        return list(self.grad_shards.values()), True
+
+    def grad_bytes(self) -> int:
+        return nbytes(list(self.grad_shards.values()) + list(self._accumulated.values()))
+
+    def workspace_bytes(self) -> int:
+        return nbytes(list(self._staging.values()) + [t for t, _ in self._free])

@@ -1,0 +1,58 @@
+"""When the ``.grad`` placeholders go on and come off (what they are, and why: [Note: no full
+gradients at stages 1-3] in core/sharded_grads.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from ..core.reducer import GradientReducer
+from ..core.sharded_grads import ShardedGradMarks, where_grads_live
+from .hooks import engine_hook
+
+
+class GradPlaceholders:
+    """One engine's placeholders: on after each synchronising backward, off before anything
+    could accumulate into them (the next forward, the next backward, ``zero_grad``)."""
+
+    def __init__(self, trainable: Sequence[tuple[str, nn.Parameter]], stage: int, reducer: GradientReducer) -> None:
+        self.trainable = trainable
+        self.marks = ShardedGradMarks(trainable, where_grads_live(stage))
+        self.reducer = reducer
+        self.wait_for_flags = False
+        """Some placeholders wait for the used-parameter flags (see :meth:`put_on`)."""
+
+    def before_accumulation_hooks(self, start_backward: Callable[[], None]) -> list[Any]:
+        """Where ``.grad`` holds placeholders between backward and step (stages 1-3, mixed
+        precision), they must come off before autograd accumulates into them. The root's
+        output hook does that for a backward through the model's output; a backward through
+        a submodule called directly (FSDP2's chunked loss: ``model.module.head(h).backward()``)
+        or through a parameter used outside any forward reaches a parameter first. So each
+        parameter gets a tensor hook, which runs before accumulation: it starts the backward
+        (``start_backward``, a bound method of the engine, which takes the marks off) if
+        nothing did yet, and otherwise returns at once."""
+        receiver = weakref.WeakMethod(start_backward)  # type: ignore[arg-type]
+
+        def before_accumulation(grad: torch.Tensor) -> None:
+            start = receiver()
+            if start is not None:  # else the engine is gone ([Note: hooks hold their owner weakly])
+                start()
+
+        hook = engine_hook(before_accumulation)
+        return [param.register_hook(hook) for _, param in self.trainable]
+
+    def put_on(self) -> None:
+        """Placeholders on the ``.grad`` of parameters that have a gradient: all of them once the
+        used-parameter flags are read, until then those this rank used (see [Note: reading the
+        used-parameter flags] in core/used_flags.py; the rest follow when the flags are read)."""
+        reducer = self.reducer
+        self.wait_for_flags = not reducer.unused_known
+        known = reducer.has_gradient if reducer.unused_known else reducer.has_gradient_here
+        self.marks.put_on(n for n, _ in self.trainable if known(n))
+
+    def take_off(self, names: Iterable[str] | None = None) -> None:
+        self.marks.take_off(names)
