@@ -62,7 +62,7 @@ POLL_S = 0.05
 STALL_S = 2.0
 """A wait not complete after this long posts where this rank is; see [Note: stalled waits]."""
 GLOO_MARGIN_S = 5.0
-"""How much longer than ``timeout_s`` gloo's own timeout is (see ``collectives.backend_timeout``)."""
+"""How much longer than ``timeout_s`` gloo's own timeout is (see ``process_group.backend_timeout``)."""
 
 _describers: list[weakref.ref] = []
 _operations: list[str] = []
@@ -134,7 +134,7 @@ class _Counted:
     """How many collectives this rank issued on one group: torch's sequence number of the group
     (one per collective or point-to-point operation, counted by the backend), less the
     point-to-point operations, which do not pair by that number. Held weakly: [Note: no group
-    outlives destroy_process_group] in collectives.py."""
+    outlives destroy_process_group] in process_group.py."""
 
     def __init__(self, pg: Any) -> None:
         self.group = weakref.ref(pg)
@@ -425,7 +425,7 @@ def _engine_positions() -> list[dict[str, Any]]:
 
 
 def _is_unit_gather(op: str) -> bool:
-    """A stage-3 gather (see collectives.TaggedAllGather and all_gather_tags)."""
+    """A stage-3 gather (see tagged_gather.TaggedAllGather and all_gather_tags)."""
     return op.startswith(("tagged all_gather", "tag all_gather"))
 
 

@@ -3,7 +3,7 @@ the seconds that takes (:func:`estimate_communication`).
 
 [Note: communication model]
 Bytes one rank sends per step by the ring algorithms (see [Note: byte accounting] in
-``shardpar/comm/collectives.py``; S = bytes of a tensor, f = (N-1)/N): all-reduce 2·S·f,
+``shardpar/comm/comm_stats.py``; S = bytes of a tensor, f = (N-1)/N): all-reduce 2·S·f,
 reduce-scatter S·f, all-gather S·f. Per step:
 
     stage 0     all-reduce of every gradient bucket           2Ψ·r·f
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..comm.collectives import TAG_BYTES
+from ..comm.tagged_gather import TAG_BYTES
 from ..config import WrapPolicy
 from ..core.training_state import TrainingState
 from .shapes import ModelOrCount, UnitShape, check_world_and_stage, model_shape
@@ -175,7 +175,7 @@ def estimate_communication(
         all_gather = sum(gathers(u) * (u.trainable * g + u.frozen_bytes * frozen_ratio) for u in units) * f
         padding["reduce_scatter"] = sum(u.trainable_padding for u in units) * reduce_bytes * f
         # Every gather of a flat group also carries one tag per rank (see [Note: tagged all-gather]
-        # in comm/collectives.py).
+        # in comm/tagged_gather.py).
         padding["all_gather"] = sum(
             gathers(u) * (u.trainable_padding * g + u.frozen_padding_bytes * frozen_ratio + u.flats * n * TAG_BYTES)
             for u in units) * f

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ..comm import collectives as C
-from ..comm.collectives import TAG_BYTES
+from ..comm.tagged_gather import TAG_BYTES
 from ..config import MixedPrecision, MixedPrecisionOption, WrapPolicy
 from .shapes import ModelOrCount, check_world_and_stage, model_shape
 
@@ -210,7 +210,7 @@ def estimate_memory(
         staging = r * (sum(u.trainable_stored for u in held)
                        + _largest([u.trainable_stored for u in others], STAGING_BUCKETS))
         # A gather in flight besides the one computing holds its receive buffers: on gloo up to
-        # N-1 messages of the largest shard (collectives.TaggedAllGather); elsewhere only the
+        # N-1 messages of the largest shard (tagged_gather.TaggedAllGather); elsewhere only the
         # 16·N bytes of tags (left out) since the payload lands in the unit's own buffer.
         largest_shard = max([p * u.trainable_stored / n for u in shape.units] or [0])
         tolerant = C.is_initialized() and C.get_world_size() > 1 and C.traits(None).tolerant_gathers
