@@ -33,7 +33,7 @@ class Handle:
     def wait(self) -> Any:
         while self._works:
             # The works were issued one after the other on the group, so the first one left is
-            # the one numbered len(works) - 1 before the last ([Note: stalled waits] in watch).
+            # the one numbered len(works) - 1 before the last ([Note: stalled waits] in stalls).
             number = None if self._issued is None else self._issued - len(self._works) + 1
             watch.wait(self._works[0], op=self._op, group=self._group, number=number)
             self._works.pop(0)
