@@ -32,5 +32,5 @@ class UnitOrderMismatch(RanksOutOfStep):
     parameter all-gathers would pair up wrongly. Raised on every rank, naming each rank's unit:
     at the first gather whose tags differ, or, where the ranks' collectives no longer meet at
     all, once every rank's wait has stalled (see [Note: stalled waits] in
-    ``shardpar/comm/watch.py``). A :class:`RanksOutOfStep`, so scripts that catch that catch it
+    ``shardpar/comm/stalls.py``). A :class:`RanksOutOfStep`, so scripts that catch that catch it
     too."""

@@ -9,6 +9,7 @@ from torch import nn
 
 from .comm import collectives as C
 from .comm import devices as D
+from .comm import process_group as PG
 from .checkpoint.dtypes import is_storable
 from .config import ShardConfig
 from .core.deferred_init import DeferredInit, InitFn, materialise_whole
@@ -42,13 +43,13 @@ def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[Sha
             k: options[k] for k in ("mixed_precision", "bucket_cap_mb", "wrap_policy", "min_unit_params",
                                     "align_for_bandwidth") if k in options
         }
-        world_size = C.get_world_size() if C.is_initialized() else C.launched_world_size()
+        world_size = C.get_world_size() if C.is_initialized() else PG.launched_world_size()
         if planner_options.get("align_for_bandwidth") is None and not C.is_initialized():
             # The default group that wrap is about to create does not exist yet: align as its
             # backend will (NCCL for a CUDA model), so the plan counts the engine's padding.
             device = module_device(module)
             device = D.rank_device().device if device.type == "meta" else device  # its type picks the backend
-            planner_options["align_for_bandwidth"] = world_size > 1 and C.backend_for(device) == "nccl"
+            planner_options["align_for_bandwidth"] = world_size > 1 and PG.backend_for(device) == "nccl"
         stage = choose_stage(module, world_size, budget, **planner_options)
     unknown = sorted(set(options) - set(ShardConfig.option_names()))
     if unknown:
@@ -147,7 +148,7 @@ def wrap(module: nn.Module, stage: int = 0, *, process_group: Any = None, init_f
         problem = error
     # The backend of a group wrap creates follows the device type; the device itself is
     # chosen after, once the group exists.
-    C.init_default_group(D.rank_device().device if deferred else device,
+    PG.init_default_group(D.rank_device().device if deferred else device,
                          config.timeout_s if config is not None else ShardConfig.timeout_s)
     if problem is None:
         try:

@@ -4,7 +4,7 @@
 It wraps the functions of ``torch.distributed`` (and the references shardpar's ``compat``
 took of them at import), records every collective a rank issues with the bytes of the
 tensors it passes, and prices each under the ring model that [Note: byte accounting] in
-``shardpar/comm/collectives.py`` states, for a collective over S bytes on N ranks:
+``shardpar/comm/comm_stats.py`` states, for a collective over S bytes on N ranks:
 
     all_reduce                   2·S·(N-1)/N
     reduce_scatter               S·(N-1)/N   (S: the full input)

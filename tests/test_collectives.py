@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from shardpar.comm import collectives as C
+from shardpar.comm.tagged_gather import in_place_windows
 from tests.harness import run_ranks
 
 WORLD_SIZES = [2, 3, 4]
@@ -270,8 +271,8 @@ def _tagged_gathers() -> list[dict]:
     rank, n = C.get_rank(), C.get_world_size()
     results = []
     for numel, max_numel, in_place in [(5, 5, True), (5, 5, False), (3, 5, True), (1, 1, True)]:
-        windows = C.in_place_windows(C.gather_target(n * numel, torch.float32, torch.device("cpu")), rank, n,
-                                     4 * numel, 4 * max_numel)
+        windows = in_place_windows(C.gather_target(n * numel, torch.float32, torch.device("cpu")), rank, n,
+                                   4 * numel, 4 * max_numel)
         tags, full = _tagged_gather(numel, max_numel, [7, 11], in_place)
         expected = torch.cat([_value(r, numel) for r in range(n)])
         # The 16 bytes in front of the full buffer: peer 0's tag, if it was received in place.

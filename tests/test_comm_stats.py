@@ -2,7 +2,7 @@
 
 The oracle is tests/ring_counter.py: a counter wrapped around ``torch.distributed``'s
 collective functions that prices every call a rank makes under the ring model ([Note: byte
-accounting] in shardpar/comm/collectives.py: all-reduce 2·S·(N-1)/N, reduce-scatter,
+accounting] in shardpar/comm/comm_stats.py: all-reduce 2·S·(N-1)/N, reduce-scatter,
 all-gather, all-to-all and broadcast S·(N-1)/N, S the bytes the collective carries, a
 broadcast's those its source sends). Over a step, the bytes ``comm_stats()`` reports
 (payload and padding, every kind) equal the counter's exactly, at stages 0-3, at world
@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import shardpar
+from shardpar.comm import backend_traits
 from shardpar.comm import collectives as C
 from tests.harness import run_ranks
 from tests.models import KITCHEN_BATCHNORM
@@ -89,7 +90,7 @@ def _kitchen(stage: int, native: bool) -> list[dict[str, Any]]:
     only, fp16 with shardpar's GradScaler, a no_sync micro-batch, clipping; buckets of about
     100 elements at stages 0-2 (rebuilt in the first step), at stage 3 units of different
     sizes besides the root (the branches a rank picks stay in the root)."""
-    with C.forcing_native_paths() if native else contextlib.nullcontext():
+    with backend_traits.forcing_native_paths() if native else contextlib.nullcontext():
         module = KITCHEN_BATCHNORM.build()
         model = shardpar.wrap(module, stage=stage, mixed_precision="fp16",
                               **({"wrap_policy": lambda name, _: name in ("body", "out")} if stage == 3

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import shardpar
-from shardpar.comm import collectives as C
+from shardpar.comm import backend_traits
 from shardpar.comm import host
 from tests.harness import run_ranks
 
@@ -100,7 +100,7 @@ class Net(nn.Module):
 def _audit(stage: int, mixed_precision: str | None, like_cuda: bool) -> dict[str, int]:
     paths = contextlib.ExitStack()
     if like_cuda:
-        paths.enter_context(C.forcing_native_paths())
+        paths.enter_context(backend_traits.forcing_native_paths())
         paths.enter_context(host.deferring_reads())
     with paths:
         torch.manual_seed(0)

@@ -3,7 +3,7 @@
 A dropped model and its optimizer must be freed like any Python objects (a sweep or a notebook
 wraps many models in one process), and after ``destroy_process_group`` no process group of
 shardpar's may stay alive, since its backend's threads would then run into the interpreter's
-exit: [Note: no group outlives destroy_process_group] in shardpar/comm/collectives.py.
+exit: [Note: no group outlives destroy_process_group] in shardpar/comm/process_group.py.
 """
 
 from __future__ import annotations

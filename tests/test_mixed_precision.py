@@ -613,7 +613,7 @@ def test_bf16_reduce_tracks_fp32_reduce(stage: int) -> None:
 
 
 def _exact_memory(stage: int, layout: dict[str, int], p: int, r: int, d: int = 4, padded: bool = True) -> dict[str, float]:
-    """params/grads/optimizer state from [Note: storage model] in planner.py, computed from
+    """params/grads/optimizer state from [Note: storage model] in planner/memory.py, computed from
     the engine's layouts (``padded``: what the engine holds) or from Ψ alone
     (``padded=False``). Per-tensor AdamW ``step`` scalars are added only with ``padded``. The
     planner models params and grads with the padding, and the optimizer state from Ψ without

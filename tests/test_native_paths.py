@@ -1,6 +1,6 @@
 """The code paths NCCL takes, run on gloo on the CPU (issue #31: no dead non-gloo branches).
 
-``collectives.forcing_native_paths()`` makes the collectives use the backend's own
+``backend_traits.forcing_native_paths()`` makes the collectives use the backend's own
 reduce-scatter and all-gather (``reduce_scatter_tensor``, ``all_gather_into_tensor``, which gloo
 also has) and stage 3's tagged gathers take NCCL's shape: a tag all-gather plus the payload
 straight into the unit's buffer, checked later ([Note: deferred tag checks] in
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import shardpar
+from shardpar.comm import backend_traits
 from shardpar.comm import collectives as C
 from shardpar.comm import host
 from shardpar.core.unit_order import UnitOrderMismatch
@@ -32,7 +33,7 @@ from tests.parity import Recipe, check_parity, train_sharded
 
 @contextlib.contextmanager
 def cuda_like() -> None:
-    with C.forcing_native_paths(), host.deferring_reads():
+    with backend_traits.forcing_native_paths(), host.deferring_reads():
         yield
 
 

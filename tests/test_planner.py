@@ -23,6 +23,7 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
+from shardpar.comm import process_group
 from shardpar.planner import (
     OPTIMIZER_STATE_BYTES,
     choose_stage,
@@ -333,7 +334,7 @@ def test_auto_stage_before_the_group_exists_plans_the_alignment_its_backend_will
     assert not C.is_initialized()
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(wrap_module, "choose_stage", record)
-    monkeypatch.setattr(C, "backend_for", lambda device: backend)
+    monkeypatch.setattr(process_group, "backend_for", lambda device: backend)
     config, _ = wrap_module._build_config(nn.Linear(4, 4), "auto", {"memory_budget": "1GB"})
     assert config.stage == 0 and seen == {"align_for_bandwidth": aligned, "world_size": 2}
     # An explicit choice is the user's and is passed through unchanged.

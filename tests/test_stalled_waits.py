@@ -1,6 +1,6 @@
 """Ranks whose collectives can never meet again are named within seconds, not at the timeout.
 
-See [Note: stalled waits] in ``shardpar/comm/watch.py``. Each job below parts its ranks so
+See [Note: stalled waits] in ``shardpar/comm/stalls.py``. Each job below parts its ranks so
 that no collective of theirs completes again: every rank waits in one that another rank will
 never issue, and the tags that name a unit order mismatch are never exchanged. Before, every
 rank waited the whole ``timeout_s`` (300 s by default) and then raised ``RanksOutOfStep``; now
@@ -41,7 +41,7 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
-from shardpar.comm import watch
+from shardpar.comm import stalls, watch
 from tests.harness import RankFailure, run_ranks
 from tests.zero3_models import Block
 
@@ -321,13 +321,13 @@ def _slow_rank(stage: int, slow_rank: int) -> dict[str, torch.Tensor]:
     """Three steps of BranchLM on every rank's slice of one global batch; at step 1,
     ``slow_rank`` computes for STALL_S + 3 slices inside a block's forward, while the others
     wait for its gathers or reductions."""
-    before = watch.STALL_S
-    watch.STALL_S = 0.5  # stalls sooner, so that the slow rank is slow by several of them
+    before = stalls.STALL_S
+    stalls.STALL_S = 0.5  # stalls sooner, so that the slow rank is slow by several of them
     try:
         torch.manual_seed(0)
         module = BranchLM()
         rank, world_size = C.get_rank(), C.get_world_size()
-        sleep_s = watch.STALL_S + 3 * watch.SLICE_S
+        sleep_s = stalls.STALL_S + 3 * watch.SLICE_S
         handle = module.blocks["left"].register_forward_hook(
             lambda *_: time.sleep(sleep_s) if module.training and module.step == 1 and rank == slow_rank else None)
         options = {"wrap_policy": [Block], "min_unit_params": 1} if stage == 3 else {}
@@ -344,7 +344,7 @@ def _slow_rank(stage: int, slow_rank: int) -> dict[str, torch.Tensor]:
         handle.remove()
         return model.full_state_dict()
     finally:
-        watch.STALL_S = before
+        stalls.STALL_S = before
 
 
 def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -387,41 +387,41 @@ def _position(rank: int, group: str, ranks: list[int], issued: dict[str, int], *
 
 
 def test_every_rank_waiting_for_another_is_a_verdict_and_a_slow_collective_is_not() -> None:
-    """``watch.judge`` on positions as ranks post them (group "0": the main group, "1": stage
+    """``stalls.judge`` on positions as ranks post them (group "0": the main group, "1": stage
     3's gather group)."""
     both = [0, 1]
     # Rank 0 waits in collective 7 of the gather group, which rank 1 did not issue; rank 1 in
     # collective 5 of the main group, which rank 0 did not issue: neither can complete.
     parted = {0: _position(0, "1", both, {"0": 4, "1": 7}, number=7, op="tagged all_gather of unit 'a'"),
               1: _position(1, "0", both, {"0": 5, "1": 6}, number=5, op="reduce_scatter")}
-    verdict = watch.judge(parted)
+    verdict = stalls.judge(parted)
     assert verdict is not None and verdict["kind"] == "units", verdict
     assert "rank 1 has not issued it" in verdict["reports"]["0"]["cause"]
     # Rank 1 did issue collective 7 (it waits on a later one): rank 0's is in flight, only slow.
     slow = {0: parted[0], 1: _position(1, "1", both, {"0": 5, "1": 8}, number=8, op="tagged all_gather of unit 'b'")}
-    assert watch.judge(slow) is None
+    assert stalls.judge(slow) is None
     # Both in the same collective (a third rank, or the network, holds them up): no verdict.
     same = {r: _position(r, "0", both, {"0": 5}, number=5) for r in both}
-    assert watch.judge(same) is None
+    assert stalls.judge(same) is None
     # The same collective number, other collectives: they can never pair.
     other_op = {0: same[0], 1: _position(1, "0", both, {"0": 5}, number=5, op="all_gather")}
-    assert watch.judge(other_op) is not None
+    assert stalls.judge(other_op) is not None
     # A meeting that rank 1 never came to, while rank 1 waits in a collective rank 0 did not issue.
     meeting = {0: _position(0, "0", both, {"0": 4}, meeting="save_checkpoint-0", op="save_checkpoint"),
                1: _position(1, "0", both, {"0": 5}, number=5)}
     meeting[0]["operations"] = ["save_checkpoint"]
-    verdict = watch.judge(meeting)
+    verdict = stalls.judge(meeting)
     assert verdict is not None and verdict["kind"] == "operation", verdict
     assert "rank 0 is in save_checkpoint, which rank 1 did not start" in verdict["message"]
     # Both at the meeting, one of three ranks elsewhere but not held up: no verdict.
     three = [0, 1, 2]
     waiting_for_2 = {r: _position(r, "0", three, {"0": 4}, meeting="save_checkpoint-0") for r in (0, 1)}
     waiting_for_2[2] = _position(2, "0", three, {"0": 4}, number=4)  # its collective 4: everyone issued it
-    assert watch.judge(waiting_for_2) is None
+    assert stalls.judge(waiting_for_2) is None
     # Point-to-point waits carry no number: never judged.
     p2p = {0: _position(0, "0", both, {"0": 4}, number=None, op="recv from rank 1"), 1: parted[1]}
-    assert watch.judge(p2p) is None
+    assert stalls.judge(p2p) is None
     # Ranks at different points of training: RanksOutOfStep, not a unit order error.
     apart = copy.deepcopy(parted)
     apart[1]["engines"][0]["step_count"] = 2
-    assert watch.judge(apart)["kind"] == "training"
+    assert stalls.judge(apart)["kind"] == "training"

@@ -22,9 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 
 import torch  # noqa: E402
 
-from shardpar.planner.model import (  # noqa: E402
+from shardpar.planner import (  # noqa: E402
     OPTIMIZER_STATE_BYTES,
-    STAGES,
     estimate_communication,
     estimate_memory,
     format_both,
@@ -32,6 +31,7 @@ from shardpar.planner.model import (  # noqa: E402
     parse_bytes,
     parse_count,
 )
+from shardpar.planner.shapes import STAGES  # noqa: E402
 
 
 def _build_model(spec: str) -> torch.nn.Module:

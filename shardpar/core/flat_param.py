@@ -119,7 +119,7 @@ class FlatParamGroup:
         self.layout = layout
         self.full = full  # 1-D, compute dtype, numel = layout.numel (padded)
         # Stage 3's full buffers have a gather tag's room in front in their storage (see
-        # collectives.gather_target); the room is not counted in the byte figures.
+        # tagged_gather.gather_target); the room is not counted in the byte figures.
         self._storage_bytes = (full.storage_offset() + full.numel()) * full.element_size()
         self.shard = shard  # 1-D, master dtype, numel = layout.shard_numel
         self.rank = rank

@@ -91,7 +91,7 @@ class TrainingState:
         return unit[2] if unit is not None else None
 
     def position(self) -> dict[str, object]:
-        """:meth:`describe` as values, for comparing ranks ([Note: stalled waits] in comm/watch.py)."""
+        """:meth:`describe` as values, for comparing ranks ([Note: stalled waits] in comm/stalls.py)."""
         return {"phase": self.phase.value, "backward_count": self.backward_count, "step_count": self.step_count,
                 "unit": self.current_unit()}
 

@@ -5,7 +5,7 @@ only leftover units differ (on gloo), all recover the same way.
 [Note: unit order across ranks]
 Gathers pair across ranks by the order they are issued in, and each rank issues them in the
 order its own forward and backward reach units. Every gather therefore carries a tag (a
-gather sequence number and the flat group being gathered; see [Note: tagged all-gather] in comm/collectives.py).
+gather sequence number and the flat group being gathered; see [Note: tagged all-gather] in comm/tagged_gather.py).
 When a rank's tag differs from another's -- a branch taken on one rank only, a unit skipped
 or repeated -- every rank sees every tag and raises the same error, naming each rank's unit,
 at any step, instead of computing with another unit's weights or aborting inside gloo. The

@@ -58,7 +58,7 @@ def _collect_cycles_before_exit() -> None:
     finalisation, the group would be destroyed after torch's own state, which can abort the
     process ("terminate called without an active exception") after a run that succeeded.
     Collecting at exit, while everything is alive, frees them in a healthy state; see also
-    [Note: no group outlives destroy_process_group] in comm/collectives.py."""
+    [Note: no group outlives destroy_process_group] in comm/process_group.py."""
     gc.collect()
 
 

@@ -189,7 +189,7 @@ class ShardedModule(nn.Module):
 
     def comm_stats(self) -> dict[str, dict[str, float]]:
         """Bytes this rank sent since wrap (or the last reset), per collective kind; see
-        [Note: byte accounting] in ``shardpar.comm.collectives``."""
+        [Note: byte accounting] in ``shardpar.comm.comm_stats``."""
         return self.engine.comm.snapshot()
 
     def reset_comm_stats(self) -> None:
