@@ -7,8 +7,7 @@ job: stage 0 is DDP, stages 1-3 are ZeRO (optimizer state, gradients, parameters
 from .optim import GradScaler
 from .config import MixedPrecision, ShardConfig
 from .errors import CheckpointError, RanksOutOfStep, ShardedGradError, UnitOrderMismatch
-from .facade import ShardedModule
-from .facade import register_forward_method
+from .facade import ShardedModule, register_forward_method
 from .optim import ShardedOptimizer, optimizer
 from .planner import CommEstimate, MemoryEstimate, choose_stage, estimate_communication, estimate_memory
 from .wrap import wrap
@@ -39,4 +38,5 @@ __all__ = [
     "load_checkpoint",
     "save_full",
     "latest_checkpoint",
+    "__version__",
 ]
