@@ -79,6 +79,24 @@ class InsideAndOutside(nn.Module):
         return self.out(torch.tanh(h))
 
 
+class ConvTwice(nn.Module):
+    """A channels_last conv checkpointed reentrantly twice: its late gradient must land in the
+    element order its bucket keeps ([Note: element order] in core/element_order.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.out = nn.Linear(DIM, DIM)
+        self.conv.weight.data = self.conv.weight.data.to(memory_format=torch.channels_last)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x)).reshape(-1, 4, 2, 2).contiguous(memory_format=torch.channels_last)
+        h = checkpoint(self.conv, h, use_reentrant=True)
+        h = checkpoint(self.conv, torch.tanh(h), use_reentrant=True)
+        return self.out(h.flatten(1))
+
+
 class ChunkedHead(nn.Module):
     """FSDP2's chunked-loss pattern: the trunk's output is detached, the head runs per chunk
     with its own backward, and the trunk's backward follows."""
@@ -146,6 +164,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "reentrant_twice": _reentrant_twice,
     "non_reentrant_twice": _non_reentrant_twice,
     "inside_and_outside": InsideAndOutside,
+    "conv_twice": ConvTwice,
     "chunked_head": ChunkedHead,
     "shared_projection": SharedProjection,
     "same_mlp_twice": _same_mlp_twice,
@@ -246,6 +265,12 @@ def test_a_module_checkpointed_twice_gets_the_sum_of_both_uses(stage: int, model
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_module_used_outside_and_inside_a_reentrant_checkpoint(stage: int) -> None:
     _check_against_torch("inside_and_outside", "plain", stage, world_size=3, options=BUCKETS["bucket_per_tensor"])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_channels_last_module_checkpointed_twice(stage: int) -> None:
+    options = {"wrap_policy": [nn.Conv2d], "min_unit_params": 1} if stage == 3 else BUCKETS["bucket_per_tensor"]
+    _check_against_torch("conv_twice", "plain", stage, options=options)
 
 
 @pytest.mark.parametrize("model_name, late_rounds", [("reentrant_twice", 4), ("non_reentrant_twice", 0)])

@@ -127,6 +127,12 @@ class GradBucket:
     def params(self) -> dict[str, nn.Parameter]:
         return self.space.params
 
+    def slot_in(self, bucket_sized: torch.Tensor, name: str) -> torch.Tensor:
+        """``name``'s gradient in a buffer laid out like this bucket (indexed from its start),
+        with the parameter's shape and strides ([Note: element order] in core/element_order.py)."""
+        slot = self.space.layout.slots[name]
+        return slot.shaped(slot.range.shift(-self.spec.range.start).of(bucket_sized))
+
     def mark_ready(self, name: str) -> None:
         assert self.phase is BucketPhase.COLLECTING, (
             f"gradient of '{name}' arrived after bucket {self.position} was already reduced; "
@@ -343,8 +349,7 @@ class GradientReducer:
         late = self._late.get(bucket.position)
         if late is None:
             late = self._late[bucket.position] = self.strategy.late_buffer(bucket)
-        slot = bucket.space.layout.slots[name]
-        slot.range.shift(-bucket.spec.range.start).of(late).view(slot.shape).add_(param.grad)
+        bucket.slot_in(late, name).add_(param.grad)
         param.grad = None
 
     def _reduce_late(self) -> None:

@@ -76,10 +76,10 @@ class StagedReduceScatter(ShardedAverage):
     def _slot(self, bucket: GradBucket, name: str, full: torch.Tensor | None = None) -> torch.Tensor:
         """``name``'s gradient slot in the bucket's staging buffer (or in ``full``, a buffer
         indexed like the whole space)."""
-        slot = bucket.space.layout.slots[name]
         if full is not None:
+            slot = bucket.space.layout.slots[name]
             return slot.shaped(slot.range.of(full))
-        return slot.shaped(slot.range.shift(-bucket.spec.range.start).of(self._staging_for(bucket)))
+        return bucket.slot_in(self._staging_for(bucket), name)
 
     def _accumulation(self, space: ParamSpace) -> torch.Tensor:
         if space not in self._accumulated:
