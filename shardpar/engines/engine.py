@@ -185,7 +185,6 @@ class Engine:
         if self.world_size > 1:  # one rank cannot depart from the others' order
             self.reducer.may_launch = gatherer.may_reduce
             gatherer.on_reductions_allowed = self._launch_waiting_reductions
-        self._bucket_of_group = {b.space: b for b in self.reducer.buckets}
         self._handles += unit_hooks(gatherer, storage.units, storage.plans, self._tree.modules)
         return gatherer
 
