@@ -37,9 +37,10 @@ backward no longer starts with a gather, so a rank that departed from the others
 could compute and post gradient reductions before any gather of its backward showed the
 mismatch -- and a rank that raises then leaves the others' reductions unmatched on the
 process group. Hence no reduction of a backward is posted until a gather of that backward
-has been checked (``may_reduce``: it completes the gathers in flight, usually the prefetch
-the first kept unit issued; with no prefetch the reductions wait for the next unit's
-gather), and gathers are always completed in the order they were issued
+has been checked (``may_reduce``, asked by the backward path, [Note: a gradient's path
+through backward] in backward_paths.py: it completes the gathers in flight, usually the
+prefetch the first kept unit issued; with no prefetch the reductions wait for the next
+unit's gather), and gathers are always completed in the order they were issued
 (``UnitOrder._complete_earlier``), so every rank meets the first mismatching gather before
 any later collective.
 double backward (``torch.autograd.grad(..., create_graph=True)``, a gradient penalty): the
@@ -149,11 +150,7 @@ class UnitGatherer(GatherPhases):
         unit's forward starts, kept for backward if the root's forward ends first."""
         self._kept_for_backward: list[Unit] = []
         self.last_kept: list[Unit] = []
-        """The units the last forward kept gathered into backward (read by tools/bench.py)."""
-        self._reductions_waiting = False
-        """The reducer asked to post a reduction before that (see may_reduce)."""
-        self.on_reductions_allowed: Callable[[], None] | None = None
-        """Called once reductions that waited for a checked gather may be posted."""
+        """The units the last forward kept gathered into backward (one gather fewer each: gathers_per_step)."""
         # Made once: a hook per unit output per forward is only registered, not built.
         self._pre_backward_hooks = {
             unit: torch.compiler.disable(lambda grad, unit=unit: self.pre_backward(unit)) for unit in units
@@ -174,14 +171,7 @@ class UnitGatherer(GatherPhases):
             order.complete_in_flight()
         if not order.checked_in_backward and not order.tolerant:
             order.check_tags(block=True)
-        self._reductions_waiting = not order.checked_in_backward
         return order.checked_in_backward
-
-    def _allow_waiting_reductions(self) -> None:
-        if self._reductions_waiting and self.order.checked_in_backward:
-            self._reductions_waiting = False
-            if self.on_reductions_allowed is not None:
-                self.on_reductions_allowed()
 
     # ------------------------------------------------------------------ tag checks (unit_order.py)
 
@@ -270,7 +260,6 @@ class UnitGatherer(GatherPhases):
     def begin_backward(self) -> None:
         """The root's backward starts."""
         self.order.begin_backward()
-        self._reductions_waiting = False
         if self.order.leftovers_held:
             self.order.gather_leftovers()
 
@@ -309,7 +298,6 @@ class UnitGatherer(GatherPhases):
             # [Note: a gradient that arrives twice] in reducer.py), so it is gathered again.
             unit.final.clear()
             self.wait(unit)  # usually gathered by its pre-backward already
-            self._allow_waiting_reductions()
             unit.running += 1
             return self._hook_inputs(unit, args, kwargs)
         self._forward_uses.append(unit)
@@ -396,7 +384,6 @@ class UnitGatherer(GatherPhases):
         self._backward_uses.append(unit)
         self.state.unit = (Phase.BACKWARD, self.state.backward_count, unit.name, True)  # for reports only
         self.wait(unit)
-        self._allow_waiting_reductions()  # before the prefetch below, which it would wait for
         history = self._last_backward or self._last_forward_reversed()
         predicted = self._predict(self._backward_uses, history, self.backward_prefetch)
         self._prefetch([u for u in predicted if not u.backward_done])

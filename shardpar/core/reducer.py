@@ -208,7 +208,6 @@ class GradientReducer:
         comm: C.CommStats,
         group: Any,
         wait_clock: WaitClock,
-        on_bucket_complete: Callable[[GradBucket], None] | None = None,
         ready_order: ReadyOrder | None = None,
     ) -> None:
         self.spaces = list(spaces)
@@ -218,7 +217,6 @@ class GradientReducer:
         self.comm = comm
         self.group = group
         self.wait_clock = wait_clock
-        self.on_bucket_complete = on_bucket_complete
         self.launch_order = LaunchOrder([bucket.names for bucket in self.buckets])
         self.device = spaces[0].device
         self.used = bytearray(len(self.names))
@@ -246,10 +244,6 @@ class GradientReducer:
         """Seconds the end of the last backward waited for gradient collectives."""
         self.timeline: list[tuple[str, object]] | None = None
         """Set to a list to record ("grad", name) and ("launch", bucket position) events."""
-        self.may_launch: Callable[[], bool] | None = None
-        """Stage 3: whether this backward's reductions may be posted yet; until then complete
-        buckets wait and :meth:`launch_ready` is called again (see [Note: kept for backward]
-        in gatherer.py). The end of backward launches regardless."""
         self.ready_order = ready_order
         """Recorded in synchronising backwards until the buckets are rebuilt (see
         [Note: bucket rebuild]); None once they are, or where they never are."""
@@ -291,21 +285,23 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.launched = False
 
-    def on_grad_ready(self, name: str, param: nn.Parameter) -> None:
+    def on_grad_ready(self, name: str, param: nn.Parameter) -> GradBucket | None:
         """A parameter's gradient arrived: final for this backward, unless its module is
-        checkpointed reentrantly more than once (see [Note: a gradient that arrives twice])."""
+        checkpointed reentrantly more than once (see [Note: a gradient that arrives twice]).
+        Returns the bucket this gradient completed, if any: whoever drives backward (see
+        backward_paths.py) decides when it launches."""
         bucket = self.bucket_of[name]
         index = self.flag_index[name]
         self.used[index] = 1
         if not self.state.backward_syncs:
             self.strategy.accumulate_no_sync(bucket, name, param)
-            return
+            return None
         if bucket.launched:
             self._accept_late(bucket, name, param)
-            return
+            return None
         if self._arrived[index]:
             self.strategy.accept_again(bucket, name, param)
-            return
+            return None
         self._arrived[index] = 1
         if self.timeline is not None:
             self.timeline.append(("grad", name))
@@ -313,15 +309,10 @@ class GradientReducer:
             self.ready_order.saw(name)
         self.strategy.accept_grad(bucket, name, param)
         bucket.mark_ready(name)
-        if bucket.phase is BucketPhase.COMPLETE:
-            if self.on_bucket_complete is not None:
-                self.on_bucket_complete(bucket)
-            self.launch_ready()
+        return bucket if bucket.phase is BucketPhase.COMPLETE else None
 
     def launch_ready(self) -> None:
         """Launch the complete buckets whose turn it is."""
-        if self.may_launch is not None and not self.may_launch():
-            return
         order = self.launch_order.order
         while self._cursor < len(order) and self.buckets[order[self._cursor]].phase is BucketPhase.COMPLETE:
             self._launch(self.buckets[order[self._cursor]])
@@ -363,23 +354,28 @@ class GradientReducer:
                 self.wait_clock.wait(handle, gather=False)
                 self.strategy.finish_late(bucket, late[position])
 
-    def finish_backward(self) -> None:
-        """End of a synchronising backward: launch what is left (zeros for gradients that never
-        came), agree on which parameters were used, wait for everything (on CUDA: order the
-        current stream after it; see [Note: reading the used-parameter flags] in used_flags.py)."""
-        started = time.perf_counter()
+    def complete_missing(self) -> list[GradBucket]:
+        """End of a synchronising backward, first: the buckets still collecting -- holding
+        parameters that got no gradient on this rank -- are completed with zeros for those;
+        returns them (stage 3 frees their groups before they are reduced)."""
         self.settle(block=True)  # the previous backward's flags, one backward later
-        if self.may_launch is not None:
-            self.may_launch()  # its answer does not matter now; what it completes first does
-        order = self.launch_order.order
-        for position in order[self._cursor :]:
+        filled = []
+        for position in self.launch_order.order[self._cursor :]:
             bucket = self.buckets[position]
             if bucket.phase is BucketPhase.COLLECTING:
                 self.strategy.fill_missing(bucket)
                 bucket.phase = BucketPhase.COMPLETE
-                if self.on_bucket_complete is not None:
-                    self.on_bucket_complete(bucket)
-            self._launch(bucket)
+                filled.append(bucket)
+        return filled
+
+    def finish_backward(self) -> None:
+        """End of a synchronising backward, after :meth:`complete_missing`: launch what is left,
+        agree on which parameters were used, wait for everything (on CUDA: order the current
+        stream after it; see [Note: reading the used-parameter flags] in used_flags.py)."""
+        started = time.perf_counter()
+        order = self.launch_order.order
+        for position in order[self._cursor :]:
+            self._launch(self.buckets[position])
         self._cursor = len(order)
         while self._in_flight:
             self._finish_oldest()

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm import watch
+from ..core.backward_paths import BackwardPath
 from ..config import ShardConfig
 from ..core.deferred_init import DeferredInit
 from ..core.element_order import ElementOrder
@@ -38,7 +39,7 @@ from ..core.inventory import (ParamInventory, check_dense_gradients, check_suppo
                               sparse_gradient_error)
 from ..core.pieces import TensorPiece
 from ..core.rebuild import ReadyOrder
-from ..core.reducer import GradBucket, GradientReducer
+from ..core.reducer import GradientReducer
 from ..core.sharded import ShardedStorage
 from ..core.training_state import Phase, TrainingState
 from ..core.units import Unit, _ModuleTree
@@ -122,8 +123,7 @@ class Engine:
         rebuilds = config.rebuild_buckets and self.storage.relayouts
         ready_order = ReadyOrder(module_of_params(self._tree, self.storage)) if rebuilds else None
         self.reducer = GradientReducer(self.storage.spaces, self.strategy, self.state, self.comm, group,
-                                       self.wait_clock, on_bucket_complete=self._on_bucket_complete,
-                                       ready_order=ready_order)
+                                       self.wait_clock, ready_order=ready_order)
         self.use_hooks = UseHooks(self._tree, self.storage, self.reducer, self.state)
         """Stages 0-2's hooks on the modules that use parameters (installed by the stage's row)."""
         # Where param.grad cannot be the gradient (shards; fp32 masters under mixed precision),
@@ -137,6 +137,9 @@ class Engine:
                                       self.wait_clock)
         self.gatherer: GatherPhases = row.gatherer(self)
         """The stage's gatherer, its hooks installed (see stages.py)."""
+        self.backward_path: BackwardPath = row.backward_path(self)
+        """Orders the reducer and the gatherer in backward (see [Note: a gradient's path through
+        backward] in core/backward_paths.py)."""
         self._install_root_hooks()
         self._handles += self.casts.install_hooks(self._tree)
         self.module_attributes: tuple[str, ...] = (WRAPPED_MARK,)
@@ -182,9 +185,6 @@ class Engine:
             wait_clock=self.wait_clock, retire_group=lambda: C.retire_sibling_group(self.group),
         )
         gatherer = storage.gatherer
-        if self.world_size > 1:  # one rank cannot depart from the others' order
-            self.reducer.may_launch = gatherer.may_reduce
-            gatherer.on_reductions_allowed = self._launch_waiting_reductions
         self._handles += unit_hooks(gatherer, storage.units, storage.plans, self._tree.modules)
         return gatherer
 
@@ -258,24 +258,17 @@ class Engine:
         if param.grad is not None and param.grad.layout is not torch.strided:
             raise sparse_gradient_error(name, param.grad)
         if not torch.is_grad_enabled():  # backward without create_graph: already so, no context to enter
-            self.reducer.on_grad_ready(name, param)
+            self.backward_path.grad_ready(name, param)
             return
         with torch.no_grad():
-            self.reducer.on_grad_ready(name, param)
-
-    def _launch_waiting_reductions(self) -> None:
-        with torch.no_grad():
-            self.reducer.launch_ready()
-
-    def _on_bucket_complete(self, bucket: GradBucket) -> None:
-        self.gatherer.grads_final(bucket.space)
+            self.backward_path.grad_ready(name, param)
 
     def _finish_backward(self) -> None:
         try:
             with torch.no_grad():
                 self.gatherer.check_previous_backward()  # before any wait on reductions: see its note
                 if self.state.backward_syncs:
-                    self.reducer.finish_backward()
+                    self.backward_path.finish_backward()
                     if self.reducer.ready_order is not None:
                         self._rebuild_buckets()
                     self._put_grad_marks()

@@ -1,12 +1,12 @@
 """The stage table: each stage is a row that picks its parts, not a subclass switching off
 its parent's (DESIGN.md, "The core").
 
-| stage | reducer strategy        | gradient storage                     | parameter storage          | gatherer                       |
-|-------|-------------------------|--------------------------------------|----------------------------|--------------------------------|
-| 0     | all-reduce              | full buffer                          | replicated                 | none                           |
-| 1     | reduce-scatter in place | full buffer, owned slice read        | replicated, master shard   | after step, lazily completed   |
-| 2     | reduce-scatter, staged  | bounded staging -> owned shard       | replicated, master shard   | after step, lazily completed   |
-| 3     | reduce-scatter, staged  | bounded staging -> owned shard       | sharded per unit           | per unit, forward and backward |
+| stage | reducer strategy        | gradient storage                     | parameter storage          | gatherer                       | backward path          |
+|-------|-------------------------|--------------------------------------|----------------------------|--------------------------------|------------------------|
+| 0     | all-reduce              | full buffer                          | replicated                 | none                           | reduce when complete   |
+| 1     | reduce-scatter in place | full buffer, owned slice read        | replicated, master shard   | after step, lazily completed   | reduce when complete   |
+| 2     | reduce-scatter, staged  | bounded staging -> owned shard       | replicated, master shard   | after step, lazily completed   | reduce when complete   |
+| 3     | reduce-scatter, staged  | bounded staging -> owned shard       | sharded per unit           | per unit, forward and backward | reshard, then reduce   |
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..core.backward_paths import BackwardPath, ReduceWhenComplete, ReshardThenReduce
 from ..core.gather_phases import GatherPhases, NoGatherer, PostStepGatherer
 from ..core.gatherer import UnitGatherer
 from ..core.masters import FullMaster, ShardedMaster
@@ -79,6 +80,15 @@ def _staged_reduce_scatter(engine: "Engine", spaces: list) -> StagedReduceScatte
     return StagedReduceScatter(spaces, engine.reduce_dtype, engine.world_size, engine.rank, engine.group, engine.comm)
 
 
+def _reduce_when_complete(engine: "Engine") -> ReduceWhenComplete:
+    return ReduceWhenComplete(engine.reducer)
+
+
+def _reshard_then_reduce(engine: "Engine") -> ReshardThenReduce:
+    # One rank cannot depart from the others' unit order: nothing to wait for.
+    return ReshardThenReduce(engine.reducer, engine.gatherer, gated=engine.world_size > 1)
+
+
 @dataclass(frozen=True)
 class StageRow:
     stage: int
@@ -88,11 +98,13 @@ class StageRow:
     """Builds the reducer's strategy over the storage's parameter spaces."""
     gatherer: Callable[["Engine"], GatherPhases]
     """Builds the gatherer and installs the module hooks that drive it."""
+    backward_path: Callable[["Engine"], BackwardPath]
+    """Orders the reducer and the gatherer in backward (core/backward_paths.py)."""
 
 
 STAGES: dict[int, StageRow] = {
-    0: StageRow(0, _replicated(FullMaster), _all_reduce, _no_gatherer),
-    1: StageRow(1, _replicated(ShardedMaster), _reduce_scatter_in_place, _post_step_gatherer),
-    2: StageRow(2, _replicated(ShardedMaster), _staged_reduce_scatter, _post_step_gatherer),
-    3: StageRow(3, _sharded_units, _staged_reduce_scatter, _unit_gatherer),
+    0: StageRow(0, _replicated(FullMaster), _all_reduce, _no_gatherer, _reduce_when_complete),
+    1: StageRow(1, _replicated(ShardedMaster), _reduce_scatter_in_place, _post_step_gatherer, _reduce_when_complete),
+    2: StageRow(2, _replicated(ShardedMaster), _staged_reduce_scatter, _post_step_gatherer, _reduce_when_complete),
+    3: StageRow(3, _sharded_units, _staged_reduce_scatter, _unit_gatherer, _reshard_then_reduce),
 }
