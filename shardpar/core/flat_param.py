@@ -27,7 +27,7 @@ ever needs the full group except while it is gathered.
 from __future__ import annotations
 
 import enum
-from typing import Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -35,7 +35,6 @@ from torch import nn
 from ..comm import collectives as C
 from .layout import BufferLayout
 from .param_guard import guard, storageless, unguard
-from .wait_clock import WaitClock
 
 
 class ShardState(enum.Enum):
@@ -97,6 +96,28 @@ class GatheredBytes:
         self.peak = max(self.peak, self.now)
 
 
+class GatherChannel:
+    """Who gathers a group: it issues the group's all-gathers and is told of each step of one
+    (stages 1-2: the post-step gatherer; stage 3: the unit gatherer, which checks every
+    gather's tag and meters the full buffers). A group hands itself to the channel it is
+    gathered by; the base does nothing but issue and wait."""
+
+    def issue_gather(self, flat: "FlatParamGroup") -> C.Handle:
+        raise NotImplementedError
+
+    def before_gather_wait(self, flat: "FlatParamGroup") -> None:
+        """A wait for ``flat``'s gather begins (stage 3 completes the gathers issued before it)."""
+
+    def wait_gather(self, handle: C.Handle) -> Any:
+        return handle.wait()
+
+    def gather_received(self, flat: "FlatParamGroup", result: Any) -> None:
+        """``flat``'s gather completed; ``result`` is what its handle returned."""
+
+    def full_storage_changed(self, nbytes: int) -> None:
+        """A full buffer's storage was allocated (``nbytes`` > 0) or freed (< 0)."""
+
+
 class FlatParamGroup:
     """See [Note: flat parameter groups]."""
 
@@ -129,15 +150,9 @@ class FlatParamGroup:
         self.handle: C.Handle | None = None
         self.tagged_shard: torch.Tensor | None = None
         """Stage 3: the shard's storage as bytes, with room for a gather tag in front."""
-        self.on_unsharded: Callable[["FlatParamGroup", object], None] | None = None
-        """Called with the group and what the gather's handle returned (stage 3 checks tags)."""
-        self.before_wait: Callable[["FlatParamGroup"], None] | None = None
-        """Called as a wait for this group's gather begins (stage 3: completes the gathers
-        issued before it first, see [Note: unit order across ranks] in unit_order.py)."""
-        self.meter: GatheredBytes | None = None
-        """Told of every allocation and release of the full buffer's storage (stage 3)."""
-        self.wait_clock: WaitClock | None = None
-        """Set by the gatherer: times the wait for this group's gathers ([Note: exposed communication])."""
+        self.channel: GatherChannel | None = None
+        """What gathered this group last (given to :meth:`start_unshard`): told of the waits
+        and of the full buffer's storage until the next gather."""
         self._views = {name: layout.view(full, name) for name in self.params}
         # Guards made once: a transition only switches each parameter's class and guard.
         self._pending = _PendingGather(self)
@@ -195,14 +210,14 @@ class FlatParamGroup:
 
     # ------------------------------------------------------------------ transitions
 
-    def start_unshard(self, issue: Callable[["FlatParamGroup"], C.Handle]) -> None:
-        """Begin the all-gather ``issue`` launches into the full buffer (allocated first)."""
+    def start_unshard(self, channel: GatherChannel) -> None:
+        """Begin the all-gather ``channel`` issues into the full buffer (allocated first)."""
         assert self.state is not ShardState.GATHERING, f"'{self.label}' is already gathering"
+        self.channel = channel
         if self.frees_storage and self.full.untyped_storage().nbytes() == 0:
             self.full.untyped_storage().resize_(self._storage_bytes)
-            if self.meter is not None:
-                self.meter.add(self.full_bytes)
-        self.handle = issue(self)
+            channel.full_storage_changed(self.full_bytes)
+        self.handle = channel.issue_gather(self)
         self.state = ShardState.GATHERING
         for param in self.params.values():
             guard(param, self._pending)
@@ -212,13 +227,10 @@ class FlatParamGroup:
         if self.state is ShardState.UNSHARDED:
             return
         assert self.state is ShardState.GATHERING, f"'{self.label}' is {self.state.value}, not gathering"
-        if self.before_wait is not None:
-            self.before_wait(self)
-            if self.state is not ShardState.GATHERING:
-                return  # completed or dropped by a recovery while earlier gathers were waited for
-        result = self._complete_gather()
-        if self.on_unsharded is not None:
-            self.on_unsharded(self, result)
+        self.channel.before_gather_wait(self)
+        if self.state is not ShardState.GATHERING:
+            return  # completed or dropped by a recovery while earlier gathers were waited for
+        self.channel.gather_received(self, self._complete_gather())
 
     def drop_gather(self) -> object:
         """Complete the gather in flight without using what arrived, and free the full buffer
@@ -231,7 +243,7 @@ class FlatParamGroup:
 
     def _complete_gather(self) -> object:
         handle, self.handle = self.handle, None
-        result = handle.wait() if self.wait_clock is None else self.wait_clock.wait(handle, gather=True)
+        result = self.channel.wait_gather(handle)
         self.state = ShardState.UNSHARDED
         self.point_params_at_full()
         return result
@@ -245,8 +257,8 @@ class FlatParamGroup:
         if self.state is ShardState.GATHERING:
             self.wait_unsharded()
         storage = self.full.untyped_storage()
-        if self.meter is not None and storage.nbytes() > 0:
-            self.meter.add(-self.full_bytes)
+        if self.channel is not None and storage.nbytes() > 0:
+            self.channel.full_storage_changed(-self.full_bytes)
         storage.resize_(0)
         self.state = ShardState.SHARDED
         for name, param in self.params.items():

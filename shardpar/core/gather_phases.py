@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from ..comm import collectives as C
-from .flat_param import FlatParamGroup
+from .flat_param import FlatParamGroup, GatherChannel
 from .wait_clock import WaitClock
 
 
@@ -68,7 +68,7 @@ class NoGatherer(GatherPhases):
         self.group, self.device, self.comm = group, device, comm
 
 
-class PostStepGatherer(GatherPhases):
+class PostStepGatherer(GatherPhases, GatherChannel):
     """Stages 1-2: all-gather every bucket's updated slices after ``step()``; completed lazily
     (see [Note: lazy parameter gather] in replicated.py)."""
 
@@ -83,10 +83,8 @@ class PostStepGatherer(GatherPhases):
     def track(self, groups: list[FlatParamGroup]) -> None:
         """Gather ``groups`` from now on (at wrap, and again when the buckets are rebuilt)."""
         self.groups = groups
-        for flat in groups:
-            flat.wait_clock = self.wait_clock
 
-    def _issue(self, flat: FlatParamGroup) -> C.Handle:
+    def issue_gather(self, flat: FlatParamGroup) -> C.Handle:
         return C.all_gather(flat.full, flat.own_slice(), group=self.group, async_op=True, stats=self.comm,
                             padding_numel=flat.layout.padding)
 
@@ -96,7 +94,10 @@ class PostStepGatherer(GatherPhases):
                 own = flat.own_slice()
                 if own.data_ptr() != flat.shard.data_ptr():  # gathered in the (narrower) compute dtype
                     own.copy_(flat.shard)
-                flat.start_unshard(self._issue)
+                flat.start_unshard(self)
+
+    def wait_gather(self, handle: C.Handle) -> Any:
+        return self.wait_clock.wait(handle, gather=True)
 
     def wait(self, groups: Sequence[FlatParamGroup]) -> None:
         for flat in groups:

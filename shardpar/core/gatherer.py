@@ -41,7 +41,7 @@ has been checked (``may_reduce``, asked by the backward path, [Note: a gradient'
 through backward] in backward_paths.py: it completes the gathers in flight, usually the
 prefetch the first kept unit issued; with no prefetch the reductions wait for the next
 unit's gather), and gathers are always completed in the order they were issued
-(``UnitOrder._complete_earlier``), so every rank meets the first mismatching gather before
+(``UnitOrder.complete_earlier``), so every rank meets the first mismatching gather before
 any later collective.
 double backward (``torch.autograd.grad(..., create_graph=True)``, a gradient penalty): the
           graph that backward creates saves the gathered parameters it multiplied by, and a
@@ -58,7 +58,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm import collectives as C
-from .flat_param import FlatParamGroup, GatheredBytes, ShardState
+from .flat_param import FlatParamGroup, GatherChannel, GatheredBytes, ShardState
 from .gather_phases import GatherPhases
 from .training_state import Phase, TrainingState
 from .unit_order import UnitOrder
@@ -100,7 +100,7 @@ def on_first_grad(tensors: list[torch.Tensor], hook: Callable[[Any], None]) -> A
     return torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
 
 
-class UnitGatherer(GatherPhases):
+class UnitGatherer(GatherPhases, GatherChannel):
     """Stage 3; see [Note: one step at stage 3] and [Note: unit order across ranks] (unit_order.py)."""
 
     def __init__(
@@ -135,8 +135,6 @@ class UnitGatherer(GatherPhases):
         """The gathers' tags, their checks and the recovery of [Note: unit order across ranks]."""
         self.flats, self.unit_of = self.order.flats, self.order.unit_of
         self.wait_clock = wait_clock
-        for flat in self.flats:
-            flat.wait_clock = wait_clock
         self._forward_uses: list[Unit] = []
         self._last_forward: list[Unit] = []
         self._backward_uses: list[Unit] = []
@@ -157,8 +155,6 @@ class UnitGatherer(GatherPhases):
         }
         self._shard_bytes = sum(f.shard_bytes for f in self.flats)
         self.gathered = GatheredBytes(sum(f.allocated_full_bytes() for f in self.flats))
-        for flat in self.flats:
-            flat.meter = self.gathered
 
     def may_reduce(self) -> bool:
         """Whether this backward's gradient reductions may be posted: once a gather of this
@@ -172,6 +168,23 @@ class UnitGatherer(GatherPhases):
         if not order.checked_in_backward and not order.tolerant:
             order.check_tags(block=True)
         return order.checked_in_backward
+
+    # ------------------------------------------------------------------ each group's gathers
+
+    def issue_gather(self, flat: FlatParamGroup) -> C.Handle:
+        return self.order.issue(flat)
+
+    def before_gather_wait(self, flat: FlatParamGroup) -> None:
+        self.order.complete_earlier(flat)
+
+    def wait_gather(self, handle: C.Handle) -> Any:
+        return self.wait_clock.wait(handle, gather=True)
+
+    def gather_received(self, flat: FlatParamGroup, result: Any) -> None:
+        self.order.check_gather(flat, result)
+
+    def full_storage_changed(self, nbytes: int) -> None:
+        self.gathered.add(nbytes)
 
     # ------------------------------------------------------------------ tag checks (unit_order.py)
 
@@ -190,7 +203,7 @@ class UnitGatherer(GatherPhases):
         with torch.no_grad():
             for flat in unit.needed():
                 if flat.state is ShardState.SHARDED:
-                    flat.start_unshard(self.order.issue)
+                    flat.start_unshard(self)
 
     def wait(self, unit: Unit) -> None:
         self.unshard(unit)

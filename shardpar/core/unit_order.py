@@ -95,7 +95,7 @@ class UnitOrder:
         self.gather = gather
         """Gathers a unit and waits for it: how a recovery gathers the leftover units again."""
         self.retire_group = retire_group
-        """Called when ranks' gathers fell out of step (see _check_tags)."""
+        """Called when ranks' gathers fell out of step (see check_gather)."""
         self.flats = [f for unit in units for f in unit.flats]
         self.flat_index = {flat: i for i, flat in enumerate(self.flats)}
         self.unit_of = {flat: unit for unit in units for flat in unit.flats}
@@ -121,9 +121,6 @@ class UnitOrder:
         """Bytes of receive buffers held by each gather in flight (gloo's peers not received in place)."""
         self._exchange_index, self._filler_index = len(self.flats), len(self.flats) + 1
         """Tag indices of what is not a flat group: :meth:`exchange`, a drain's filler."""
-        for flat in self.flats:
-            flat.on_unsharded = self._check_tags
-            flat.before_wait = self._complete_earlier
         self._sequence = 0
         self.leftovers = [unit for unit in units if not unit.from_policy]
         self.leftovers_held = False
@@ -151,7 +148,7 @@ class UnitOrder:
     # ------------------------------------------------------------------ gathers
 
     def issue(self, flat: FlatParamGroup) -> C.Handle:
-        """Start ``flat``'s tagged gather (what the gatherer hands ``flat.start_unshard``)."""
+        """Start ``flat``'s tagged gather (the unit gatherer issues its gathers here)."""
         if not self.tolerant and not self._repeats_history(flat):
             self._probe((self._sequence, self._tag_index(flat)), flat.device)
         self._pass.append(flat)
@@ -223,7 +220,7 @@ class UnitOrder:
         while self.in_flight:
             self.in_flight[0].wait_unsharded()
 
-    def _complete_earlier(self, flat: FlatParamGroup) -> None:
+    def complete_earlier(self, flat: FlatParamGroup) -> None:
         """Before waiting for ``flat``'s gather, wait for (and check the tags of) every gather
         issued before it: a rank that departed from the others' order must meet the first
         mismatching gather before any later one, which the others may never issue."""
@@ -241,7 +238,7 @@ class UnitOrder:
         send, payload = C.tagged_buffer(len(values), torch.int32, device)
         payload.copy_(host.to_device(values, torch.int32, device))
         full = torch.empty(len(values) * C.get_world_size(self.group), dtype=torch.int32, device=device)
-        self.complete_in_flight()  # checked first, as in _complete_earlier, and nothing left to drain
+        self.complete_in_flight()  # checked first, as in complete_earlier, and nothing left to drain
         if not self.tolerant:
             self._probe((self._sequence, self._exchange_index), device)
         tag = (self._sequence, self._exchange_index)
@@ -252,7 +249,7 @@ class UnitOrder:
         self._check_rows(tags.rows() if isinstance(tags, C.GatheredTags) else tags)
         return full.view(C.get_world_size(self.group), -1).tolist()  # set-up, once: a host read is fine
 
-    def _check_tags(self, flat: FlatParamGroup, result: "list[list[int]] | C.GatheredTags") -> None:
+    def check_gather(self, flat: FlatParamGroup, result: "list[list[int]] | C.GatheredTags") -> None:
         """A gather of ``flat`` completed with ``result``: every rank's tag, or (see [Note:
         deferred tag checks]) the tags on their way."""
         self._received(flat)
