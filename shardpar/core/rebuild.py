@@ -26,8 +26,7 @@ fixed buckets. So, as torch DDP does, the buckets are rebuilt once from what bac
    group.
 2. *Agree.* At the end of that backward -- every bucket reduced and waited for, nothing in
    flight -- every rank proposes "the ready order, then the parameters that got no gradient
-   here in today's layout order" and all adopt rank 0's: one object all-gather, once. It also
-   carries a description of the sharded optimizer state to move (below).
+   here in today's layout order" and all adopt rank 0's: one object all-gather, once.
 3. *Lay out.* Each dtype's buffer lays its tensors out in that order with the same cap,
    through the one helper that built its first layout (``ParamBuffer.layout_in``). Where the
    new layout puts the same tensors together in every bucket, nothing moves (the order
@@ -44,10 +43,12 @@ fixed buckets. So, as torch DDP does, the buckets are rebuilt once from what bac
      ``comm_stats()``) and every rank copies out its pieces of the new layout. One bucket at
      a time, so the transient is one old bucket;
    - then the per-bucket flat groups and the post-step gatherer (stages 1-2), the reducer's
-     buckets and used-flags, the use-module hooks that complete lazy gathers, and each
-     sharded optimizer's pieces (its inner param groups point at the new ones; elementwise
-     state moves as above, scalar state such as ``step`` -- equal on every rank holding a
-     piece of the parameter -- is copied).
+     buckets and used-flags, and the use-module hooks that complete lazy gathers. The
+     layout generation counts up; each sharded optimizer follows on its next use ([Note:
+     optimizers follow the layout] in optim/sharded.py): its inner param groups point at
+     its new pieces, elementwise state moves as above (after one object all-gather of what
+     state each rank holds), scalar state such as ``step`` -- equal on every rank holding a
+     piece of the parameter -- is copied.
 4. *Launch order.* A bucket completes at the last of its gradients in the agreed order; the
    buckets launch in the order they complete, which for one dtype is the layout order.
 

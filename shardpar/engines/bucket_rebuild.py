@@ -1,6 +1,6 @@
 """The engine's one rebuild of the gradient buckets (stages 0-2): the ranks agree on the new
-order, the parts move to it, and the sharded optimizers built over the engine follow; see
-[Note: bucket rebuild] in core/rebuild.py.
+order and the parts move to it; the sharded optimizers built before follow on their next use.
+See [Note: bucket rebuild] in core/rebuild.py.
 """
 
 from __future__ import annotations
@@ -17,27 +17,25 @@ from ..core.reducer import GradientReducer
 class BucketRebuild:
     """One rebuild, at the end of the first synchronising backward. Every rank takes part, in
     the same order: one object all-gather, then (where a layout changes) the all-gathers that
-    move sharded values. ``optimizers``: the live sharded optimizers, each with its serial."""
+    move sharded values. The optimizers are not part of it: each follows on its next use
+    (:func:`carry_state`)."""
 
-    def __init__(self, reducer: GradientReducer, storage: Any, strategy: Any, optimizers: list[tuple[int, Any]],
-                 rank: int, group: Any, comm: C.CommStats, device: torch.device) -> None:
+    def __init__(self, reducer: GradientReducer, storage: Any, strategy: Any, rank: int, group: Any,
+                 comm: C.CommStats, device: torch.device) -> None:
         self.reducer, self.storage, self.strategy = reducer, storage, strategy
-        self.optimizers = optimizers
         self.rank, self.group, self.comm, self.device = rank, group, comm, device
         self.moves: dict[Any, Relayout] = {}
+        """Each parameter space whose layout changed: its move (kept by the engine for the
+        optimizers that follow later)."""
 
     def relayout(self) -> bool:
         """Agree on the ready order and move the storage, the strategy and the reducer to it;
         whether any layout changed (else nothing else moves)."""
         reducer, storage = self.reducer, self.storage
         record, reducer.ready_order = reducer.ready_order, None
-        self.states = {serial: opt.state_by_name() for serial, opt in self.optimizers}
-        self.sharded = storage.sharded_master  # optimizer pieces differ by rank: their state crosses ranks
-        described = {serial: describe_state(state) for serial, state in self.states.items()} if self.sharded else {}
         proposal = record.proposal(reducer.names)
-        self.rows = C.all_gather_objects((proposal, described), group=self.group, device=self.device,
-                                         stats=self.comm, kind="control")
-        order = [reducer.names[i] for i in self.rows[0][0]]
+        rows = C.all_gather_objects(proposal, group=self.group, device=self.device, stats=self.comm, kind="control")
+        order = [reducer.names[i] for i in rows[0]]
         layouts = storage.rebuilt_layouts(order)
         if layouts:
             self.moves = {buf: Relayout(buf.layout, layout, self.rank, self.group, self.comm)
@@ -47,18 +45,14 @@ class BucketRebuild:
         reducer.relayout(order)
         return bool(layouts)
 
-    def repoint_optimizers(self) -> None:
-        """After a layout changed: each optimizer's pieces point at the new layout, its state moved."""
-        rows, states, moves = self.rows, self.states, self.moves
-        # An optimizer alive on some ranks only is garbage not collected yet elsewhere: left
-        # alone, it refuses to step (its generation is old).
-        everywhere = set.intersection(*(set(row[1]) for row in rows)) if self.sharded else set(states)
-        for serial, opt in self.optimizers:
-            if serial not in everywhere:
-                continue
-            if self.sharded:
-                merged = merge_descriptions(row[1][serial] for row in rows)
-                opt.repoint(move_state(states[serial], merged, [moves[b] for b in self.storage.buffers if b in moves],
-                                       self.device))
-            else:
-                opt.repoint({name: state for name, (_, state) in states[serial].items()})
+
+def carry_state(states: dict[str, tuple[torch.Tensor, dict[str, Any]]], moves: dict[Any, Relayout], storage: Any,
+                group: Any, comm: C.CommStats, device: torch.device) -> dict[str, dict[str, Any]]:
+    """An optimizer's state (``name -> (tensor, state)`` in the old layout) in the new one,
+    ``name -> state``. Where the masters are sharded, a rank's pieces change and their state
+    crosses ranks: every rank calls this for the optimizer at the same point (its first use
+    after the rebuild: see [Note: optimizers follow the layout] in optim/sharded.py)."""
+    if not storage.sharded_master:
+        return {name: state for name, (_, state) in states.items()}
+    rows = C.all_gather_objects(describe_state(states), group=group, device=device, stats=comm, kind="control")
+    return move_state(states, merge_descriptions(rows), [moves[b] for b in storage.buffers if b in moves], device)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import weakref
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -44,7 +43,7 @@ from ..core.sharded import ShardedStorage
 from ..core.training_state import Phase, TrainingState
 from ..core.units import Unit, _ModuleTree
 from ..core.wait_clock import WaitClock
-from .bucket_rebuild import BucketRebuild
+from .bucket_rebuild import BucketRebuild, carry_state
 from .buffer_sync import BufferSync
 from .casts import MixedPrecisionCasts
 from .grad_marks import GradPlaceholders
@@ -109,10 +108,10 @@ class Engine:
         self.casts.cast_buffers(module)
         self.optimizer: Any = None
         """The ShardedOptimizer built over this engine last, once there is one."""
-        self._optimizers: list[weakref.ref] = []
-        """Every ShardedOptimizer built over this engine, in the order they were built."""
         self.layout_generation = 0
         """How many times the buckets were rebuilt (at most once; see [Note: bucket rebuild])."""
+        self._relayouts: dict[Any, Any] = {}
+        """The rebuild's moves, by parameter space: what optimizers built before it follow."""
         self._handles: list[Any] = []
         self._backward_start_hook = _disabled(lambda grad: self.ensure_backward_started())
         """Put on the root output once per forward; made once (see on_first_grad)."""
@@ -287,20 +286,24 @@ class Engine:
     def _rebuild_buckets(self) -> None:
         """Once, at the end of the first synchronising backward: see [Note: bucket rebuild] in
         core/rebuild.py and :class:`BucketRebuild`."""
-        optimizers = [(serial, ref()) for serial, ref in enumerate(self._optimizers) if ref() is not None]
-        rebuild = BucketRebuild(self.reducer, self.storage, self.strategy, optimizers, self.rank, self.group,
-                                self.comm, self.device)
+        rebuild = BucketRebuild(self.reducer, self.storage, self.strategy, self.rank, self.group, self.comm,
+                                self.device)
         if not rebuild.relayout():
             return
+        self._relayouts = rebuild.moves
         self.layout_generation += 1
         if self.storage.groups:
             self.use_hooks.reinstall_gathers()
-        rebuild.repoint_optimizers()
+
+    def carry_optimizer_state(self, states: dict[str, tuple[torch.Tensor, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+        """An optimizer built before the bucket rebuild, on its first use after it: its state
+        (``name -> (tensor, state)``) in the new layout; collective where the masters are
+        sharded (see [Note: optimizers follow the layout] in optim/sharded.py)."""
+        return carry_state(states, self._relayouts, self.storage, self.group, self.comm, self.device)
 
     def add_optimizer(self, optimizer: Any) -> None:
-        """A ShardedOptimizer was built over this engine (a rebuild moves its pieces)."""
+        """A ShardedOptimizer was built over this engine (the one ``engine.optimizer`` names)."""
         self.optimizer = optimizer
-        self._optimizers.append(weakref.ref(optimizer))
 
     @property
     def require_grad_sync(self) -> bool:

@@ -152,12 +152,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         else:
             loss = None
-        if self._layout_generation != self.engine.layout_generation:
-            raise RuntimeError(
-                "this shardpar optimizer holds pieces of a bucket layout the model no longer has: it was "
-                "not moved with the bucket rebuild because it was not alive on every rank then. Build "
-                "optimizers identically on every rank, or pass rebuild_buckets=False to shardpar.wrap"
-            )
+        self._follow_layout()
         self.engine.count_optimizer_step()
         # No backward reduced gradients since zero_grad(): as torch does when every .grad is
         # None, the step changes nothing (no weight decay, no moment update). Gradients that
@@ -188,28 +183,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ bucket rebuild
 
-    def state_by_name(self) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
-        """``name -> (tensor, state)`` of each tensor this rank's optimizer holds state for (one
-        tensor per parameter and rank below stage 3)."""
-        out = {}
+    # [Note: optimizers follow the layout]
+    # The engine rebuilds its buckets at most once, at the end of the first synchronising
+    # backward ([Note: bucket rebuild] in core/rebuild.py), and counts it in
+    # ``layout_generation``. It does not reach into the optimizers built over it: each notices
+    # the new generation on its next use (a step, a checkpoint, a state_dict) and fetches its
+    # pieces again; its state moves with them. Where the masters are sharded (stages 1-2) a
+    # rank's pieces change, so their state crosses ranks: one object all-gather (what state
+    # each rank holds) and the all-gathers that move it, run by every rank at that use, as
+    # every rank steps, saves and loads alike. An optimizer that is never used again (garbage
+    # on some rank) never follows and costs nothing.
+
+    def _follow_layout(self) -> None:
+        if self._layout_generation == self.engine.layout_generation:
+            return
+        states = {}
         for tensors in self.group_tensors:
             for piece in tensors:
                 state = self.inner.state.get(piece.tensor)
                 if state:
-                    out[piece.name] = (piece.tensor, state)
-        return out
-
-    def repoint(self, states: dict[str, dict[str, Any]]) -> None:
-        """The engine rebuilt its buckets ([Note: bucket rebuild] in core/rebuild.py): take this
-        rank's tensors again, point the inner param groups at them (same group dicts, so
-        schedulers keep theirs) and give each tensor ``states[name]``."""
+                    states[piece.name] = (piece.tensor, state)
+        moved = self.engine.carry_optimizer_state(states)
         self.group_tensors = [self.engine.optimizer_tensors(names) for names in self._group_names]
         new_state: defaultdict = defaultdict(dict)
         for group, tensors in zip(self.inner.param_groups, self.group_tensors):
-            group["params"] = [t.tensor for t in tensors]
+            group["params"] = [t.tensor for t in tensors]  # the same group dicts: schedulers keep theirs
             for piece in tensors:
-                if states.get(piece.name):
-                    new_state[piece.tensor] = states[piece.name]
+                if moved.get(piece.name):
+                    new_state[piece.tensor] = moved[piece.name]
         self.inner.state = new_state
         self._layout_generation = self.engine.layout_generation
 
@@ -231,6 +232,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def pieces(self) -> list[list[TensorPiece]]:
         """Per param group, the pieces of parameters this rank's optimizer updates."""
+        self._follow_layout()
         return self.group_tensors
 
     def state_of(self, piece: TensorPiece) -> dict[str, Any]:
@@ -245,6 +247,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Replace the state: ``states[g][i]`` is for ``pieces()[g][i]`` (empty: no state),
         ``options[g]`` the options of group ``g``. Tensor-valued options are filled in place
         (a scheduler may hold them), tuples stay tuples."""
+        self._follow_layout()
         new_state = defaultdict(dict)
         for tensors, group_states in zip(self.group_tensors, states):
             for piece, state in zip(tensors, group_states):
@@ -309,12 +312,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state for this rank's tensors, plus what they are."""
+        self._follow_layout()
         state = self.inner.state_dict()
         state["shardpar"] = self._layout()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of this layout; at stage 0 any rank's (see the Note above)."""
+        self._follow_layout()
         state_dict = dict(state_dict)
         problem = self._layout_mismatch(state_dict.pop("shardpar", None))
         if problem is not None:
