@@ -265,7 +265,7 @@ def _check_mesh(mesh: Any, parent_ranks: list[int]) -> int:
     """G of a (replicate, shard) mesh over exactly the parent's ranks; ValueError otherwise."""
     if getattr(mesh, "ndim", None) != 2:
         raise ValueError(
-            f"mesh must be a 2-D DeviceMesh with dims (replicate, shard), as FSDP2's HSDP takes it; got "
+            "mesh must be a 2-D DeviceMesh with dims (replicate, shard), as FSDP2's HSDP takes it; got "
             + (f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}" if hasattr(mesh, "ndim") else type(mesh).__name__))
     names = mesh.mesh_dim_names
     if names is not None and ("shard" in names[0].lower() or "replica" in names[1].lower()):
