@@ -6,6 +6,11 @@ of 8 GPUs, with its reason. Closed forms only: no ranks are started.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -152,16 +157,17 @@ def test_the_papers_memory_figures() -> None:
     # across nodes, 2(Ψ/8)·2·1/2 = 1.88 GB; stage 3 with G = 8 as little, but more in all.
     (2, "32GB", 2, 8, ["stage 2, shard groups of 8 ranks (within a node) replicated 2 times", "1.88 GB per step "
                        "across nodes", "stage 3, shard groups of 8 ranks (within a node) replicated 2 times sends "
-                       "as few across nodes but 41.25 GB"]),
+                       "as few across nodes but 41.25 GB in all"]),
     # Eight nodes, a budget stage 0 fits (150 GB): its all-reduce sends 2Ψ·2·63/64 = 29.5 GB
     # across nodes; stage 1 in node-sized shard groups 2(Ψ/8)·2·7/8 = 3.28 GB.
-    (8, "200GB", 1, 8, ["stage 1, shard groups of 8 ranks (within a node) replicated 8 times", "19 of 19 plans",
+    (8, "200GB", 1, 8, ["stage 1, shard groups of 8 ranks (within a node) replicated 8 times", "19 of 19 plans fit",
                         "3.28 GB per step across nodes"]),
     # Eight nodes, 16 GB: only stage 3 fits in a node (15 GB + 0.75 GB of units).
     (8, "16GB", 3, 8, ["stage 3, shard groups of 8 ranks (within a node) replicated 8 times", "15.75 GB per rank",
-                       "the fewest across nodes; next: stage 3, shard groups of 16 ranks (spanning 2 nodes)"]),
+                       "the fewest across nodes; next: stage 3, shard groups of 16 ranks (spanning 2 nodes) replicated 4 "
+                       "times sends 43.59 GB across nodes"]),
     # Eight nodes, 4 GB: only full sharding fits, and all of stage 3 crosses nodes.
-    (8, "4GB", 3, 64, ["stage 3, full sharding over 64 ranks", "1 of 19 plans", "the only plan that fits"]),
+    (8, "4GB", 3, 64, ["stage 3, full sharding over 64 ranks", "the only one of 19 plans that fits"]),
 ])
 def test_the_pick_on_nodes_of_8(nodes: int, budget: str, stage: int, shard_group_size: int,
                                 phrases: list[str]) -> None:
@@ -201,3 +207,14 @@ def test_one_node_without_mixed_precision_picks_what_choose_stage_picks() -> Non
     fixed = choose_plan(ZERO_PSI, 16, "200GB", node_size=8, shard_group_sizes=[16], **ZERO)
     assert (fixed.stage, fixed.shard_group_size) == (0, None), fixed.reason
     assert "stage 1, full sharding over 16 ranks sends as many bytes at a higher stage" in fixed.reason
+
+
+def test_the_docs_example_prints_what_it_shows() -> None:
+    """docs/planner.md ("Many nodes") pastes what its example prints; keep it true."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "planner.md").read_text()
+    section = doc[doc.index("## Many nodes: hybrid sharding"):]
+    code, printed = re.search(r"```python\n(.*?)```\n\nprints .*?\n\n```\n(.*?)```", section, re.S).groups()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "docs/planner.md", "exec"), {})
+    assert out.getvalue() == printed

@@ -158,8 +158,9 @@ def _compare(a: StagePlan, b: StagePlan) -> int:
     """Fewer bytes across nodes, then fewer in all (payload: padding is a few elements per
     bucket, and would break ties that the closed forms make exact), then the lower stage,
     then the larger G (less memory per rank, no larger traffic)."""
-    for x, y in ((a.bytes_across_nodes, b.bytes_across_nodes), (a.communication.sent_bytes, b.communication.sent_bytes)):
-        if not math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-3):
+    for x, y in ((a.bytes_across_nodes, b.bytes_across_nodes),
+                 (a.communication.sent_bytes, b.communication.sent_bytes)):
+        if not _close(x, y):
             return -1 if x < y else 1
     return (a.stage - b.stage) or ((b.shard_group_size or 0) - (a.shard_group_size or 0))
 
@@ -177,23 +178,31 @@ def _describe(plan: StagePlan, node_size: int) -> str:
 def _reason(best: StagePlan, others: list[StagePlan], planned: int, budget: int, world_size: int,
             node_size: int) -> str:
     gb = functools.partial(format_bytes, binary=False)
-    fit = len(others) + 1
-    text = (f"{_describe(best, node_size)}: {gb(best.memory.total)} per rank fits the budget of {format_both(budget)}, "
-            f"as {fit} of {planned} plans do; ")
+    fits = (f"the only one of {planned} plans that fits" if not others
+            else f"{len(others) + 1} of {planned} plans fit")
+    text = (f"{_describe(best, node_size)}: {gb(best.memory.total)} per rank fits the budget of "
+            f"{format_both(budget)}; {fits}; ")
     total = best.communication.sent_bytes
-    if world_size <= node_size:
-        text += f"one node, so no bytes cross nodes; it sends {gb(total)} per step"
-    else:
+    several_nodes = world_size > node_size
+    if several_nodes:
         text += f"it sends {gb(best.bytes_across_nodes)} per step across nodes ({gb(total)} in all)"
+    else:
+        text += f"one node, so no bytes cross nodes; it sends {gb(total)} per step"
     if not others:
-        return text + ", and is the only plan that fits"
+        return text
     nxt = others[0]
-    if world_size > node_size and not math.isclose(nxt.bytes_across_nodes, best.bytes_across_nodes, rel_tol=1e-9,
-                                                   abs_tol=1e-3):
-        return text + f", the fewest across nodes; next: {_describe(nxt, node_size)}, {gb(nxt.bytes_across_nodes)}"
-    if not math.isclose(nxt.communication.sent_bytes, total, rel_tol=1e-9, abs_tol=1e-3):
-        tied = " as few across nodes but" if world_size > node_size else ""
-        return text + f", the fewest; next: {_describe(nxt, node_size)} sends{tied} {gb(nxt.communication.sent_bytes)}"
+    if several_nodes and not _close(nxt.bytes_across_nodes, best.bytes_across_nodes):
+        return text + (f", the fewest across nodes; next: {_describe(nxt, node_size)} sends "
+                       f"{gb(nxt.bytes_across_nodes)} across nodes")
+    if not _close(nxt.communication.sent_bytes, total):
+        tied = " as few across nodes but" if several_nodes else ""
+        return text + (f", the fewest; next: {_describe(nxt, node_size)} sends{tied} "
+                       f"{gb(nxt.communication.sent_bytes)} in all")
     if nxt.stage != best.stage:
         return text + f"; {_describe(nxt, node_size)} sends as many bytes at a higher stage"
     return text + f"; {_describe(nxt, node_size)} sends as many bytes with smaller shard groups (more memory per rank)"
+
+
+def _close(x: float, y: float) -> bool:
+    """Equal bytes, but for the rounding of sums the closed forms make exact."""
+    return math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-3)
