@@ -33,22 +33,23 @@ ERROR_WITHIN_S = 10.0
 another will not issue)."""
 
 
+def _set_environ(values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @contextmanager
 def _environ(**values: str | None) -> Iterator[None]:
+    """The environment with ``values`` (None: unset) inside; as before outside (a pool's rank lives on)."""
     saved = {name: os.environ.get(name) for name in values}
     try:
-        for name, value in values.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _set_environ(values)
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _set_environ(saved)
 
 
 def _membership(groups: ShardingGroups) -> dict[str, Any]:
