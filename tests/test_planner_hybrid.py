@@ -164,8 +164,8 @@ def test_the_papers_memory_figures() -> None:
                         "3.28 GB per step across nodes"]),
     # Eight nodes, 16 GB: only stage 3 fits in a node (15 GB + 0.75 GB of units).
     (8, "16GB", 3, 8, ["stage 3, shard groups of 8 ranks (within a node) replicated 8 times", "15.75 GB per rank",
-                       "the fewest across nodes; next: stage 3, shard groups of 16 ranks (spanning 2 nodes) replicated 4 "
-                       "times sends 43.59 GB across nodes"]),
+                       "the fewest across nodes; next: stage 3, shard groups of 16 ranks (spanning 2 nodes) "
+                       "replicated 4 times sends 43.59 GB across nodes"]),
     # Eight nodes, 4 GB: only full sharding fits, and all of stage 3 crosses nodes.
     (8, "4GB", 3, 64, ["stage 3, full sharding over 64 ranks", "the only one of 19 plans that fits"]),
 ])

@@ -165,13 +165,9 @@ def sharding_groups(shard_group_size: ShardGroupSize = None, *, mesh: Any = None
     every rank, naming the ranks, when a rank's choice is invalid or the ranks disagree on G
     ([Note: sharding groups]). ``timeout_s``: of the groups it creates (as ``wrap``'s option;
     None: torch's default)."""
-    if shard_group_size is not None and mesh is not None:
-        raise ValueError("pass shard_group_size or mesh, not both: a mesh's shard dimension is the group size")
     world_size = get_world_size(group)
     if world_size == 1:
-        resolve_shard_group_size(shard_group_size, 1)  # still refuse a bad value
-        if mesh is not None:
-            _check_mesh(mesh, [get_rank()])
+        _local_size(shard_group_size, mesh, [get_rank()], 1)  # still refuse a bad choice
         return ShardingGroups(1, 1, 1, 0, 0, (0,), (0,), None, None, _source(shard_group_size, mesh))
     parent = group if group is not None else dist.group.WORLD
     proposal = _propose(shard_group_size, mesh, parent, world_size)
@@ -202,20 +198,26 @@ def _propose(choice: ShardGroupSize, mesh: Any, parent: ProcessGroup, world_size
     agreement)."""
     kind = "mesh" if mesh is not None else "size"
     try:
-        if mesh is not None:
-            shard_size = _check_mesh(mesh, dist.get_process_group_ranks(parent))
-        else:
-            shard_size = resolve_shard_group_size(choice, world_size)
-            if 1 < shard_size < world_size and parent is not dist.group.WORLD:
-                # new_group is collective over the whole job: ranks outside the parent would not take part.
-                raise ValueError(
-                    f"shard_group_size={choice!r} with a process_group that is not the whole job: build a 2-D "
-                    "DeviceMesh (replicate, shard) over the group's ranks and pass mesh= instead")
+        shard_size = _local_size(choice, mesh, dist.get_process_group_ranks(parent), world_size)
+        if mesh is None and 1 < shard_size < world_size and parent is not dist.group.WORLD:
+            # new_group is collective over the whole job: ranks outside the parent would not take part.
+            raise ValueError(
+                f"shard_group_size={choice!r} with a process_group that is not the whole job: build a 2-D "
+                "DeviceMesh (replicate, shard) over the group's ranks and pass mesh= instead")
     except ValueError as problem:
         return _Proposal(kind, None, str(problem), None, False)
     node = os.environ.get("GROUP_RANK") if choice == NODE else None
     cached = mesh is None and shard_size in _CREATED.get(parent, {})
     return _Proposal(kind, shard_size, None, node, cached)
+
+
+def _local_size(choice: ShardGroupSize, mesh: Any, parent_ranks: list[int], world_size: int) -> int:
+    """G as this rank alone sees it; ValueError naming what is wrong."""
+    if choice is not None and mesh is not None:
+        raise ValueError("pass shard_group_size or mesh, not both: a mesh's shard dimension is the group size")
+    if mesh is not None:
+        return _check_mesh(mesh, parent_ranks)
+    return resolve_shard_group_size(choice, world_size)
 
 
 def _check_agreement(proposals: list[_Proposal], choice: ShardGroupSize) -> None:
@@ -245,7 +247,8 @@ def _check_agreement(proposals: list[_Proposal], choice: ShardGroupSize) -> None
                 raise ValueError(
                     f"shard_group_size='node': ranks {start}..{start + shard_size - 1} form one shard group "
                     "but run on different nodes (GROUP_RANK "
-                    + ", ".join(f"{node} on ranks {_ranks([start + r for r in ranks])}" for node, ranks in nodes.items())
+                    + ", ".join(f"{node} on ranks {_ranks([start + r for r in ranks])}"
+                                for node, ranks in nodes.items())
                     + "); launch with torchrun, which numbers the ranks of a node consecutively")
 
 
@@ -274,12 +277,12 @@ def _check_mesh(mesh: Any, parent_ranks: list[int]) -> int:
     ranks = sorted(mesh.mesh.flatten().tolist())
     if ranks != sorted(parent_ranks):
         raise ValueError(f"the mesh of shape {tuple(mesh.shape)} holds ranks {ranks}, but the process group has "
-                         f"{len(parent_ranks)} ranks {sorted(parent_ranks)}: the mesh must cover exactly the group's ranks")
+                         f"{len(parent_ranks)} ranks {sorted(parent_ranks)}: the mesh must cover exactly the "
+                         "group's ranks")
     return int(mesh.size(1))
 
 
 def _from_mesh(mesh: Any, world_size: int, source: str) -> ShardingGroups:
-    replica_rank, shard_rank = mesh.get_coordinate()
     shard_size, replica_size = int(mesh.size(1)), int(mesh.size(0))
     shard_group = mesh.get_group(1) if shard_size > 1 else None
     replica_group = mesh.get_group(0) if replica_size > 1 else None
@@ -312,7 +315,7 @@ def _create(parent: ProcessGroup, world_size: int, shard_size: int, timeout_s: f
     for name, lists in (("shard", shard_lists), ("replica", replica_lists)):
         for members in lists:
             ranks = [parent_ranks[i] for i in members]
-            created = dist.new_group(ranks=ranks, timeout=timeout, group_desc=f"shardpar_{name}_G{shard_size}")
+            created = dist.new_group(ranks=ranks, timeout=timeout)
             if me in members:
                 mine[name] = (tuple(ranks), created)
     (shard_ranks, shard_group), (replica_ranks, replica_group) = mine["shard"], mine["replica"]
