@@ -6,7 +6,7 @@ Public API:
   return values, index = rank.
 - ``run_script(args, timeout, env=None, cwd=None) -> CompletedProcess`` runs a command
   (typically ``torchrun``) in its own process group and kills the whole group on timeout.
-- ``free_port()``, ``shutdown_pools()``; exceptions ``RankFailure``, ``RankTimeout``,
+- ``free_port()``, ``kill_tree(pid)``, ``shutdown_pools()``; exceptions ``RankFailure``, ``RankTimeout``,
   ``ScriptTimeout``; ``CPU_ONLY_ENV``, the environment that keeps a script on the CPU.
 
 [Note: rank pools]
@@ -71,6 +71,7 @@ __all__ = [
     "RankTimeout",
     "ScriptTimeout",
     "free_port",
+    "kill_tree",
     "run_ranks",
     "run_script",
     "shutdown_pools",
@@ -641,7 +642,7 @@ def run_script(
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_tree(process.pid)
+        kill_tree(process.pid)
         try:
             stdout, stderr = process.communicate(timeout=5.0)
         except subprocess.TimeoutExpired:  # a process outside the group holds the pipes
@@ -654,7 +655,7 @@ def run_script(
             stderr,
         ) from None
     except BaseException:
-        _kill_tree(process.pid)
+        kill_tree(process.pid)
         process.wait()
         raise
     _kill_group(process.pid)  # ranks orphaned by a crashed launcher would survive it
@@ -682,7 +683,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _kill_tree(pid: int) -> None:
+def kill_tree(pid: int) -> None:
     """Kill ``pid``'s process group and every descendant: torchrun starts each rank in a new
     session, so killing the launcher's group alone would leave ranks running."""
     for child in _descendants(pid):

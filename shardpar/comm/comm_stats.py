@@ -26,14 +26,27 @@ than moves (issue #32). At N > 2 gloo's broadcast tree forwards the whole posted
 real traffic for gathers of units smaller than the largest exceeds the ring model.
 
 Every collective an engine issues from the end of ``wrap`` on in training is counted, under
-the kinds of ``_SEND_FACTOR``: forward, backward, ``clip_grad_norm_``, ``GradScaler`` and
+the kinds of ``SEND_FACTOR``: forward, backward, ``clip_grad_norm_``, ``GradScaler`` and
 ``step()``, the one-off agreements of the first steps included; tests/test_comm_stats.py
 checks the sum against a counter wrapped around ``torch.distributed``, exactly. Not
 counted: ``wrap``'s own set-up, state dicts, checkpoints and the reports of an error.
+
+[Note: one description of a step's collectives]
+The planner predicts what the engines count, so both price collectives with one function,
+:func:`ring_sent_bytes`, and the planner describes a step as :class:`Collective` values (a
+kind on a group, its bytes and calls) that :func:`tally` sums into the same shape a
+:class:`CommStats` snapshot has, one per group ([Note: communication model] in
+planner/communication.py). Groups are named by their role under hybrid sharding
+([Note: sharding groups] in sharding_groups.py): ``"shard_group"`` (the G ranks sharing one
+copy of the model state: gathers and reduce-scatters), ``"replica_group"`` (the R ranks
+holding the same shard: its all-reduce) and ``"all_ranks"`` (every rank of the wrap's group:
+stage 0's all-reduce, the used-parameter flags, buffer broadcasts, agreements). Under full
+sharding the shard group is all ranks, and still counted as ``"shard_group"``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +59,48 @@ import torch
 # GradScaler's of its overflow flag; "control" the gathers that carry no model values, only
 # agreement between ranks (pickles of a size no closed form gives): the launch order of the
 # first synchronising backward, the bucket rebuild's proposal, stage 3's tag probes and fillers.
-_SEND_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "used_flags": 2, "rebuild": 1,
+SEND_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "used_flags": 2, "rebuild": 1,
                 "clip_norm": 2, "found_inf": 2, "control": 1}
+
+
+SHARD_GROUP = "shard_group"
+REPLICA_GROUP = "replica_group"
+ALL_RANKS = "all_ranks"
+GROUPS = (SHARD_GROUP, REPLICA_GROUP, ALL_RANKS)
+"""The groups a step's collectives run on, by role ([Note: one description of a step's collectives])."""
+
+
+def ring_sent_bytes(op: str, nbytes: float, group_size: int) -> float:
+    """Bytes one rank sends for collectives of kind ``op`` carrying ``nbytes`` (S, summed over
+    calls) on ``group_size`` ranks, by the ring model of [Note: byte accounting]."""
+    return _ring(nbytes, SEND_FACTOR[op], group_size)
+
+
+def _ring(nbytes: float, factor: int, group_size: int) -> float:
+    return nbytes * factor * (group_size - 1) / group_size
+
+
+@dataclass(frozen=True)
+class Collective:
+    """Collectives of one kind on one group in a training step: ``calls`` of them carrying
+    ``payload_bytes`` + ``padding_bytes`` in all (S of [Note: byte accounting], summed)."""
+
+    op: str
+    """A kind of ``SEND_FACTOR``."""
+    group: str
+    """One of ``GROUPS``."""
+    group_size: int
+    payload_bytes: float
+    padding_bytes: float = 0.0
+    calls: int = 1
+
+    @property
+    def sent_bytes(self) -> float:
+        return ring_sent_bytes(self.op, self.payload_bytes, self.group_size)
+
+    @property
+    def padding_sent_bytes(self) -> float:
+        return ring_sent_bytes(self.op, self.padding_bytes, self.group_size)
 
 
 @dataclass
@@ -66,11 +119,11 @@ class OpTraffic:
     @property
     def sent_bytes(self) -> float:
         """Bytes this rank sent for the payload, by the ring model."""
-        return self.payload_bytes * self.factor * (self.world_size - 1) / self.world_size
+        return _ring(self.payload_bytes, self.factor, self.world_size)
 
     @property
     def padding_sent_bytes(self) -> float:
-        return self.padding_bytes * self.factor * (self.world_size - 1) / self.world_size
+        return _ring(self.padding_bytes, self.factor, self.world_size)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -91,10 +144,10 @@ class CommStats:
     def record(self, op: str, numel: int, padding_numel: int, element_size: int, world_size: int) -> None:
         self.record_bytes(op, (numel - padding_numel) * element_size, padding_numel * element_size, world_size)
 
-    def record_bytes(self, op: str, payload_bytes: int, padding_bytes: int, world_size: int) -> None:
-        traffic = self.ops.setdefault(op, OpTraffic(factor=_SEND_FACTOR[op], world_size=world_size))
+    def record_bytes(self, op: str, payload_bytes: int, padding_bytes: int, world_size: int, calls: int = 1) -> None:
+        traffic = self.ops.setdefault(op, OpTraffic(factor=SEND_FACTOR[op], world_size=world_size))
         assert traffic.world_size == world_size, "one CommStats counts one process group"
-        traffic.calls += 1
+        traffic.calls += calls
         traffic.payload_bytes += payload_bytes
         traffic.padding_bytes += padding_bytes
 
@@ -118,3 +171,13 @@ def record_traffic(
     """Count ``tensor`` (``padding_numel`` of its elements padding) under ``op`` in ``stats``, if any."""
     if stats is not None:
         stats.record(op, tensor.numel(), padding_numel, tensor.element_size(), world_size)
+
+
+def tally(collectives: Iterable[Collective]) -> dict[str, dict[str, dict[str, float]]]:
+    """``{group: snapshot}``: the collectives summed per group, each as a :class:`CommStats`
+    snapshot ([Note: one description of a step's collectives])."""
+    by_group: dict[str, CommStats] = {}
+    for c in collectives:
+        by_group.setdefault(c.group, CommStats()).record_bytes(c.op, c.payload_bytes, c.padding_bytes, c.group_size,
+                                                              c.calls)
+    return {group: stats.snapshot() for group, stats in by_group.items()}

@@ -13,7 +13,9 @@ mixed precision p = r = d and there is no separate master copy. Per rank:
     2       pΨ (+ dΨ/N master)      dΨ/N      kΨ/N        staging: ≤3 buckets (2 in flight + 1 collecting), in r
     3       dΨ/N                    dΨ/N      kΨ/N        gathered units in p + gradient staging of units in r
 
-With fp32 Adam this is DESIGN.md's 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N and 16Ψ/N. Frozen parameters
+With fp32 Adam this is DESIGN.md's 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N and 16Ψ/N. Under hybrid sharding
+(``shard_group_size=G``) the state is sharded over the G ranks of a shard group, not N: read G
+for N everywhere in this note (padding to a multiple of G included); stage 0 ignores G. Frozen parameters
 add their own bytes to ``params`` (full at stages 0-2, 1/N at stage 3) and nothing else.
 Padding counts where the engines store it: the Ψ of params, grads and workspace is the
 layouts' size, Ψ + P, where P is the padding of the real buffers or units at world size N
@@ -44,6 +46,7 @@ from typing import Any
 import torch
 
 from ..comm import collectives as C
+from ..comm.sharding_groups import resolve_shard_group_size
 from ..comm.tagged_gather import TAG_BYTES
 from ..config import MixedPrecision, MixedPrecisionOption, WrapPolicy
 from .shapes import ModelOrCount, check_world_and_stage, model_shape
@@ -140,6 +143,9 @@ class MemoryEstimate:
     """The same for a model built on the meta device ([Note: deferred initialisation]): at
     stage 3 the final params + grads plus the largest unit being initialised (on CPU); at
     stages 0-2 as ``startup_built``."""
+    shard_group_size: int = 0
+    """G: the ranks that share the sharded state (the world size under full sharding; 1 at
+    stage 0, which shards nothing)."""
 
     @property
     def model_state(self) -> int:
@@ -169,6 +175,7 @@ def estimate_memory(
     wrap_policy: WrapPolicy = None,
     min_unit_params: int = 100_000,
     align_for_bandwidth: bool | None = None,
+    shard_group_size: int | str | None = None,
 ) -> MemoryEstimate:
     """Bytes of model state one rank holds at ``stage`` on ``world_size`` ranks.
 
@@ -182,7 +189,8 @@ def estimate_memory(
     taken without momentum; say ``"sgd_momentum"``). ``mixed_precision``: as ``wrap`` takes
     it; ``"bf16"``/``"fp16"`` compute in half precision and reduce in fp32.
     ``align_for_bandwidth``: as ``wrap`` takes it (None: on when the default process group
-    runs NCCL, else off).
+    runs NCCL, else off). ``shard_group_size``: G, as ``wrap`` takes it (None: G = N; ``"node"``:
+    ``LOCAL_WORLD_SIZE``): sharded state divides by G, not N; ignored at stage 0.
 
     The model is [Note: storage model]: padding counts where the engines store it, and
     activations are not model state.
@@ -190,15 +198,18 @@ def estimate_memory(
     check_world_and_stage(world_size, stage)
     name, k = _state_bytes_per_element(optimizer)
     mp = MixedPrecision.from_option(mixed_precision)
-    shape = model_shape(model_or_param_count, world_size, bucket_cap_mb, largest_unit_params, wrap_policy,
-                         min_unit_params, align_for_bandwidth)
-    n, psi, d = world_size, shape.trainable, shape.stored_bytes
+    # The ranks that share the sharded state, and whose multiple the layouts are padded to: the
+    # shard group's G (N under full sharding); stage 0 shards nothing and pads to N.
+    shard_size = resolve_shard_group_size(shard_group_size, world_size)
+    n = 1 if stage == 0 else shard_size
+    shape = model_shape(model_or_param_count, world_size if stage == 0 else n, bucket_cap_mb, largest_unit_params,
+                        wrap_policy, min_unit_params, align_for_bandwidth)
+    psi, d = shape.trainable, shape.stored_bytes
     p = mp.param_dtype.itemsize if mp is not None and mp.param_dtype is not None else d
     r = (mp.reduce_dtype.itemsize if mp.reduce_dtype is not None else 4) if mp is not None else d
     master = mp is not None and p != d  # a separate fp32 copy for the optimizer to update
 
-    shards = 1 if stage == 0 else n  # how many ranks share the optimizer's tensors
-    optimizer_state = k * (d / 4) * psi / shards  # the state has the master's dtype
+    optimizer_state = k * (d / 4) * psi / n  # the state has the master's dtype
     if stage == 3:
         held = [u for u in shape.units if u.held]
         others = [u for u in shape.units if not u.held]
@@ -219,10 +230,10 @@ def estimate_memory(
     else:
         stored = psi + shape.bucket_padding  # Ψ + P
         # Frozen parameters: as created, plus the compute copy when mixed precision casts them.
-        params = p * stored + (d * stored / shards if master else 0) + shape.frozen_bytes + (
+        params = p * stored + (d * stored / n if master else 0) + shape.frozen_bytes + (
             p * shape.frozen if master else 0)
         # r != d: the reduced gradients are copied to the master dtype for the optimizer.
-        grads = (r * stored + (d * stored / shards if r != d else 0)) if stage < 2 else d * stored / n
+        grads = (r * stored + (d * stored / n if r != d else 0)) if stage < 2 else d * stored / n
         workspace = r * _largest(list(shape.buckets), STAGING_BUCKETS) if stage == 2 else 0
     parts = [round(x) for x in (params, grads, optimizer_state, workspace)]
     startup_built = startup_meta = params + grads
@@ -248,4 +259,5 @@ def estimate_memory(
         units_from_model=shape.measured and largest_unit_params is None,
         startup_built=round(startup_built),
         startup_meta=round(startup_meta),
+        shard_group_size=n,
     )

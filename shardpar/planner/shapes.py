@@ -6,6 +6,7 @@ parameter count.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Union
 
@@ -123,6 +124,13 @@ def _shape_of_count(
 ) -> ModelShape:
     if isinstance(trainable, bool) or not isinstance(trainable, int) or trainable < 1:
         raise ValueError(f"parameter count must be a positive int or an nn.Module, got {trainable!r}")
+    return _laid_out_count(trainable, bucket_cap_mb, largest_unit_params, world_size, alignment)
+
+
+@functools.lru_cache(maxsize=64)  # a plan asks for the same shape per stage and estimate (stage_choice.py)
+def _laid_out_count(
+    trainable: int, bucket_cap_mb: float, largest_unit_params: int | None, world_size: int, alignment: Alignment
+) -> ModelShape:
     cap = _bucket_cap_numel(bucket_cap_mb, 4)
     full, rest = divmod(trainable, cap)
     chunks = (cap,) * full + ((rest,) if rest else ())  # one tensor per bucket

@@ -1,0 +1,28 @@
+"""Two torchrun agents as two "nodes" on loopback (tests/launch.py, issue #34): torchrun's
+c10d rendezvous numbers the ranks node by node, and ``shard_group_size="node"`` puts each
+node's ranks in one shard group and pairs them across nodes in replica groups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.launch import run_nodes
+
+SCRIPT = Path(__file__).resolve().parent / "two_node_script.py"
+
+
+def test_two_agents_make_two_nodes_of_two() -> None:
+    run = run_nodes(SCRIPT, nodes=2, nproc_per_node=2, timeout=120)
+    assert run.ok and sorted(run.ranks) == [0, 1, 2, 3], run.output()
+    for rank, seen in run.ranks.items():
+        node = rank // 2
+        assert (seen["WORLD_SIZE"], seen["LOCAL_WORLD_SIZE"], seen["RANK"]) == ("4", "2", str(rank)), seen
+        assert seen["LOCAL_RANK"] == str(rank % 2) and seen["MASTER_ADDR"] == "127.0.0.1", seen
+        assert seen["world_sum"] == 10.0  # 1 + 2 + 3 + 4
+        assert seen["shard_ranks"] == [2 * node, 2 * node + 1], seen
+        assert seen["replica_ranks"] == [rank % 2, rank % 2 + 2], seen
+        assert seen["shard_sum"] == [3.0, 7.0][node] and seen["replica_sum"] == [4.0, 6.0][rank % 2], seen
+        assert seen["alive_after_destroy"] == 0, seen
+    # Each agent is one node: its two ranks share a GROUP_RANK, and the agents have 0 and 1.
+    assert {run.ranks[r]["GROUP_RANK"] for r in (0, 1)} != {run.ranks[r]["GROUP_RANK"] for r in (2, 3)}
+    assert sorted(run.ranks[r]["GROUP_RANK"] for r in range(4)) == ["0", "0", "1", "1"]
