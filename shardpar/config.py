@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 from torch import nn
@@ -143,6 +143,14 @@ class ShardConfig:
     timeout_s: float = 300.0
     """Seconds a collective may wait for the other ranks before the job fails (process group
     timeout when shardpar creates the group)."""
+    shard_group_size: int | str | None = None
+    """Stages 1-3, hybrid sharding: shard within groups of G consecutive ranks and replicate
+    across the N/G groups (an int G dividing the world size, or ``"node"``: G =
+    LOCAL_WORLD_SIZE); None shards over every rank. Stage 0 ignores it. See [Note: sharding
+    groups] in comm/sharding_groups.py."""
+    mesh: Any = None
+    """Stages 1-3: a 2-D ``DeviceMesh`` (replicate, shard), as FSDP2's HSDP takes it, instead
+    of ``shard_group_size``."""
     align_for_bandwidth: bool | None = None
     """Start every parameter at a multiple of 64 elements and pad every bucket and stage-3 unit
     to a multiple of lcm(N, 128), as Megatron-core does for NCCL's bandwidth (memory and bytes
@@ -177,6 +185,17 @@ class ShardConfig:
             raise ValueError(f"min_unit_params must be >= 1, got {self.min_unit_params!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s!r}")
+        if self.shard_group_size is not None and (
+            isinstance(self.shard_group_size, bool) or not isinstance(self.shard_group_size, (int, str))
+            or (isinstance(self.shard_group_size, str) and self.shard_group_size != "node")
+            or (isinstance(self.shard_group_size, int) and self.shard_group_size < 1)
+        ):
+            raise ValueError(
+                f"shard_group_size must be None (shard over every rank), a positive int dividing the world size "
+                f"or 'node', got {self.shard_group_size!r}"
+            )
+        if self.mesh is not None and self.shard_group_size is not None:
+            raise ValueError("pass shard_group_size or mesh, not both: a mesh's shard dimension is the group size")
         object.__setattr__(self, "mixed_precision", MixedPrecision.from_option(self.mixed_precision))
 
     @property
@@ -198,7 +217,9 @@ class ShardConfig:
         parts = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, (list, tuple)):
+            if f.name == "mesh" and value is not None:
+                value = f"DeviceMesh{tuple(getattr(value, 'shape', ()))}"  # its groups are objects of each rank
+            elif isinstance(value, (list, tuple)):
                 value = [getattr(c, "__qualname__", repr(c)) for c in value]
             elif callable(value) and not isinstance(value, type):
                 value = getattr(value, "__qualname__", "callable")

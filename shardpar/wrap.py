@@ -11,6 +11,7 @@ from .comm import collectives as C
 from .comm import devices as D
 from .comm import process_group as PG
 from .checkpoint.dtypes import is_storable
+from .comm.sharding_groups import ShardingGroups, sharding_groups
 from .config import ShardConfig
 from .core.deferred_init import DeferredInit, InitFn, materialise_whole
 from .core.inventory import check_initialized, first_difference, model_signature, module_device
@@ -115,6 +116,22 @@ def _agree_across_ranks(
             )
 
 
+def _sharding(config: ShardConfig, group: Any) -> ShardingGroups | None:
+    """Stages 1-3 with ``shard_group_size`` or ``mesh``: the shard and replica groups, agreed
+    across ranks (a mismatch is an error on every rank; see [Note: sharding groups]). Stage 0
+    shards nothing and ignores both."""
+    if config.stage == 0 or (config.shard_group_size is None and config.mesh is None):
+        return None
+    sharding = sharding_groups(config.shard_group_size, mesh=config.mesh, group=group, timeout_s=config.timeout_s)
+    if sharding.shard_size == 1 and sharding.world_size > 1:  # the same on every rank: all raise
+        raise ValueError(
+            f"{sharding.source} shards nothing at stage {config.stage}: every rank would hold everything and "
+            "all-reduce every gradient over all ranks, which is stage 0 (DDP) with less work; use stage=0, or a "
+            "shard group of more than one rank"
+        )
+    return sharding
+
+
 def wrap(module: nn.Module, stage: int = 0, *, process_group: Any = None, init_fn: InitFn | None = None,
          **options: Any) -> ShardedModule:
     """Train ``module`` data-parallel at ZeRO ``stage`` (0-3) on every rank of the job.
@@ -161,5 +178,5 @@ def wrap(module: nn.Module, stage: int = 0, *, process_group: Any = None, init_f
         deferred_init = DeferredInit(init_fn, device)
     elif deferred:
         materialise_whole(module, init_fn, process_group, device)  # stages 0-2 keep every parameter anyway
-    engine = build_engine(module, config, process_group, deferred_init)
+    engine = build_engine(module, config, process_group, deferred_init, _sharding(config, process_group))
     return ShardedModule(module, engine)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from . import compat, devices, host, watch
 from .backend_traits import backend_averages, traits
-from .comm_stats import CommStats, record_traffic
+from .comm_stats import ALL_RANKS, REPLICA_GROUP, SHARD_GROUP, CommStats, merge_snapshots, record_traffic
 from .handle import Handle
 from .process_group import ProcessGroup, get_rank, get_world_size, is_initialized, retire_sibling_group, sibling_group
 from .tagged_gather import (
@@ -57,7 +57,11 @@ __all__ = [
     "send",
     "recv",
     # from the modules beside this one
+    "ALL_RANKS",
+    "REPLICA_GROUP",
+    "SHARD_GROUP",
     "CommStats",
+    "merge_snapshots",
     "GatheredTags",
     "Handle",
     "TaggedAllGather",

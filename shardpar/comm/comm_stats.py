@@ -173,6 +173,22 @@ def record_traffic(
         stats.record(op, tensor.numel(), padding_numel, tensor.element_size(), world_size)
 
 
+def merge_snapshots(snapshots: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Several :meth:`CommStats.snapshot` results (one per group) as one: each op's counts
+    and bytes summed over the groups it ran on, and the totals."""
+    out: dict[str, dict[str, float]] = {}
+    for snapshot in snapshots:
+        for op, stats in snapshot.items():
+            if op == "total":
+                continue
+            merged = out.setdefault(op, dict.fromkeys(stats, 0))
+            for key, value in stats.items():
+                merged[key] += value
+    out = dict(sorted(out.items()))
+    out["total"] = {key: sum(s["total"][key] for s in snapshots) for key in ("sent_bytes", "padding_sent_bytes")}
+    return out
+
+
 def tally(collectives: Iterable[Collective]) -> dict[str, dict[str, dict[str, float]]]:
     """``{group: snapshot}``: the collectives summed per group, each as a :class:`CommStats`
     snapshot ([Note: one description of a step's collectives])."""

@@ -78,6 +78,16 @@ class ShardingGroups:
     source: str = "full sharding"
     """How the user asked for it, for messages."""
 
+    @classmethod
+    def whole(cls, group: ProcessGroup | None) -> "ShardingGroups":
+        """Full sharding over ``group`` itself (None: the default group, or world size 1 without
+        one), with no collective and no group created: what every stage has without
+        ``shard_group_size``. The shard group is ``group`` as given, so collectives keep
+        running on it unchanged."""
+        world_size, rank = get_world_size(group), get_rank(group)
+        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD)) if world_size > 1 else (rank,)
+        return cls(world_size, world_size, 1, rank, 0, ranks, (ranks[rank],), group, None)
+
     @property
     def is_hybrid(self) -> bool:
         """Sharded within groups and replicated across them (1 < G < N)."""

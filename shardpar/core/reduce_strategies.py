@@ -34,6 +34,7 @@ from ..comm import collectives as C
 from .averaging import Averaging, ReduceDtype, averaging_per_space, scale
 from .layout import ShardPiece
 from .rebuild import Relayout
+from .replicas import AcrossReplicas
 from .reducer import GradBucket, ParamSpace
 
 
@@ -252,7 +253,15 @@ class ShardedAverage:
     rank: int
     spaces: list[ParamSpace]
     averaging_of: dict[ParamSpace, Averaging]
+    replicas: AcrossReplicas | None = None
+    """Hybrid sharding: the replica group's all-reduce after each reduce-scatter ([Note:
+    reduction under hybrid sharding] in replicas.py); None under full sharding."""
     collective = "reduce_scatter"
+
+    def sum_replicas(self, bucket: GradBucket, owned: torch.Tensor) -> None:
+        """After ``bucket``'s reduce-scatter: its owned slice summed across replicas, if any."""
+        if self.replicas is not None:
+            self.replicas.sum_(owned, bucket.spec, self.averaging_of[bucket.space].op)
 
     def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor:
         raise NotImplementedError
@@ -280,6 +289,7 @@ class ShardedAverage:
 
     def _reduced_late(self, bucket: GradBucket, late: torch.Tensor) -> torch.Tensor:
         owned = self.owned_in_staging(bucket, late)
+        self.sum_replicas(bucket, owned)
         scale(owned, self.averaging_of[bucket.space].after)
         return owned
 
@@ -290,10 +300,13 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
     max_in_flight: int | None = None
     full_grads_on_params = False
 
-    def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm) -> None:
+    def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm,
+                 replicas: AcrossReplicas | None = None, ranks_summed: int | None = None) -> None:
         _FullGradBuffer.__init__(self, spaces, reduce_dtype)
         self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = reduce_dtype, world_size, rank, group, comm
-        self.averaging_of = averaging_per_space(spaces, reduce_dtype, world_size, group, divide_before=False)
+        self.replicas = replicas
+        self.averaging_of = averaging_per_space(spaces, reduce_dtype, ranks_summed or world_size, group,
+                                                divide_before=False)
         self.master_grad_shards = {
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device)
             for s, g in self.data.items()
@@ -319,6 +332,7 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
     def finish(self, bucket: GradBucket) -> None:
         space = bucket.space
         reduced = self.owned_in_space(bucket.spec, self.data[space])
+        self.sum_replicas(bucket, reduced)
         scale(reduced, self.averaging_of[space].after)
         if self._carry is not None:
             carried = space.layout.shard_of(bucket.spec, self._carry[space])

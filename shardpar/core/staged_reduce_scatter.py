@@ -22,6 +22,7 @@ from .layout import Bucket, ShardPiece
 from .param_guard import metadata_only
 from .rebuild import Relayout
 from .reduce_strategies import ShardedAverage, nbytes, zero_pieces
+from .replicas import AcrossReplicas
 from .reducer import GradBucket, ParamSpace
 
 
@@ -33,10 +34,14 @@ class StagedReduceScatter(ShardedAverage):
     max_in_flight: int | None = 2
     full_grads_on_params = False
 
-    def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm) -> None:
+    def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm,
+                 replicas: AcrossReplicas | None = None, ranks_summed: int | None = None) -> None:
         self.spaces = list(spaces)
         self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = reduce_dtype, world_size, rank, group, comm
-        self.averaging_of = averaging_per_space(spaces, reduce_dtype, world_size, group, divide_before=False)
+        self.replicas = replicas
+        """See [Note: reduction under hybrid sharding] in replicas.py."""
+        self.averaging_of = averaging_per_space(spaces, reduce_dtype, ranks_summed or world_size, group,
+                                                divide_before=False)
         self.grad_shards = {
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device) for s in spaces
         }  # 1-D, this rank's slice of every bucket, in bucket order (local space), master dtype
@@ -131,6 +136,7 @@ class StagedReduceScatter(ShardedAverage):
     def finish(self, bucket: GradBucket) -> None:
         staging = self._staging.pop(bucket.position)
         owned = self.owned_in_staging(bucket, staging)
+        self.sum_replicas(bucket, owned)
         shard = bucket.space.layout.shard_of(bucket.spec, self.grad_shards[bucket.space])
         scale = self.averaging_of[bucket.space].after
         if bucket.reduced:  # accumulating over a reduction since zero_grad

@@ -4,8 +4,8 @@ from .engine import WRAPPED_MARK, Engine
 from .stages import STAGES, StageRow
 
 
-def build_engine(module, config, group, deferred_init=None) -> Engine:
-    return Engine(module, config, group, STAGES[config.stage], deferred_init)
+def build_engine(module, config, group, deferred_init=None, sharding=None) -> Engine:
+    return Engine(module, config, group, STAGES[config.stage], deferred_init, sharding)
 
 
 __all__ = ["Engine", "STAGES", "StageRow", "WRAPPED_MARK", "build_engine"]

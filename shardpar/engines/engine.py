@@ -28,6 +28,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm import watch
+from ..comm.sharding_groups import ShardingGroups
 from ..core.backward_paths import BackwardPath
 from ..config import ShardConfig
 from ..core.deferred_init import DeferredInit
@@ -76,7 +77,7 @@ class Engine:
     """Training machinery of one wrapped module at one stage (see the module docstring)."""
 
     def __init__(self, module: nn.Module, config: ShardConfig, group: Any, row: Any,
-                 deferred_init: DeferredInit | None = None) -> None:
+                 deferred_init: DeferredInit | None = None, sharding: ShardingGroups | None = None) -> None:
         self.module = module
         self.config = config
         self.group = group
@@ -87,12 +88,22 @@ class Engine:
         self.deferred_init = deferred_init
         """Set when the module was built on the meta device (stage 3; see core/deferred_init.py)."""
         self.device = deferred_init.device if deferred_init is not None else module_device(module)
+        self.shards = sharding if sharding is not None and sharding.is_hybrid else ShardingGroups.whole(group)
+        """Where this rank's shards live (stages 1-3): its shard group, and under hybrid sharding
+        the replica group holding the same shards ([Note: sharding groups])."""
         self.comm = C.CommStats()
+        """What ran on every rank of ``group`` (and under full sharding everything)."""
+        self.shard_comm = C.CommStats() if self.shards.is_hybrid else self.comm
+        """What ran within the shard group: reduce-scatters and all-gathers."""
+        self.replica_comm = C.CommStats() if self.shards.is_hybrid else self.comm
+        """What ran across the replica groups: the all-reduce of each owned shard."""
         self.state = TrainingState()
         self.wait_clock = WaitClock(self.state)
         """Seconds this rank waited for collectives, per phase (see [Note: exposed communication])."""
         watch.track(self.state)
         watch.configure(group, config.timeout_s)
+        for part_group in (self.shards.shard_group, self.shards.replica_group) if self.shards.is_hybrid else ():
+            watch.configure(part_group, config.timeout_s)
         self.inventory = ParamInventory(module)
         if not self.inventory.trainable:
             raise ValueError(
@@ -173,15 +184,15 @@ class Engine:
         """Stage 3: the per-unit gatherer over its own process group, and its hooks on every
         unit's hook and entry modules."""
         storage: ShardedStorage = self.storage
-        gather_group = C.sibling_group(self.group, self.config.timeout_s)
+        gather_group = C.sibling_group(self.shards.shard_group, self.config.timeout_s)
         if gather_group is not None:
             watch.configure(gather_group, self.config.timeout_s)
         storage.gatherer = UnitGatherer(
             storage.units, self.state, self.config.reshard_after_forward,
             self.config.units_to_prefetch_in_forward, self.config.units_to_prefetch_in_backward,
-            self.comm, gather_group, self.rank,
+            self.shard_comm, gather_group, self.shards.shard_rank,
             on_forward_use=self._on_unit_use, on_backward_start=self.ensure_backward_started,
-            wait_clock=self.wait_clock, retire_group=lambda: C.retire_sibling_group(self.group),
+            wait_clock=self.wait_clock, retire_group=lambda: C.retire_sibling_group(self.shards.shard_group),
         )
         gatherer = storage.gatherer
         self._handles += unit_hooks(gatherer, storage.units, storage.plans, self._tree.modules)
@@ -249,8 +260,18 @@ class Engine:
         self.state.final_callback_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         if self.state.backward_syncs and not self.reducer.launch_order.agreed:
-            self.reducer.launch_order.agree(self.gatherer.exchange)
+            self.reducer.launch_order.agree(self._exchange_with_every_rank)
         self.gatherer.begin_backward()
+
+    def _exchange_with_every_rank(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` through the gatherer's channel (its shard group), then,
+        under hybrid sharding, the shard groups' first rows across the replica group: row 0
+        is rank 0's on every rank, so the order adopted from it is the same everywhere."""
+        rows = self.gatherer.exchange(values)
+        if self.shards.is_hybrid:
+            rows = C.all_gather_objects(rows[0], group=self.shards.replica_group, device=self.device,
+                                        stats=self.replica_comm, kind="control")
+        return rows
 
     def _on_grad_ready(self, name: str, param: nn.Parameter) -> None:
         self.ensure_backward_started()
@@ -427,8 +448,9 @@ class Engine:
         """What this rank writes to a checkpoint: 1-D pieces of parameters (trainable and
         frozen, ranges in param space: see :meth:`element_orders`) such that, over all ranks,
         every element of every parameter is written exactly once. Buffers are not included
-        (replicated; the checkpoint takes rank 0's)."""
-        return self.storage.save_pieces()
+        (replicated; the checkpoint takes rank 0's). Under hybrid sharding the first shard group
+        writes: every replica group holds the same shards, and a checkpoint holds each once."""
+        return self.storage.save_pieces() if self.shards.replica_rank == 0 else []
 
     def load_pieces(self) -> list[TensorPiece]:
         """Where this rank must put parameter values on load (1-D views into live storage).

@@ -19,6 +19,7 @@ from ..core.gather_phases import GatherPhases, NoGatherer, PostStepGatherer
 from ..core.gatherer import UnitGatherer
 from ..core.masters import FullMaster, ShardedMaster
 from ..core.reduce_strategies import AllReduceStrategy, ReduceScatterInPlace
+from ..core.replicas import AcrossReplicas
 from ..core.staged_reduce_scatter import StagedReduceScatter
 from ..core.replicated import ReplicatedStorage
 from ..core.deferred_init import InitWalk
@@ -30,26 +31,27 @@ if TYPE_CHECKING:
 
 def _replicated(master: Callable[[], FullMaster | ShardedMaster]) -> Callable[["Engine"], ReplicatedStorage]:
     def build(engine: "Engine") -> ReplicatedStorage:
-        storage = ReplicatedStorage(engine.module, engine.inventory, engine.config, engine.group, engine.comm,
-                                    engine.world_size, engine.rank, master())
+        shards = engine.shards
+        storage = ReplicatedStorage(engine.module, engine.inventory, engine.config, shards.shard_group,
+                                    engine.shard_comm, shards.shard_size, shards.shard_rank, master())
         engine.broadcast_from_rank0(storage.tensors_to_broadcast() + list(engine.module.buffers()))
-        storage.finish_setup(engine.group, engine.comm, engine.wait_clock)
+        storage.finish_setup(shards.shard_group, engine.shard_comm, engine.wait_clock)
         return storage
 
     return build
 
 
 def _sharded_units(engine: "Engine") -> ShardedStorage:
-    deferred = engine.deferred_init
+    deferred, shards = engine.deferred_init, engine.shards
     if deferred is None:
-        storage = ShardedStorage(engine.module, engine.inventory, engine.config, engine.group, engine.world_size,
-                                 engine.rank, FromLiveModule(engine.group, engine.device))
+        storage = ShardedStorage(engine.module, engine.inventory, engine.config, shards.shard_group, shards.shard_size,
+                                 shards.shard_rank, FromLiveModule(engine.group, engine.device))
         engine.broadcast_from_rank0(list(engine.module.buffers()))
         return storage
     # Born sharded from an initialisation every rank replays alike: nothing to broadcast.
     walk = InitWalk(engine.module, deferred.init_fn, engine.group, engine.device)
-    storage = ShardedStorage(engine.module, engine.inventory, engine.config, engine.group, engine.world_size,
-                             engine.rank, FromInit(engine.module, walk, engine.device))
+    storage = ShardedStorage(engine.module, engine.inventory, engine.config, shards.shard_group, shards.shard_size,
+                             shards.shard_rank, FromInit(engine.module, walk, engine.device))
     walk.finish(engine.device)
     return storage
 
@@ -72,12 +74,21 @@ def _all_reduce(engine: "Engine", spaces: list) -> AllReduceStrategy:
     return AllReduceStrategy(spaces, engine.reduce_dtype, engine.world_size, engine.group, engine.comm)
 
 
+def _across_replicas(engine: "Engine") -> AcrossReplicas | None:
+    shards = engine.shards
+    return AcrossReplicas(shards.replica_group, shards.shard_rank, engine.replica_comm) if shards.is_hybrid else None
+
+
 def _reduce_scatter_in_place(engine: "Engine", spaces: list) -> ReduceScatterInPlace:
-    return ReduceScatterInPlace(spaces, engine.reduce_dtype, engine.world_size, engine.rank, engine.group, engine.comm)
+    shards = engine.shards
+    return ReduceScatterInPlace(spaces, engine.reduce_dtype, shards.shard_size, shards.shard_rank, shards.shard_group,
+                                engine.shard_comm, _across_replicas(engine), ranks_summed=engine.world_size)
 
 
 def _staged_reduce_scatter(engine: "Engine", spaces: list) -> StagedReduceScatter:
-    return StagedReduceScatter(spaces, engine.reduce_dtype, engine.world_size, engine.rank, engine.group, engine.comm)
+    shards = engine.shards
+    return StagedReduceScatter(spaces, engine.reduce_dtype, shards.shard_size, shards.shard_rank, shards.shard_group,
+                               engine.shard_comm, _across_replicas(engine), ranks_summed=engine.world_size)
 
 
 def _reduce_when_complete(engine: "Engine") -> ReduceWhenComplete:

@@ -171,9 +171,10 @@ class ShardedModule(nn.Module):
         return total
 
     def _all_reduce_norm(self, tensor: torch.Tensor, op: str) -> None:
-        """The one collective of a sharded clip: partial norms across the ranks of the shards."""
-        self.engine.wait_clock.wait(C.all_reduce(tensor, group=self.engine.group, async_op=True, op=op,
-                                                 stats=self.engine.comm, kind="clip_norm"), gather=False)
+        """The one collective of a sharded clip: partial norms across the ranks of the shards
+        (the shard group: its replicas hold the same shards)."""
+        self.engine.wait_clock.wait(C.all_reduce(tensor, group=self.engine.shards.shard_group, async_op=True, op=op,
+                                                 stats=self.engine.shard_comm, kind="clip_norm"), gather=False)
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]``, as
@@ -189,11 +190,21 @@ class ShardedModule(nn.Module):
 
     def comm_stats(self) -> dict[str, dict[str, float]]:
         """Bytes this rank sent since wrap (or the last reset), per collective kind; see
-        [Note: byte accounting] in ``shardpar.comm.comm_stats``."""
-        return self.engine.comm.snapshot()
+        [Note: byte accounting] in ``shardpar.comm.comm_stats``. Under hybrid sharding the
+        same, summed over the groups, plus ``"by_group"``: ``{"shard_group": ...,
+        "replica_group": ..., "all_ranks": ...}``, each shaped like the whole."""
+        engine = self.engine
+        if not engine.shards.is_hybrid:
+            return engine.comm.snapshot()
+        by_group = {C.SHARD_GROUP: engine.shard_comm.snapshot(), C.REPLICA_GROUP: engine.replica_comm.snapshot(),
+                    C.ALL_RANKS: engine.comm.snapshot()}
+        out: dict[str, Any] = C.merge_snapshots(list(by_group.values()))
+        out["by_group"] = by_group
+        return out
 
     def reset_comm_stats(self) -> None:
-        self.engine.comm.reset()
+        for stats in (self.engine.comm, self.engine.shard_comm, self.engine.replica_comm):
+            stats.reset()
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes of model state this rank holds now: ``params``, ``grads``,
