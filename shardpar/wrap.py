@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -11,13 +12,16 @@ from .comm import collectives as C
 from .comm import devices as D
 from .comm import process_group as PG
 from .checkpoint.dtypes import is_storable
-from .comm.sharding_groups import ShardingGroups, sharding_groups
+from .comm.sharding_groups import ShardingGroups, resolve_shard_group_size, sharding_groups
 from .config import ShardConfig
 from .core.deferred_init import DeferredInit, InitFn, materialise_whole
 from .core.inventory import check_initialized, first_difference, model_signature, module_device
 from .engines import WRAPPED_MARK, build_engine
 from .facade import ShardedModule
-from .planner import choose_stage
+from .planner import choose_plan
+
+
+logger = logging.getLogger("shardpar")
 
 
 def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[ShardConfig, torch.device]:
@@ -51,7 +55,12 @@ def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[Sha
             device = module_device(module)
             device = D.rank_device().device if device.type == "meta" else device  # its type picks the backend
             planner_options["align_for_bandwidth"] = world_size > 1 and PG.backend_for(device) == "nccl"
-        stage = choose_stage(module, world_size, budget, **planner_options)
+        plan = choose_plan(module, world_size, budget, shard_group_sizes=_fixed_shard_group_size(options, world_size),
+                           **planner_options)
+        stage = plan.stage
+        if plan.shard_group_size not in (None, world_size) and options.get("mesh") is None:
+            options.setdefault("shard_group_size", plan.shard_group_size)
+        logger.info("shardpar.wrap(stage='auto'): %s", plan.reason)
     unknown = sorted(set(options) - set(ShardConfig.option_names()))
     if unknown:
         raise TypeError(
@@ -61,6 +70,17 @@ def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[Sha
     config = ShardConfig(stage=stage, **options)
     _check_storable(module)
     return config, module_device(module)
+
+
+def _fixed_shard_group_size(options: dict[str, Any], world_size: int) -> list[int] | None:
+    """The shard group size the user fixed (``shard_group_size`` or a mesh), for the planner
+    to plan with only that one; None lets it choose."""
+    choice, mesh = options.get("shard_group_size"), options.get("mesh")
+    if mesh is not None and hasattr(mesh, "size"):
+        return [int(mesh.size(1))]
+    if choice is None:
+        return None
+    return [resolve_shard_group_size(choice, world_size)]
 
 
 def _check_storable(module: nn.Module) -> None:

@@ -8,6 +8,8 @@ and bad choices named on every rank."""
 from __future__ import annotations
 
 import json
+import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -195,3 +197,36 @@ def test_a_bad_shard_group_size_is_named_on_every_rank(case: str, stage: int, ex
     choices = {"three": (3,) * 4, "one": (1,) * 4, "by rank": (2, 2, 4, 4)}[case]
     messages = run_ranks(_wrap_with, 4, choices, stage, timeout=60)
     assert all(expected in message for message in messages), messages
+
+
+# --------------------------------------------------------------------------- the planner's pick
+
+
+def _auto_on_two_nodes(budget: str) -> tuple[int, int, str]:
+    """wrap(stage='auto') as if on two nodes of two ranks (torchrun's environment)."""
+    saved = {key: os.environ.get(key) for key in ("LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    os.environ.update(LOCAL_WORLD_SIZE="2", GROUP_RANK=str(C.get_rank() // 2))
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("shardpar")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        model = shardpar.wrap(TRANSFORMER.build(), stage="auto", memory_budget=budget, **dict(FULL))
+        picked = model.engine.stage, model.engine.shards.shard_size, " ".join(records)
+        model.engine.close()
+        return picked
+    finally:
+        logger.removeHandler(handler)
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+
+
+def test_auto_picks_the_shard_group_that_keeps_bytes_inside_nodes() -> None:
+    """Two nodes of two: stage 0 all-reduces 2Ψ·3/4 across nodes, full sharding sends every
+    collective across them, shard groups of 2 only the owned shards' all-reduce (Ψ/2): with
+    room for every plan, stage 1 with G = 2 (the lowest stage sending that little)."""
+    for stage, shard_size, reason in run_ranks(_auto_on_two_nodes, 4, "1GB", timeout=60):
+        assert (stage, shard_size) == (1, 2), reason
+        assert "across nodes" in reason, reason

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import types
 import re
 import shlex
 import subprocess
@@ -327,13 +328,13 @@ def test_auto_stage_before_the_group_exists_plans_the_alignment_its_backend_will
     wrap_module = importlib.import_module("shardpar.wrap")  # the module (shardpar.wrap is the function)
     seen: dict[str, Any] = {}
 
-    def record(module: Any, world_size: int, budget: Any, **options: Any) -> int:
+    def record(module: Any, world_size: int, budget: Any, shard_group_sizes: Any = None, **options: Any) -> Any:
         seen.update(options, world_size=world_size)
-        return 0
+        return types.SimpleNamespace(stage=0, shard_group_size=None, reason="recorded")
 
     assert not C.is_initialized()
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(wrap_module, "choose_stage", record)
+    monkeypatch.setattr(wrap_module, "choose_plan", record)
     monkeypatch.setattr(process_group, "backend_for", lambda device: backend)
     config, _ = wrap_module._build_config(nn.Linear(4, 4), "auto", {"memory_budget": "1GB"})
     assert config.stage == 0 and seen == {"align_for_bandwidth": aligned, "world_size": 2}

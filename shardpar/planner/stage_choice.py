@@ -122,8 +122,9 @@ def choose_plan(
     fitting = [p for p in plans if p.memory.total <= budget]
     if not fitting:
         smallest = min(plans, key=lambda p: p.memory.total)
+        what = "stage" if set(sizes) <= {1, world_size} else "plan (stage, shard group size)"  # no hybrid considered
         raise ValueError(
-            f"no plan (stage, shard group size) fits the memory budget of {format_both(budget)} per rank at "
+            f"no {what} fits the memory budget of {format_both(budget)} per rank at "
             f"world size {world_size}: the smallest estimate is {format_both(smallest.memory.total)} "
             f"({_describe(smallest, node_size)}); add ranks, raise the budget"
             + (" or use mixed_precision='bf16'" if kwargs.get("mixed_precision") is None else ""))
