@@ -21,7 +21,7 @@ import torch
 import shardpar
 from shardpar.comm import collectives as C
 from shardpar.planner import estimate_communication
-from tests.harness import run_ranks
+from tests.harness import RankFailure, run_ranks
 from tests.models import KITCHEN_BRANCHES, TRANSFORMER, spec
 from tests.parity import Recipe, assert_ranks_identical, assert_states_close, cap_mb, check_parity, sharded
 
@@ -230,3 +230,43 @@ def test_auto_picks_the_shard_group_that_keeps_bytes_inside_nodes() -> None:
     for stage, shard_size, reason in run_ranks(_auto_on_two_nodes, 4, "1GB", timeout=60):
         assert (stage, shard_size) == (1, 2), reason
         assert "across nodes" in reason, reason
+
+
+# --------------------------------------------------------------------------- ranks out of step
+
+
+def _extra_micro_batch_on_rank_3(stage: int) -> None:
+    model = shardpar.wrap(TRANSFORMER.build(), stage=stage, timeout_s=5.0, **dict(HYBRID))
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    module = model.module
+    generator = torch.Generator().manual_seed(C.get_rank())
+    for step in range(3):
+        try:
+            for _ in range(2 if step == 1 and C.get_rank() == 3 else 1):
+                with model.no_sync():
+                    x, y = module.example(2, generator)
+                    module.loss(model(x), y).backward()
+            x, y = module.example(2, generator)
+            module.loss(model(x), y).backward()
+        except shardpar.RanksOutOfStep as error:
+            raise AssertionError(f"RanksOutOfStep at step {step}: {error}") from error
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("stage, expected", [
+    (2, "rank 3: 2 synchronising backward passes, 5 backward passes"),
+    (3, "RanksOutOfStep at step 1"),
+])
+def test_a_rank_out_of_step_is_named_on_every_rank(stage: int, expected: str) -> None:
+    """A rank of the second shard group runs one backward more. Stage 2: the step counters
+    ride on the used-parameter flags, an all-reduce over all ranks, so every rank of both
+    shard groups and both replica groups names it at the next synchronising backward. Stage
+    3: its extra backward gathers units the others do not, a mismatch its own shard group
+    sees at the gathers; every rank raises, the others after ``timeout_s`` with what each was
+    waiting in (the post-mortem of [Note: ranks out of step])."""
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_extra_micro_batch_on_rank_3, 4, stage, timeout=60)
+    for rank in range(4):
+        text = failure.value.failures.get(rank, "")
+        assert "RanksOutOfStep at step 1" in text and expected in text, (rank, text[-2000:])
