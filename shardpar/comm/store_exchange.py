@@ -21,9 +21,10 @@ client runs one call at a time behind a lock, so a blocking ``wait`` here would 
 training thread's own store calls (the bounded waits and meetings of :mod:`watch`). A rank
 deletes its key of step k once it has seen every rank's key of step k+1 (each rank sets
 that only after reading step k); the last step's keys go in :meth:`StoreExchange.close`,
-after every rank has said it read them, so a long run leaves almost nothing in the store
-and the process hosting it (rank 0 under a plain launch) does not leave while another
-rank still reads.
+after every rank has said it read them (an empty ``done`` key per rank, all that stays of
+an exchange), so a long run leaves next to nothing in the store, and the process hosting it
+(rank 0 under a plain launch) does not leave while another rank still reads. An exchange
+that failed leaves its keys: a rank that failed may never come to read them.
 
 A rank that died never sets its key. So every rank of an exchange bumps a counter of its
 own every :data:`HEARTBEAT_S` from a thread of its own (a long write or fsync does not
