@@ -60,12 +60,12 @@ from .protocol import Agree, settle
 
 _STAGING = HostStaging()
 """What this process's asynchronous saves write from; see [Note: staging a snapshot]."""
-_pending: "AsyncSave | None" = None
+_pending: "SaveHandle | None" = None
 """This process's latest asynchronous save, until it succeeded or its error was raised."""
 _exit_hook: list[bool] = []
 
 
-class AsyncSave:
+class SaveHandle:
     """What :func:`shardpar.save_checkpoint` returns: ``wait()`` until the checkpoint at
     ``path`` is visible (raising the save's error, on every rank), ``done()`` to ask without
     waiting. A synchronous save returns one that is done. See [Note: asynchronous saves]."""
@@ -78,7 +78,7 @@ class AsyncSave:
         self._raised = False
 
     @classmethod
-    def finished(cls, path: Path) -> "AsyncSave":
+    def finished(cls, path: Path) -> "SaveHandle":
         return cls(path)
 
     def done(self) -> bool:
@@ -131,11 +131,11 @@ def stage(items: list[Written], device: torch.device) -> list[Written]:
 
 
 def start_in_background(target: Path, rank: int, world_size: int, timeout_s: float, prefix: str,
-                        run: Callable[[Agree], None]) -> AsyncSave:
+                        run: Callable[[Agree], None]) -> SaveHandle:
     """Run ``run(agree)`` in a thread, its agreements made through the store under ``prefix``
     (unique to this save); the handle holds its outcome."""
     global _pending
-    handle = AsyncSave(target, rank)
+    handle = SaveHandle(target, rank)
     exchange = StoreExchange(default_store(), prefix, rank, world_size, timeout_s)
 
     def agree(problem: BaseException | None, what: str, payload: Any = None) -> list[Any]:

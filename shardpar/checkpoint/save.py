@@ -35,7 +35,7 @@ from ..engines import Engine
 from ..errors import CheckpointError
 from ..facade import ShardedModule
 from ..optim import ShardedOptimizer
-from .async_save import AsyncSave, Written, finish_pending, stage, start_in_background
+from .async_save import SaveHandle, Written, finish_pending, stage, start_in_background
 from .dtypes import dtype_name, parse_dtype
 from .files import commit_directory, make_temp_dir, remove_abandoned_temps, remove_stale_temps, sha256_file
 from .format import (
@@ -233,7 +233,7 @@ class _SavePlan:
 
 
 def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimizer: ShardedOptimizer | None = None,
-                    extra: Any = None, *, async_save: bool = False) -> AsyncSave:
+                    extra: Any = None, *, async_save: bool = False) -> SaveHandle:
     """Save the model (and optimizer) into the directory ``path``, every rank in parallel.
 
     Every rank calls it. Each writes ``rank-0000r-of-0000N.safetensors`` with its pieces;
@@ -258,12 +258,12 @@ def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimize
 
 @collective_phase("save_checkpoint")
 def _save(path: str | os.PathLike[str], model: ShardedModule, optimizer: ShardedOptimizer | None, extra: Any,
-          async_save: bool) -> AsyncSave:
+          async_save: bool) -> SaveHandle:
     engine = model.engine
     plan = _prepare(Path(path).absolute(), model, optimizer, extra)
     if not async_save:
         _write_and_commit(plan, lambda problem, what, payload=None: agree(problem, what, engine.group, payload))
-        return AsyncSave.finished(plan.target)
+        return SaveHandle.finished(plan.target)
     problem: BaseException | None = None
     try:
         plan.items = stage(plan.items, engine.device)
