@@ -1,6 +1,7 @@
 """Helpers shared by the recipes: one-line errors for bad input, rank/device discovery,
-rank-aware logging, lr schedule, checkpoint discovery. Plain torch plus shardpar's public API;
-nothing here depends on shardpar internals. (The torch-free part is recipes/cli.py.)"""
+rank-aware logging, lr schedule, checkpoint discovery, saving with keep-last rotation. Plain
+torch plus shardpar's public API; nothing here depends on shardpar internals. (The torch-free
+part is recipes/cli.py.)"""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import contextlib
 import datetime
 import logging
 import math
+import os
+import re
+import shutil
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -22,12 +27,14 @@ from recipes.cli import MANIFEST, ArgumentParser, DistEnv, dist_env, resume_dir_
 
 __all__ = [
     "ArgumentParser",
+    "Checkpoints",
     "DistEnv",
     "RecipeError",
     "all_reduce_mean",
     "config_errors",
     "dist_env",
     "init_distributed",
+    "remove_old_checkpoints",
     "report_and_exit",
     "resolve_resume",
     "setup_device",
@@ -153,6 +160,62 @@ def resolve_resume(resume: str | None, ckpt_dir: Path | None) -> Path | None:
     if newest is None:
         raise RecipeError(f"--resume {resume}: no valid checkpoint there, only incomplete or damaged ones")
     return newest
+
+
+STEP_DIR = re.compile(r"step-(\d+)")
+"""The checkpoints a recipe writes into ``--ckpt-dir``: ``step-NNNNNNNN``."""
+
+
+def remove_old_checkpoints(ckpt_dir: Path, keep_last: int, keep: Path | None = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints ``step-N`` in ``ckpt_dir`` (by N),
+    never ``keep`` (the one just saved, whatever its N); return the ones deleted.
+
+    Only complete checkpoints count: a directory without a manifest is not a checkpoint (an
+    interrupted save's, or not shardpar's) and is left alone. Each is first renamed to a
+    hidden ``.step-N.old-<12 hex>`` -- no longer a checkpoint, at once, for any reader -- then
+    deleted, so a crash halfway never leaves a half-deleted checkpoint where ``--resume``
+    looks; shardpar's next save sweeps such a leftover (docs/checkpoint-format.md).
+    """
+    found = sorted((int(match[1]), path) for path in ckpt_dir.iterdir()
+                   if (match := STEP_DIR.fullmatch(path.name)) and (path / MANIFEST).is_file())
+    removed = []
+    for _, path in found[: max(0, len(found) - keep_last)]:
+        if keep is not None and path.absolute() == keep.absolute():
+            continue
+        hidden = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:12]}")
+        os.rename(path, hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+class Checkpoints:
+    """Saves ``step-NNNNNNNN`` checkpoints into ``ckpt_dir``: in the background with
+    ``async_save`` (training goes on while one is written; the next save, or :meth:`finish`,
+    waits for it), keeping the newest ``keep_last`` (0: all) once each is complete."""
+
+    def __init__(self, ckpt_dir: Path, async_save: bool, keep_last: int, env: DistEnv) -> None:
+        self.ckpt_dir, self.async_save, self.keep_last, self.env = ckpt_dir, async_save, keep_last, env
+        self._pending: Any = None
+
+    def save(self, model: shardpar.ShardedModule, opt: Any, step: int, extra: dict[str, Any]) -> None:
+        """Every rank calls it. A synchronous save returns with the checkpoint complete."""
+        self.finish()
+        path = self.ckpt_dir / f"step-{step:08d}"
+        self._pending = shardpar.save_checkpoint(str(path), model, opt, extra=extra, async_save=self.async_save)
+        if not self.async_save:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for the save in progress (its error raised on every rank), then rotate."""
+        if self._pending is None:
+            return
+        handle, self._pending = self._pending, None
+        handle.wait()
+        log.info("saved %s", handle.path)
+        if self.keep_last and self.env.is_main:
+            for path in remove_old_checkpoints(self.ckpt_dir, self.keep_last, keep=handle.path):
+                log.info("removed %s (--keep-last %d)", path, self.keep_last)
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.1) -> Callable[[int], float]:

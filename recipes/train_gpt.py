@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None, env: DistEnv) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0 = never)")
     p.add_argument("--ckpt-dir", type=Path, default=None, help="where step-NNNNNNNN checkpoints go")
+    p.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background: training goes on after each save's copy to host "
+                        "memory (shardpar.save_checkpoint(..., async_save=True))")
+    p.add_argument("--keep-last", type=int, default=0, metavar="K",
+                   help="once a checkpoint is complete, delete all but the newest K in --ckpt-dir (0 = keep all)")
     p.add_argument("--resume", default=None,
                    help="checkpoint directory, or 'latest' for the newest valid one in --ckpt-dir")
     p.add_argument("--timeout-s", type=float, default=None,
@@ -83,6 +88,11 @@ def parse_args(argv: list[str] | None, env: DistEnv) -> argparse.Namespace:
         p.error("--timeout-s must be positive")
     if args.save_every and args.ckpt_dir is None:
         p.error("--save-every needs --ckpt-dir")
+    if args.keep_last < 0:
+        p.error("--keep-last must be 0 (keep all) or positive")
+    for flag, value in (("--async-save", args.async_save), ("--keep-last", args.keep_last)):
+        if value and not args.save_every:
+            p.error(f"{flag} needs --save-every")
     if args.resume == "latest" and args.ckpt_dir is None:
         p.error("--resume latest needs --ckpt-dir")
     if (args.stage == "auto") != (args.memory_budget is not None):

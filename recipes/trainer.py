@@ -21,6 +21,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import shardpar
 from recipes.common import (
+    Checkpoints,
     DistEnv,
     RecipeError,
     all_reduce_mean,
@@ -125,6 +126,7 @@ def train(run: Run, args: argparse.Namespace, env: DistEnv, device: torch.device
     interval_steps = 0
     bar = tqdm(range(run.start_step, args.steps), initial=run.start_step, total=args.steps,
                desc="train", disable=env.rank != 0, dynamic_ncols=True)
+    checkpoints = Checkpoints(args.ckpt_dir, args.async_save, args.keep_last, env) if args.save_every else None
     for step in bar:
         t0 = time.perf_counter()
         x, y = run.data.get_batch(step, args.batch_size, args.block_size, env.rank,
@@ -157,17 +159,18 @@ def train(run: Run, args: argparse.Namespace, env: DistEnv, device: torch.device
             interval_time, interval_steps = 0.0, 0
         # Save before evaluating, so that a failure during the eval loses no training. The last
         # step always saves, so the final parameters are on disk for comparing runs.
-        if args.save_every and (done % args.save_every == 0 or done == args.steps):
-            path = args.ckpt_dir / f"step-{done:08d}"
-            shardpar.save_checkpoint(str(path), model, opt, extra={"step": done})
-            log.info("saved %s", path)
+        if checkpoints is not None and (done % args.save_every == 0 or done == args.steps):
+            checkpoints.save(model, opt, done, extra={"step": done})
         if args.eval_every and done % args.eval_every == 0 and done != args.steps:
             log.info("step %d: val loss %.4f", done, evaluate(run, args, env, device))
     bar.close()
     steps_run = args.steps - run.start_step
-    return {"first_loss": first_loss, "train_loss": last_loss,
-            "val_loss": evaluate(run, args, env, device),
-            "tokens_per_s": steps_run * tokens_per_step / train_time if train_time else float("nan")}
+    result = {"first_loss": first_loss, "train_loss": last_loss,
+              "val_loss": evaluate(run, args, env, device),  # while the last checkpoint may still be written
+              "tokens_per_s": steps_run * tokens_per_step / train_time if train_time else float("nan")}
+    if checkpoints is not None:
+        checkpoints.finish()  # the summary line means the last checkpoint is complete
+    return result
 
 
 def memory_report(model: shardpar.ShardedModule) -> str:

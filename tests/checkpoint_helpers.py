@@ -81,12 +81,16 @@ def full_optimizer_state(opt: Any) -> dict[str, Any]:
     return full
 
 
-def save_run(stage: int, path: str, steps: int = K, options: dict[str, Any] | None = None) -> dict[str, Any]:
+def save_run(stage: int, path: str, steps: int = K, options: dict[str, Any] | None = None,
+             async_save: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps, save; return what was saved (model and optimizer, in full)."""
     module, model, opt = build(stage, options=options)
     train(module, model, opt, 0, steps)
-    shardpar.save_checkpoint(path, model, opt, extra={"step": steps, "note": "resume me"})
-    return {"model": model.full_state_dict(), "optimizer": full_optimizer_state(opt)}
+    handle = shardpar.save_checkpoint(path, model, opt, extra={"step": steps, "note": "resume me"},
+                                      async_save=async_save)
+    saved = {"model": model.full_state_dict(), "optimizer": full_optimizer_state(opt)}  # collectives, while it writes
+    handle.wait()
+    return saved
 
 
 def load_run(stage: int, path: str, steps: int = K, options: dict[str, Any] | None = None) -> dict[str, Any]:

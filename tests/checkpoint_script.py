@@ -1,12 +1,14 @@
 """Checkpoint scenarios that need fresh processes, run by tests/test_checkpoint_crash.py:
 
-    MALLOC_MMAP_THRESHOLD_=65536 torchrun --nproc-per-node 2 tests/checkpoint_script.py OUT
+    MALLOC_MMAP_THRESHOLD_=65536 torchrun --nproc-per-node 2 tests/checkpoint_script.py OUT [--async-save]
 
 First measures the peak memory of save_checkpoint, save_full and load_checkpoint on a 67 MB
 model at stage 3 (``OUT/memory-rank<r>.json``) -- first, while the processes are fresh --
 then saves ``OUT/ckpt/step-1`` (its values in ``OUT/expected.safetensors``), trains on, and
 has rank 1 SIGKILL itself halfway through writing its file of ``OUT/ckpt/step-2``. One
-launch serves both tests because starting ranks is the slow part.
+launch serves both tests because starting ranks is the slow part. With ``--async-save``
+every save is asynchronous: the memory measured is the call's and the background's until
+the save is complete, and rank 1 dies in the background thread while training goes on.
 """
 
 from __future__ import annotations
@@ -37,13 +39,13 @@ def train_step(module: nn.Module, model: shardpar.ShardedModule, opt, seed: int)
     opt.zero_grad()
 
 
-def crash(out: Path) -> None:
+def crash(out: Path, async_save: bool) -> None:
     """Save ``ckpt/step-1``, train on, then rank 1 dies inside the save of ``ckpt/step-2``."""
     module = KITCHEN.build()
     model = shardpar.wrap(module, stage=2)
     opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2)
     train_step(module, model, opt, 1)
-    shardpar.save_checkpoint(out / "ckpt" / "step-1", model, opt, extra={"step": 1})
+    shardpar.save_checkpoint(out / "ckpt" / "step-1", model, opt, extra={"step": 1}, async_save=async_save).wait()
     expected = model.full_state_dict()  # a collective: every rank calls it
     if C.get_rank() == 0:
         save_file({k: v.clone() for k, v in expected.items()}, str(out / "expected.safetensors"))  # untie
@@ -51,7 +53,9 @@ def crash(out: Path) -> None:
     C.barrier()
     os.environ[TEST_CRASH_ENV] = "1:write"
     (out / f"saving-step-2-rank{C.get_rank()}").touch()
-    shardpar.save_checkpoint(out / "ckpt" / "step-2", model, opt, extra={"step": 2})
+    handle = shardpar.save_checkpoint(out / "ckpt" / "step-2", model, opt, extra={"step": 2}, async_save=async_save)
+    train_step(module, model, opt, 3)  # an asynchronous save is killed while this runs, or after it
+    handle.wait()
     raise SystemExit("unreachable: the save should have been killed")
 
 
@@ -83,7 +87,7 @@ def _peak_since(base: int) -> int:
     return _status("VmHWM") - base
 
 
-def memory(out: Path) -> None:
+def memory(out: Path, async_save: bool) -> None:
     sizes = (2048,) * 5  # 4 Linear layers of 2048x2048: 16.8M parameters, 67 MB in fp32
     torch.manual_seed(0)
     module = MLPStack(sizes)
@@ -102,7 +106,7 @@ def memory(out: Path) -> None:
         return
     C.barrier()
     base = _reset_peak()
-    shardpar.save_checkpoint(path, model, opt, extra={"step": 1})
+    shardpar.save_checkpoint(path, model, opt, extra={"step": 1}, async_save=async_save).wait()
     save_peak = _peak_since(base)
 
     C.barrier()
@@ -138,8 +142,9 @@ def main() -> None:
     out = Path(sys.argv[1])
     faulthandler.dump_traceback_later(200, exit=True)  # a hang shows where, before the test's timeout
     torch.set_num_threads(1)
-    memory(out / "memory")
-    crash(out)
+    async_save = "--async-save" in sys.argv
+    memory(out / "memory", async_save)
+    crash(out, async_save)
 
 
 if __name__ == "__main__":

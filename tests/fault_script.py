@@ -11,7 +11,8 @@ trains a small MLP with shardpar (``--stage``) and injects ``--fault`` on ``--ra
   parameter all-gather of stages 1-3);
 - ``kill-step``: SIGKILL inside the optimizer's ``step``;
 - ``kill-save``: SIGKILL halfway through writing this rank's file of the checkpoint saved at
-  ``--fault-step`` (shardpar's crash hook, ``SHARDPAR_CHECKPOINT_TEST_CRASH``);
+  ``--fault-step`` (shardpar's crash hook, ``SHARDPAR_CHECKPOINT_TEST_CRASH``); with
+  ``--async-save``, in the background thread of an asynchronous save, while training goes on;
 - ``hang``: the rank sleeps in forward while the others wait in a collective, so only the
   process-group timeout (``--timeout-s``, shardpar's ``timeout_s``) can end the job.
 
@@ -155,6 +156,7 @@ def train(args: argparse.Namespace) -> None:
     middle.register_forward_hook(forward_hook)
 
     rank = C.get_rank()
+    saving = None
     for step in range(args.steps):
         injector.arm_if_due(step)
         x, y = module.example(8, torch.Generator().manual_seed(1000 * step + rank))
@@ -166,10 +168,13 @@ def train(args: argparse.Namespace) -> None:
             if args.fault == "kill-save" and done == args.fault_step and rank == args.rank:
                 _mark_fault(out, "kill-save", done)
                 os.environ[TEST_CRASH_ENV] = f"{rank}:write"
-            shardpar.save_checkpoint(out / "ckpt" / f"step-{done}", model, opt, extra={"step": done})
-            state = model.full_state_dict()  # a collective: every rank takes part
+            saving = shardpar.save_checkpoint(out / "ckpt" / f"step-{done}", model, opt, extra={"step": done},
+                                              async_save=args.async_save)
+            state = model.full_state_dict()  # a collective: every rank takes part (while an async save writes)
             if rank == 0:
                 save_file({k: v.clone() for k, v in state.items()}, str(out / f"expected-step-{done}.safetensors"))
+    if saving is not None:
+        saving.wait()
     (out / f"done-rank{rank}").touch()
 
 
@@ -245,6 +250,7 @@ def main() -> None:
     parser.add_argument("--stage", type=int, choices=range(4), default=0)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--async-save", action="store_true", help="save with async_save=True (killed in the background)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="shardpar's collective timeout")
     parser.add_argument("--file-barrier", action="store_true")
     parser.add_argument("--late-rank0-on-restart", type=float, default=0.0,

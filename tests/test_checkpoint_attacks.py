@@ -42,7 +42,7 @@ from shardpar.checkpoint import io as checkpoint_io
 from shardpar.checkpoint.format import MANIFEST, latest_checkpoint, read_manifest
 from shardpar.checkpoint.offline import consolidate, reshard
 from shardpar.comm import collectives as C
-from tests.checkpoint_helpers import build, save_run
+from tests.checkpoint_helpers import build, save_run, train
 from tests.parity import run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -376,28 +376,37 @@ def assert_disk_full_error(error: BaseException, victim: str) -> None:
     assert isinstance(error.__cause__, OSError) and error.__cause__.errno == errno.ENOSPC
 
 
-def save_with_a_full_disk_on_rank_0(path: str) -> str:
-    """Rank function: rank 0's disk fills while it writes its file; every rank reports."""
-    _, model, opt = build(0)
+def save_with_a_full_disk_on_rank_0(path: str, async_save: bool) -> str:
+    """Rank function: rank 0's disk fills while it writes its file; every rank reports (an
+    asynchronous save: from ``wait()``, after a training step taken while it wrote)."""
+    module, model, opt = build(0)
     patches = pytest.MonkeyPatch()  # undone before returning: the harness reuses this process
     if C.get_rank() == 0:
         fill_the_disk(patches, "rank-00000-of-00002")
     try:
-        shardpar.save_checkpoint(path, model, opt)
+        handle = shardpar.save_checkpoint(path, model, opt, async_save=async_save)
+        train(module, model, opt, 0, 1)
+        handle.wait()
     except Exception as error:  # noqa: BLE001 -- the outcome is the test's to check
         cause = error.__cause__
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__
         return f"{type(error).__name__}|{getattr(cause, 'errno', None)}|{error}"
     finally:
         patches.undo()
     return "saved"
 
 
-def test_a_full_disk_on_rank_0_is_a_checkpoint_error_naming_the_file_on_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_full_disk_on_rank_0_is_a_checkpoint_error_naming_the_file_on_every_rank(tmp_path: Path,
+                                                                                     async_save: bool) -> None:
     path = tmp_path / "ckpt" / "step-1"
-    outcomes = run(save_with_a_full_disk_on_rank_0, 2, str(path))
+    outcomes = run(save_with_a_full_disk_on_rank_0, 2, str(path), async_save)
     kind, cause, message = outcomes[0].split("|", 2)
     assert (kind, cause) == ("CheckpointError", str(errno.ENOSPC)), outcomes[0]
     assert "rank-00000-of-00002.safetensors" in message and "the disk is full" in message, message
+    if async_save:  # raised away from the call that caused it: it says which save and which rank
+        assert f"asynchronous save_checkpoint to {path} failed" in message and "failed on rank 0" in message, message
     assert outcomes[1].startswith("CheckpointError") and "failed on rank 0" in outcomes[1], outcomes[1]
     assert "rank-00000-of-00002.safetensors" in outcomes[1] and "the disk is full" in outcomes[1]
     assert not path.exists() and os.listdir(path.parent) == [], "a failed save left something behind"

@@ -239,9 +239,10 @@ def test_nothing_is_ever_unpickled(ckpt: Path, monkeypatch: pytest.MonkeyPatch) 
     load(ckpt, stage=3)
 
 
-def test_a_corrupted_file_fails_every_rank_without_a_hang(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_corrupted_file_fails_every_rank_without_a_hang(tmp_path: Path, async_save: bool) -> None:
     path = tmp_path / "step-2"
-    run(save_run, 2, 3, str(path))
+    run(save_run, 2, 3, str(path), async_save=async_save)
     bad = path / "rank-00001-of-00002.safetensors"
     data = bytearray(bad.read_bytes())
     data[-5] ^= 0xFF
@@ -255,20 +256,22 @@ def test_a_corrupted_file_fails_every_rank_without_a_hang(tmp_path: Path) -> Non
     assert "failed on rank 1" in outcomes[0] and "rank-00001-of-00002.safetensors" in outcomes[0]
 
 
-def test_a_failed_save_leaves_the_previous_checkpoint_and_no_leftovers(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_save_leaves_the_previous_checkpoint_and_no_leftovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                        async_save: bool) -> None:
     from shardpar.checkpoint import io as checkpoint_io
 
     path = tmp_path / "ckpt" / "run"
     module, model, opt = build(0)
-    shardpar.save_checkpoint(path, model, opt, extra={"step": 1})
+    shardpar.save_checkpoint(path, model, opt, extra={"step": 1}, async_save=async_save).wait()
 
     def disk_full(self, tensor):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint_io.SafetensorsWriter, "write", disk_full)
-    with pytest.raises(OSError, match="No space left"):
-        shardpar.save_checkpoint(path, model, opt, extra={"step": 2})
+    # An asynchronous save's error names the checkpoint and the rank, caused by the OSError.
+    with pytest.raises(CheckpointError if async_save else OSError, match="No space left"):
+        shardpar.save_checkpoint(path, model, opt, extra={"step": 2}, async_save=async_save).wait()
     assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "run"]
     monkeypatch.undo()
     _, fresh, fresh_opt = build(3, seed=2)

@@ -17,7 +17,8 @@ sync counts) in docs/gpu.md.
   ``shardpar.estimate_memory(...).total``. See [Note: measuring a step's memory].
 - **Checkpoint round trip from device memory** (every stage, fp32 and bf16): save, load into a
   model initialised differently, and the parameters, the optimizer state and the next step
-  are equal bit for bit.
+  are equal bit for bit; an asynchronous save (pinned staging) taken while the following step
+  runs writes the same files as a synchronous one.
 - **Parity against torch DDP and FSDP2** (every stage, 2 to 4 GPUs; skipped with the reason on
   fewer): ranks spawned with ``torch.multiprocessing`` under a timeout, NCCL.
 
@@ -484,6 +485,16 @@ def checkpoint_round_trip(stage: int, device: torch.device, precision: str, dire
     sharded_step(model, opt, module, x, y, RECIPE.clip)
     sharded_step(fresh, fresh_opt, fresh_module, x, y, RECIPE.clip)
     _assert_bitwise(on_cpu(fresh.full_state_dict()), on_cpu(model.full_state_dict()), f"{what}: the step after load")
+
+    # An asynchronous save of the same state, while the next step already runs on the device,
+    # writes the same bytes: its copy to (pinned) host memory is complete when the call returns.
+    shardpar.save_checkpoint(directory.with_name("sync-3"), model, opt, extra={"step": 3})
+    handle = shardpar.save_checkpoint(directory.with_name("async-3"), model, opt, extra={"step": 3}, async_save=True)
+    sharded_step(model, opt, module, *batch(module, RECIPE, 3, device), RECIPE.clip)
+    handle.wait()
+    for file in sorted(directory.with_name("sync-3").glob("*.safetensors")):
+        assert (directory.with_name("async-3") / file.name).read_bytes() == file.read_bytes(), (
+            f"{what}: {file.name} of the asynchronous save differs")
     model.engine.close()
     fresh.engine.close()
 

@@ -3,8 +3,9 @@
 - A rank that raises in forward, backward or step (under torchrun): every rank exits, the
   launcher exits non-zero soon after the fault -- the survivors do not sit out the collective
   timeout -- and torchrun's error summary names the failing rank and its exception.
-- A rank SIGKILLed mid-step or mid-save: the job ends, and the last complete checkpoint
-  verifies (``tools/inspect_ckpt.py --verify``) and loads bit-exactly.
+- A rank SIGKILLed mid-step or mid-save (synchronous, or in the background of an
+  asynchronous one): the job ends, and the last complete checkpoint verifies
+  (``tools/inspect_ckpt.py --verify``) and loads bit-exactly.
 - A rank that hangs (alive, not in the collective): with ``timeout_s`` set, the waiting rank
   raises after about that long instead of torch's 30 minutes (plain processes, no torchrun:
   only the process group created by shardpar.wrap from the environment bounds it).
@@ -182,7 +183,7 @@ def run_plain(name: str, out: Path, args: list[str], world_size: int = 2) -> Job
 def fault_args(out: Path, fault: str, stage: int, timeout_s: float = COLLECTIVE_TIMEOUT_S, **options: Any) -> list[str]:
     args = [str(SCRIPT), str(out), "--fault", fault, "--rank", "1", "--stage", str(stage), "--timeout-s", str(timeout_s)]
     for key, value in options.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
+        args += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     return args
 
 
@@ -204,7 +205,7 @@ def _recipe_in_harness(argv: list[str]) -> None:
 EXCEPTION_JOBS = {"forward": 3, "backward": 0, "step": 2}
 """Fault -> the stage it runs at: the survivor then waits in a stage-3 all-gather in forward,
 a stage-0 all-reduce in backward, a stage-2 all-gather after the step."""
-KILL_JOBS = {"kill-step": 1, "kill-save": 3}
+KILL_JOBS = {"kill-step": 1, "kill-save": 3, "kill-save-async": 3}
 
 
 @pytest.fixture(scope="module")
@@ -219,8 +220,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # of step 4: either way step-2 is the last complete checkpoint.
     launches["kill-step"] = lambda out=root / "kill-step": run_torchrun(
         "kill-step", out, fault_args(out, "kill-step", KILL_JOBS["kill-step"], steps=4, save_every=2, fault_step=2))
-    launches["kill-save"] = lambda out=root / "kill-save": run_torchrun(
-        "kill-save", out, fault_args(out, "kill-save", KILL_JOBS["kill-save"], steps=4, save_every=2, fault_step=4))
+    for name, async_save in (("kill-save", False), ("kill-save-async", True)):
+        launches[name] = lambda out=root / name, name=name, async_save=async_save: run_torchrun(
+            name, out, fault_args(out, "kill-save", KILL_JOBS[name], steps=4, save_every=2, fault_step=4,
+                                  **({"async_save": True} if async_save else {})))
     hang = root / "hang"
     launches["hang"] = lambda: run_plain("hang", hang, [str(hang), "--fault", "hang", "--rank", "1", "--stage", "0",
                                                          "--timeout-s", str(HANG_TIMEOUT_S), "--file-barrier"])

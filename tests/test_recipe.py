@@ -1,6 +1,7 @@
 """recipes/train_gpt.py end to end, launched as a user launches it (``python`` for one process,
 ``python -m torch.distributed.run`` for two ranks): exit codes, what is printed and by which rank,
-falling loss, kill-and-resume to the same parameters, resuming at another world size,
+falling loss, kill-and-resume to the same parameters (with background saves and keep-last
+rotation, against a run saving synchronously), resuming at another world size,
 ``--stage auto``, the Hugging Face model, and one-line errors for bad input.
 
 Every run imports torch and builds an optimizer (which imports torch._dynamo): seconds of CPU
@@ -63,6 +64,11 @@ def resumable(ckpt_dir: Path) -> list[str]:
             "--stage", "2"]
 
 
+ASYNC_ROTATING = ["--async-save", "--keep-last", "1"]
+"""How the killed run saves: in the background, keeping the newest checkpoint only. Its
+checkpoints must equal the uninterrupted run's, saved synchronously."""
+
+
 def recipe(launcher: list[str], *args: str | Path, script: str = RECIPE) -> subprocess.CompletedProcess[str]:
     return run_script([*launcher, script, *map(str, args)], TIMEOUT_S, env=ENV, cwd=ROOT)
 
@@ -121,7 +127,7 @@ def run_killed_and_resumed(tmp: Path) -> dict[str, Any]:
     """The ws2 command, SIGKILLed (launcher and ranks) once its first checkpoint is complete,
     then started again with the same command."""
     ckpt = tmp / "killed-ckpt"
-    args = [*TORCHRUN, RECIPE, *BASE, *resumable(ckpt)]
+    args = [*TORCHRUN, RECIPE, *BASE, *resumable(ckpt), *ASYNC_ROTATING]
     log_path = tmp / "killed.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
@@ -136,7 +142,7 @@ def run_killed_and_resumed(tmp: Path) -> dict[str, Any]:
     finally:
         kill_tree(process)
     finished_anyway = (ckpt / f"step-{2 * K:08d}").exists()
-    resumed = recipe(TORCHRUN, *BASE, *resumable(ckpt))
+    resumed = recipe(TORCHRUN, *BASE, *resumable(ckpt), *ASYNC_ROTATING)
     return {"ckpt": ckpt, "first": first, "finished_anyway": finished_anyway, "killed_log": log_path.read_text(),
             "resumed": resumed}
 
@@ -197,6 +203,7 @@ BAD_INPUT = {
     "unknown-flag": (["--learning-rate", "1e-3"], "unrecognized arguments: --learning-rate"),
     "resume-no-checkpoint": (["--resume", "{tmp}/empty"], "no checkpoint"),
     "resume-latest-no-ckpt-dir": (["--resume", "latest"], "--resume latest needs --ckpt-dir"),
+    "keep-last-without-saves": (["--keep-last", "2"], "--keep-last needs --save-every"),
     # run_script hides the GPUs (CPU_ONLY_ENV), so this holds on a GPU machine too.
     "device-cuda-without-gpu": (["--device", "cuda"], "--device cuda: no CUDA device is visible"),
 }
@@ -364,6 +371,8 @@ def test_killed_run_resumed_with_the_same_command_ends_with_identical_checkpoint
     assert (got["last"], got["val"]) == (expected["last"], expected["val"]), (expected, got)
 
     final = f"step-{2 * K:08d}"
+    assert sorted(p.name for p in outcome["ckpt"].iterdir() if not p.name.startswith(".")) == ["latest", final], (
+        "--keep-last 1 keeps the newest checkpoint only")
     want = checkpoint_contents(runs.tmp / "ws2-ckpt" / final)
     have = checkpoint_contents(outcome["ckpt"] / final)
     assert have["layout"] == want["layout"] == (2, 2)

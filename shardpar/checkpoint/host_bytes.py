@@ -1,5 +1,6 @@
 """A tensor's bytes on the host, for the files: :func:`bytes_of` is a CPU tensor's storage as
-bytes (no copy), :class:`PinnedBounce` carries a CUDA tensor's bytes to and from a file.
+bytes (no copy), :class:`PinnedBounce` carries a CUDA tensor's bytes to and from a file,
+:class:`HostStaging` holds a copy of what an asynchronous save writes.
 
 [Note: checkpoint bytes and the GPU]
 Bytes of a CUDA tensor reach the file through two pinned host buffers taken in turn: chunk
@@ -11,7 +12,7 @@ blocking).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -89,3 +90,60 @@ class PinnedBounce:
         for event in self.events:
             if event is not None:
                 event.synchronize()  # dest is complete when the load returns
+
+
+STAGING_ALIGN = 64
+"""Byte alignment of each tensor in the staging buffer (any dtype's view needs its itemsize;
+64 keeps every tensor on its own cache lines)."""
+
+
+class HostStaging:
+    """One host buffer that an asynchronous save copies every tensor it writes into, so that
+    training may change them while the copies are written. Reused by the next save (which
+    starts only once the previous one is written), grown when a save needs more, and pinned
+    where a tensor is on a GPU.
+
+    [Note: staging a snapshot]
+    The call of an asynchronous save blocks only for these copies. On a GPU they are
+    ``non_blocking`` copies into pinned memory, all queued on the current stream, then one
+    event is waited on: one host sync per save, not one per tensor, and the save returns
+    once every byte is on the host, so nothing the training does next (an optimizer step
+    on another stream included) can reach them. Pinned memory is slow to allocate (it is
+    page-locked), hence the reuse: the buffer stays allocated between saves, one copy of
+    what this rank writes. On the CPU the copies are plain ``copy_``; the buffer is reused
+    all the same, which spares the page faults of fresh memory at every save.
+    """
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None  # 1-D uint8
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def copy_in(self, sources: Sequence[tuple[torch.dtype, int, torch.Tensor | Callable[[], torch.Tensor]]],
+                device: torch.device) -> list[torch.Tensor]:
+        """Copies of ``sources`` (``(dtype, numel, 1-D tensor or what makes it)``, each made
+        only when copied; on ``device``, or the CPU) as 1-D views into the buffer, complete
+        when this returns."""
+        offsets, total = [], 0
+        for dtype, numel, _ in sources:
+            offsets.append(total)
+            total += -(-numel * dtype.itemsize // STAGING_ALIGN) * STAGING_ALIGN
+        on_gpu = device.type == "cuda"
+        pin = on_gpu and torch.cuda.is_available()
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < total or (pin and not buffer.is_pinned()):
+            self._buffer = buffer = None  # the old one goes before the new one is allocated
+            buffer = self._buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        copies = []
+        for (dtype, numel, source), offset in zip(sources, offsets):
+            copy = buffer[offset : offset + numel * dtype.itemsize].view(dtype)
+            values = source() if callable(source) else source
+            copy.copy_(values.detach().reshape(-1), non_blocking=values.device.type == "cuda")
+            copies.append(copy)
+        if on_gpu:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
+            done.synchronize()  # the one host sync of the save: see [Note: staging a snapshot]
+        return copies

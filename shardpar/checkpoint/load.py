@@ -18,6 +18,7 @@ from ..engines import Engine
 from ..errors import CheckpointError
 from ..facade import ShardedModule
 from ..optim import ShardedOptimizer
+from .async_save import finish_pending
 from .format import Manifest, read_manifest
 from .json_values import decode_value
 from .protocol import (
@@ -123,7 +124,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: ShardedModule,
     its shards at stage 3, its optimizer pieces), checking each file it reads against the
     manifest's sha256 first. Any problem is a :class:`CheckpointError` raised on every rank
     (if data was already being copied when it happened, the model is partially loaded).
+    A save of this process still writing is waited for first (it may be the one loaded).
     """
+    finish_pending(raise_error=False)  # its error stays for the next wait(), save or exit
     engine = model.engine
     group = engine.group
     problem: BaseException | None = None

@@ -44,12 +44,27 @@ def collective_phase(name: str) -> Callable:
 
 def agree(problem: BaseException | None, what: str, group: Any, payload: Any = None) -> list[Any]:
     """See [Note: every rank agrees before it moves on]. Returns every rank's payload."""
-    verdict = None if problem is None else (type(problem).__name__, str(problem))
-    gathered = C.all_gather_objects((verdict, payload), group=group)
+    return settle(problem, what, lambda verdict: C.all_gather_objects(verdict, group=group), payload)
+
+
+Agree = Callable[[BaseException | None, str, Any], list[Any]]
+"""``agree(problem, what, payload)`` over some channel: every rank's payload, or every rank raises."""
+
+
+def settle(problem: BaseException | None, what: str, gather: Callable[[Any], list[Any]], payload: Any = None,
+           name_own_rank: int | None = None) -> list[Any]:
+    """:func:`agree` with ``gather`` (this rank's ``[verdict, payload]`` -> every rank's) as the
+    channel. ``name_own_rank``: the failing rank raises a CheckpointError naming it, caused by
+    its own exception, instead of that exception (an asynchronous save: its error surfaces
+    later, away from the call)."""
+    verdict = None if problem is None else [type(problem).__name__, str(problem)]
+    gathered = gather([verdict, payload])
     for rank, (other, _) in enumerate(gathered):
         if other is not None:
-            if problem is not None:
+            if problem is not None and name_own_rank is None:
                 raise problem
+            if problem is not None:
+                raise CheckpointError(f"{what} failed on rank {name_own_rank}: {problem}") from problem
             kind = {"TypeError": TypeError, "ValueError": ValueError}.get(other[0], CheckpointError)
             raise kind(f"{what} failed on rank {rank}: {other[1]}")
     return [p for _, p in gathered]

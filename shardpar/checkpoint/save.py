@@ -18,13 +18,15 @@ parameter on load.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import signal
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -33,6 +35,7 @@ from ..engines import Engine
 from ..errors import CheckpointError
 from ..facade import ShardedModule
 from ..optim import ShardedOptimizer
+from .async_save import SaveHandle, Written, finish_pending, stage, start_in_background
 from .dtypes import dtype_name, parse_dtype
 from .files import commit_directory, make_temp_dir, remove_abandoned_temps, remove_stale_temps, sha256_file
 from .format import (
@@ -48,7 +51,7 @@ from .format import (
 from .hf_config import hf_config_of
 from .io import SafetensorsWriter
 from .json_values import encode_value, to_json_text
-from .protocol import agree, check_optimizer, collective_phase, flat, in_param_space, model_tensors
+from .protocol import Agree, agree, check_optimizer, collective_phase, flat, in_param_space, model_tensors
 from .reorder import MemoryPiece, to_row_major
 
 TEST_CRASH_ENV = "SHARDPAR_CHECKPOINT_TEST_CRASH"
@@ -60,10 +63,6 @@ Only the crash-safety tests set it."""
 def _crash_point(rank: int, phase: str) -> None:
     if os.environ.get(TEST_CRASH_ENV) == f"{rank}:{phase}":
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-Written = tuple[StoredItem, torch.Tensor | Callable[[], torch.Tensor]]
-"""An item and its values (1-D), or what makes them when the file is written (reordered pieces)."""
 
 
 def _stored_item(ref: tuple[str, ...], start: int, end: int, dtype: torch.dtype) -> StoredItem:
@@ -151,114 +150,219 @@ def _hyperparameters(optimizer: ShardedOptimizer) -> list[dict[str, Any]]:
             for index, group in enumerate(optimizer.group_options())]
 
 
-def _optimizer_section(optimizer: ShardedOptimizer, hyperparameters: list[dict[str, Any]], reports: list[tuple],
-                       order: list[str]) -> dict[str, Any]:
-    """The manifest's ``optimizer`` object (elementwise state is added from the pieces)."""
-    position = {name: i for i, name in enumerate(order)}
-    groups = []
-    for index, hyper in enumerate(hyperparameters):  # a rank lists only the names it holds pieces of
-        names = sorted({n for report in reports for n in report.group_names[index]}, key=position.__getitem__)
-        groups.append({"params": names, "hyperparameters": hyper})
-    scalar: dict[str, dict[str, Any]] = {}
-    for report in reports:  # lowest rank first; equal on every rank holding a piece
-        for name, values in report.scalar_state.items():
-            scalar.setdefault(name, values)
-    return {"class": optimizer.class_name, "param_groups": groups,
-            "scalar_state": {n: scalar[n] for n in sorted(scalar, key=position.__getitem__)}}
+@dataclass
+class _ManifestInputs:
+    """What rank 0 puts in the manifest besides the ranks' reports, taken at the call: an
+    asynchronous save assembles the manifest later, while training goes on."""
 
+    stage: int
+    world_size: int
+    model: list[tuple[str, str, str, list[int]]]  # (name, kind, dtype, shape) in state-dict order
+    aliases: dict[str, str]
+    optimizer_class: str | None
+    hyperparameters: list[dict[str, Any]] | None
+    order: list[str]  # parameter names, in the order the manifest lists them
+    extra: Any
+    layout: Any  # the bucket or unit layout, for information only: loading never needs it
+    hf_config: dict[str, dict[str, Any]] | None
 
-def _layout(engine: Engine) -> Any:
-    """The engine's bucket (stages 0-2) or unit (stage 3) layout, for information only:
-    loading never needs it, the pieces say where everything is."""
-    return engine.layout_summary()
+    @classmethod
+    def of(cls, model: ShardedModule, optimizer: ShardedOptimizer | None,
+           hyperparameters: list[dict[str, Any]] | None, extra: Any) -> "_ManifestInputs":
+        engine = model.engine
+        inventory, aliases = model_tensors(engine)
+        return cls(engine.stage, engine.world_size,
+                   [(n, kind, dtype_name(t.dtype), list(t.shape)) for n, kind, t in inventory], aliases,
+                   None if optimizer is None else optimizer.class_name, hyperparameters,
+                   [n for n, _ in engine.named_params], extra, engine.layout_summary(), hf_config_of(model.module))
+
+    def optimizer_section(self, reports: list["_RankReport"]) -> dict[str, Any] | None:
+        """The manifest's ``optimizer`` object (elementwise state is added from the pieces)."""
+        if self.optimizer_class is None:
+            return None
+        position = {name: i for i, name in enumerate(self.order)}
+        groups = []
+        for index, hyper in enumerate(self.hyperparameters):  # a rank lists only the names it holds pieces of
+            names = sorted({n for report in reports for n in report.group_names[index]}, key=position.__getitem__)
+            groups.append({"params": names, "hyperparameters": hyper})
+        scalar: dict[str, dict[str, Any]] = {}
+        for report in reports:  # lowest rank first; equal on every rank holding a piece
+            for name, values in report.scalar_state.items():
+                scalar.setdefault(name, values)
+        return {"class": self.optimizer_class, "param_groups": groups,
+                "scalar_state": {n: scalar[n] for n in sorted(scalar, key=position.__getitem__)}}
 
 
 @dataclass
 class _RankReport:
-    """What one rank tells rank 0 after writing its file."""
+    """What one rank tells rank 0 after writing its file (as JSON: an asynchronous save
+    sends it through the store)."""
 
     file: FileRecord
     items: list[StoredItem]
     scalar_state: dict[str, dict[str, Any]]
     group_names: list[list[str]]
 
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
-@collective_phase("save_checkpoint")
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "_RankReport":
+        items = [StoredItem(**{**item, "ref": tuple(item["ref"])}) for item in raw["items"]]
+        return cls(FileRecord(**raw["file"]), items, raw["scalar_state"], raw["group_names"])
+
+
+@dataclass
+class _SavePlan:
+    """One save after its first phase: where it writes, and this rank's items."""
+
+    target: Path
+    tmp: Path
+    rank: int
+    world_size: int
+    items: list[Written]
+    scalar_state: dict[str, dict[str, Any]]
+    group_names: list[list[str]]
+    manifest: _ManifestInputs | None
+    """Rank 0's (None elsewhere): rank 0 also owns the temporary directory."""
+
+    def discard(self) -> None:
+        """A failed save leaves nothing behind (rank 0 removes the temporary directory)."""
+        if self.manifest is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimizer: ShardedOptimizer | None = None,
-                    extra: Any = None) -> None:
+                    extra: Any = None, *, async_save: bool = False) -> SaveHandle:
     """Save the model (and optimizer) into the directory ``path``, every rank in parallel.
 
     Every rank calls it. Each writes ``rank-0000r-of-0000N.safetensors`` with its pieces;
     rank 0 verifies the files and writes ``shardpar.json`` (``extra`` must be JSON; a
     Hugging Face model's config goes in too, for exports); the directory appears atomically
     (replacing an existing checkpoint only once complete) and ``<parent>/latest`` names it.
-    Returns on every rank once it is visible. The steps are those of
-    docs/checkpoint-format.md, "Writing". Rank 0 first removes abandoned temporaries of other
-    checkpoints in the parent: [Note: sweeping temporaries] in :mod:`.files`.
+    The steps are those of docs/checkpoint-format.md, "Writing". Rank 0 first removes
+    abandoned temporaries of other checkpoints in the parent: [Note: sweeping temporaries]
+    in :mod:`.files`.
+
+    Returns a handle (``wait()``, ``done()``). Synchronous (the default): on every rank once
+    the checkpoint is visible; the handle is done. ``async_save=True``: once every rank has
+    copied what it writes into host memory; the files are written, verified and committed
+    in the background while training goes on, every guarantee kept ([Note: asynchronous
+    saves] in :mod:`.async_save`); ``handle.wait()`` returns once the checkpoint is visible
+    or raises its error, on every rank. A save started while one of this process is still
+    writing waits for it first, and raises its error if nothing did yet.
     """
+    finish_pending()
+    return _save(path, model, optimizer, extra, async_save)
+
+
+@collective_phase("save_checkpoint")
+def _save(path: str | os.PathLike[str], model: ShardedModule, optimizer: ShardedOptimizer | None, extra: Any,
+          async_save: bool) -> SaveHandle:
+    engine = model.engine
+    plan = _prepare(Path(path).absolute(), model, optimizer, extra)
+    if not async_save:
+        _write_and_commit(plan, lambda problem, what, payload=None: agree(problem, what, engine.group, payload))
+        return SaveHandle.finished(plan.target)
+    problem: BaseException | None = None
+    try:
+        plan.items = stage(plan.items, engine.device)
+    except Exception as error:  # out of (pinned) memory, say: no rank starts the background alone
+        problem = error
+    try:
+        agree(problem, "save_checkpoint (copying to host memory)", engine.group)
+    except Exception:
+        plan.discard()
+        raise
+    return start_in_background(plan.target, engine.rank, engine.world_size, engine.config.timeout_s,
+                               f"shardpar/async-save/{plan.tmp.name}",
+                               lambda agree_: _write_and_commit(plan, agree_))
+
+
+def _prepare(target: Path, model: ShardedModule, optimizer: ShardedOptimizer | None, extra: Any) -> _SavePlan:
+    """The save's first phase, on every rank in the call: check the arguments, list what this
+    rank writes, let rank 0 make the temporary directory, agree, and move the pieces of
+    reordered tensors to their writers (collectives of the model's group)."""
     engine = model.engine
     rank, world_size, group = engine.rank, engine.world_size, engine.group
-    target = Path(path).absolute()
     problem: BaseException | None = None
     tmp_name = None
-    hf_config = None
+    inputs = None
+    items: list[Written] = []
     reordered: list[MemoryPiece] = []
+    scalar: dict[str, dict[str, Any]] = {}
+    group_names: list[list[str]] = []
     try:
         check_optimizer(optimizer, engine)
-        to_json_text(extra, "extra")
+        extra = json.loads(to_json_text(extra, "extra"))  # a copy: the script may change its own
         hyperparameters = None if optimizer is None else _hyperparameters(optimizer)
         engine.wait_for_params()
         with torch.no_grad():
             items, reordered, scalar, group_names = _items_to_write(engine, optimizer)
         if rank == 0:
-            hf_config = hf_config_of(model.module)
+            inputs = _ManifestInputs.of(model, optimizer, hyperparameters, extra)
             check_replaceable(target)
             remove_stale_temps(target)
             remove_abandoned_temps(target.parent)
-            tmp = make_temp_dir(target)
-            tmp_name = tmp.name
+            tmp_name = make_temp_dir(target).name
     except Exception as error:
         problem = error
     try:
         agreed = agree(problem, "save_checkpoint", group, (tmp_name, _held(reordered)))
-        tmp = target.parent / agreed[0][0]
-
         items += _row_major_items(reordered, [held for _, held in agreed], engine)
-        try:
-            record = _write_rank_file(tmp / rank_file_name(rank, world_size), items, rank, world_size)
-            report = _RankReport(record, [item for item, _ in items], scalar, group_names)
-        except Exception as error:
-            problem, report = error, None
-        reports = agree(problem, "save_checkpoint (writing files)", group, report)
-
-        try:
-            _verify_written(tmp, reports, rank)
-        except Exception as error:
-            problem = error
-        agree(problem, "save_checkpoint (verifying files)", group)
-
-        try:
-            if rank == 0:
-                inventory, aliases = model_tensors(engine)
-                manifest = assemble_manifest(
-                    stage=engine.stage, world_size=world_size,
-                    model=[(n, kind, dtype_name(t.dtype), list(t.shape)) for n, kind, t in inventory],
-                    aliases=aliases, files=[r.file for r in reports], items={r.file.name: r.items for r in reports},
-                    optimizer=None if optimizer is None else _optimizer_section(
-                        optimizer, hyperparameters, reports, [n for n, _ in engine.named_params]),
-                    extra=extra, layout=_layout(engine), hf_config=hf_config,
-                )
-                write_manifest(tmp, manifest)
-                _crash_point(rank, "commit")
-                commit_directory(tmp, target)
-                write_latest(target)
-        except Exception as error:
-            problem = error
-        agree(problem, "save_checkpoint (commit)", group)
     except Exception:
         if tmp_name is not None:  # rank 0: a failed save leaves nothing behind
             shutil.rmtree(target.parent / tmp_name, ignore_errors=True)
         raise
+    return _SavePlan(target, target.parent / agreed[0][0], rank, world_size, items, scalar, group_names, inputs)
+
+
+def _write_and_commit(plan: _SavePlan, agree_: Agree) -> None:
+    """The rest of a save, over any channel ``agree_`` (the model's group in the call, the
+    store in the background): every rank writes its file, the ranks verify each other's,
+    rank 0 writes the manifest and commits. Any rank's failure raises on every rank."""
+    rank = plan.rank
+    problem: BaseException | None = None
+    try:
+        try:
+            record = _write_rank_file(plan.tmp / rank_file_name(rank, plan.world_size), plan.items, rank,
+                                      plan.world_size)
+            report = _RankReport(record, [item for item, _ in plan.items], plan.scalar_state, plan.group_names)
+        except Exception as error:
+            problem, report = error, None
+        reports = [_RankReport.from_json(r) for r in
+                   agree_(problem, "save_checkpoint (writing files)", report and report.to_json())]
+
+        try:
+            _verify_written(plan.tmp, reports, rank)
+        except Exception as error:
+            problem = error
+        agree_(problem, "save_checkpoint (verifying files)", None)
+
+        try:
+            if plan.manifest is not None:
+                _commit(plan, reports)
+        except Exception as error:
+            problem = error
+        agree_(problem, "save_checkpoint (commit)", None)
+    except Exception:
+        plan.discard()
+        raise
+
+
+def _commit(plan: _SavePlan, reports: list[_RankReport]) -> None:
+    """Rank 0: the manifest, then the one rename that makes the checkpoint visible, then ``latest``."""
+    inputs = plan.manifest
+    manifest = assemble_manifest(
+        stage=inputs.stage, world_size=inputs.world_size, model=inputs.model, aliases=inputs.aliases,
+        files=[r.file for r in reports], items={r.file.name: r.items for r in reports},
+        optimizer=inputs.optimizer_section(reports), extra=inputs.extra, layout=inputs.layout,
+        hf_config=inputs.hf_config,
+    )
+    write_manifest(plan.tmp, manifest)
+    _crash_point(plan.rank, "commit")
+    commit_directory(plan.tmp, plan.target)
+    write_latest(plan.target)
 
 
 def _verify_written(tmp: Path, reports: list[_RankReport], rank: int) -> None:

@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from ..errors import RanksOutOfStep
 from . import stalls
+from .store_exchange import default_store
 
 SLICE_S = 1.0
 """A bounded wait checks the store for other ranks' incidents this often."""
@@ -187,13 +188,6 @@ def _wait_bound(group: Any) -> float | None:
     return limit[0] if limit is not None and limit[1] else None
 
 
-def _store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError, AttributeError):
-        return None
-
-
 def _base() -> str:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return f"shardpar/post-mortem/attempt-{attempt}"
@@ -244,7 +238,7 @@ def wait(work: Any, *, op: str, group: Any, number: int | None = None) -> None:
             now = time.monotonic()
             if now >= deadline:
                 raise post_mortem(group, op, f"{op} did not complete within timeout_s={timeout:g}")
-            store = store if store is not None else _store()
+            store = store if store is not None else default_store()
             if store is None:
                 continue
             if _incident_declared(store):
@@ -270,7 +264,7 @@ def meet(group: Any, name: str) -> None:
     collective of it runs; through the store, bounded by the group's timeout."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    store = _store()
+    store = default_store()
     if store is None:
         return
     key = (_group_key(group), name)
@@ -345,7 +339,7 @@ def post_mortem(group: Any, op: str, cause: str, verdict: dict[str, Any] | None 
     _incidents += 1
     report = {"doing": doing(), "waiting_in": op, "cause": cause}
     reports: dict[int, dict[str, str] | None] = {me: report}
-    store = _store()
+    store = default_store()
     store_problem = None
     if store is not None:
         try:
