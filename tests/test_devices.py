@@ -84,7 +84,7 @@ class Stop(Exception):
 def _stop_at_engine(mp: pytest.MonkeyPatch, seen: dict[str, Any]) -> None:
     """Record where a wrap would build the engine (and materialise a meta model), then stop."""
 
-    def build_engine(module: nn.Module, config: Any, group: Any, deferred_init: Any = None) -> Any:
+    def build_engine(module: nn.Module, config: Any, group: Any, deferred_init: Any = None, sharding: Any = None) -> Any:
         seen["engine_device"] = deferred_init.device if deferred_init is not None else None
         raise Stop
 
