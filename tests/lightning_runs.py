@@ -167,7 +167,19 @@ def fit(name: str, *, devices: int = 2, batch: int = BATCH, module_options: dict
             "synchronising_backwards": syncs,
             "lr": [group["lr"] for group in trainer.optimizers[0].param_groups],
             "checkpoints": sorted(os.listdir(checkpoint_dir)) if checkpoint_dir is not None else [],
+            "precision_state": trainer.precision_plugin.state_dict(),
         }
+
+
+def test_only(name: str, ckpt_path: str, module_options: dict[str, Any] | None = None) -> list[float]:
+    """``trainer.test(ckpt_path=...)`` of a fresh module and Trainer: the weights only."""
+    with torchelastic_launched():
+        torch.manual_seed(1)  # other values than the checkpoint's, were it not loaded
+        module = Regression(**(module_options or {}))
+        trainer = L.Trainer(strategy=strategy(name), accelerator="cpu", devices=2, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.test(module, dataloaders=loader(), ckpt_path=ckpt_path, verbose=False)
+        return module.losses["test"]
 
 
 # --------------------------------------------------------------------------- Fabric

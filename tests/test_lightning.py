@@ -29,6 +29,7 @@ from tests.parity import TOLERANCE
 
 TIMEOUT_S = 300.0  # a launch imports Lightning on each rank (seconds on a loaded machine), then trains
 BF16_TOLERANCE = 0.05
+FP16_TOLERANCE = 0.01  # float16 keeps 3 more bits than bfloat16
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -52,6 +53,7 @@ def _assert_losses_close(got: list, want: list, tolerance: float, what: str) -> 
 # --------------------------------------------------------------------------- the Trainer at stages 0-3
 
 def _parity_runs() -> dict:
+    from shardpar.integrations.lightning import ShardparPrecision
     from tests import lightning_runs as R
 
     steps = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
@@ -60,6 +62,8 @@ def _parity_runs() -> dict:
     runs["stage3 bf16"] = R.fit("stage3", precision="bf16-mixed", test=False, **steps)
     runs["stage3 bf16 by hand"] = R.fit("stage3", module_options={"autocast": True}, test=False,
                                         strategy_options={"mixed_precision": "bf16"}, **steps)
+    # Lightning turns precision="16-mixed" into "bf16-mixed" on the CPU; the plugin itself does not
+    runs["stage2 fp16"] = R.fit("stage2", plugins=[ShardparPrecision("16-mixed")], test=False, **steps)
     return runs
 
 
@@ -102,6 +106,17 @@ def test_bf16_mixed_is_shardpar_bf16_under_autocast(parity: list[dict]) -> None:
         assert _relative(torch.tensor(ours["train"]), torch.tensor(runs["stage3"]["train"])) > 1e-4
 
 
+def test_16_mixed_scales_the_loss_with_shardpars_scaler(parity: list[dict]) -> None:
+    """``precision="16-mixed"``: float16 compute, and ``shardpar.GradScaler`` (agreeing on
+    overflow across ranks) scales every step, none skipped, its state Lightning's to save."""
+    for rank, runs in enumerate(parity):
+        ours = runs["stage2 fp16"]
+        assert ours["compute_dtypes"] == ["torch.float16"], ours["compute_dtypes"]
+        assert ours["precision_state"] == {"scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                           "growth_interval": 2000, "growth_tracker": 4}, f"rank {rank}"
+        _assert_losses_close(ours["train"], runs["stage2"]["train"], FP16_TOLERANCE, f"rank {rank}, against fp32")
+
+
 # --------------------------------------------------------------------------- checkpoints and resumption
 
 def _checkpoint_runs(directory: str, pickle_file: str) -> dict:
@@ -110,11 +125,15 @@ def _checkpoint_runs(directory: str, pickle_file: str) -> dict:
     built_late = {"build_in_configure_model": True}
     saved = R.fit("stage2", module_options=built_late, max_epochs=1, checkpoint_dir=directory, test=False)
     checkpoint = os.path.join(directory, next(n for n in saved["checkpoints"] if n.endswith(".ckpt")))
+    resumed_dir = os.path.join(directory, "resumed")
+    resumed = R.fit("stage3", module_options=built_late, ckpt_path=checkpoint, checkpoint_dir=resumed_dir)
+    final = os.path.join(resumed_dir, next(n for n in resumed["checkpoints"] if n.endswith(".ckpt")))
     return {
         "ddp": R.fit("ddp", module_options=built_late),
         "saved": saved,
         "checkpoint": checkpoint,
-        "resumed": R.fit("stage3", module_options=built_late, ckpt_path=checkpoint),
+        "resumed": resumed,
+        "tested": R.test_only("stage1", final, module_options=built_late),
         "refusals": R.refusals(directory, pickle_file),
     }
 
@@ -149,10 +168,10 @@ def test_configure_model_runs_on_meta_and_starts_as_ddp(checkpoints: tuple[list[
 def test_checkpoint_is_a_shardpar_directory_with_lightnings_state(checkpoints: tuple[list[dict], dict]) -> None:
     """What ``ModelCheckpoint`` wrote: a shardpar checkpoint (JSON manifest, one safetensors
     file per rank, no pickle), Lightning's state in the manifest."""
-    path = runs_checkpoint = checkpoints[0][0]["checkpoint"]
+    path = checkpoints[0][0]["checkpoint"]
     assert sorted(os.listdir(path)) == ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors",
                                         "shardpar.json"]
-    manifest = read_manifest(runs_checkpoint)
+    manifest = read_manifest(path)
     assert (manifest.stage, manifest.world_size) == (2, 2) and manifest.optimizer is not None
     state = decode_tree(manifest.extra["lightning"])
     assert (state["epoch"], state["global_step"]) == (0, 4)
@@ -165,7 +184,8 @@ def test_checkpoint_is_a_shardpar_directory_with_lightnings_state(checkpoints: t
 def test_resume_at_another_stage_continues_as_ddp(checkpoints: tuple[list[dict], dict]) -> None:
     """Saved at stage 2 after epoch 1, resumed at stage 3 (``ckpt_path=``): epoch 2, its
     validation and the test loop are DDP's, and Lightning's loop, step counter and scheduler
-    continue from the checkpoint."""
+    continue from the checkpoint. The checkpoint it writes then, given to ``trainer.test`` of
+    a fresh module at stage 1, tests as DDP's model."""
     runs, _ = checkpoints
     for rank, run in enumerate(runs):
         resumed, ddp = run["resumed"], run["ddp"]
@@ -176,6 +196,8 @@ def test_resume_at_another_stage_continues_as_ddp(checkpoints: tuple[list[dict],
         _assert_losses_close(resumed["test"], ddp["test"], TOLERANCE, f"{what}, test")
         _assert_params_close(resumed["params"], ddp["params"], TOLERANCE, what)
         assert resumed["lr"] == pytest.approx(ddp["lr"]), what
+        # its last checkpoint, tested by a fresh Trainer at stage 1: the weights load alone
+        _assert_losses_close(run["tested"], ddp["test"], TOLERANCE, f"{what}, trainer.test(ckpt_path=...)")
 
 
 def test_resume_at_another_world_size(checkpoints: tuple[list[dict], dict]) -> None:

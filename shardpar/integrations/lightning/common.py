@@ -27,8 +27,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
-import shardpar
-
+from ...checkpoint import save_checkpoint
 from ...checkpoint.format import read_manifest
 from ...checkpoint.json_values import decode_tree, encode_tree
 from ...checkpoint.protocol import agree
@@ -38,6 +37,8 @@ from ...config import ShardConfig
 from ...errors import CheckpointError
 from ...facade import ShardedModule
 from ...optim import ShardedOptimizer
+from ...optim import optimizer as shardpar_optimizer
+from ...wrap import wrap
 from .precision import PrecisionSpec
 
 STATE_KEY = "lightning"
@@ -87,7 +88,7 @@ class WrapOptions:
             module.to(device)
         options = dict(self.options)
         options["mixed_precision"] = precision.resolve(options.get("mixed_precision"))
-        model = shardpar.wrap(module, self.stage, init_fn=self.init_fn if on_meta else None, **options)
+        model = wrap(module, self.stage, init_fn=self.init_fn if on_meta else None, **options)
         if on_meta:  # Lightning's modules remember their device (module.device); they never moved
             _update_properties(module, device=model.engine.device)
         return model
@@ -127,7 +128,7 @@ def shard_optimizer(model: ShardedModule, optimizer: Any, schedulers: Iterable[A
         raise ValueError(f"{name} already holds state (it has stepped); give the strategy a fresh optimizer, "
                          "it rebuilds it over the wrapped model with shardpar.optimizer")
     groups = [dict(group) for group in optimizer.param_groups]
-    sharded = shardpar.optimizer(model, type(optimizer), groups, **_constructor_defaults(optimizer))
+    sharded = shardpar_optimizer(model, type(optimizer), groups, **_constructor_defaults(optimizer))
     for scheduler in schedulers:
         _move_scheduler(scheduler, optimizer, sharded)
     return sharded
@@ -281,7 +282,7 @@ def save_with_state(path: Any, model: ShardedModule, optimizer: ShardedOptimizer
         except Exception as error:
             problem = error
     target = agree(problem, who, model.engine.group, os.fspath(path))[0]
-    shardpar.save_checkpoint(target, model, optimizer, extra=extra)
+    save_checkpoint(target, model, optimizer, extra=extra)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate
 from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 
-import shardpar
-
+from ...checkpoint import load_checkpoint
+from ...errors import CheckpointError
 from ...facade import ShardedModule, sharded_module_of
 from ...optim import ShardedOptimizer
 from .common import (
@@ -178,9 +178,9 @@ class ShardparFabricStrategy(DistributedParts, ParallelStrategy):
         model_key, model, optimizer_key, optimizer = _model_and_optimizer(state)
         saved = read_saved_state(path, model, "ShardparFabricStrategy.load_checkpoint")
         if optimizer is not None and not saved.has_optimizer:
-            raise shardpar.CheckpointError(f"{saved.path} holds no optimizer state, but state['{optimizer_key}'] "
+            raise CheckpointError(f"{saved.path} holds no optimizer state, but state['{optimizer_key}'] "
                                            "asks for it")
-        saved_state = decode_state(shardpar.load_checkpoint(saved.path, model, optimizer), saved.path)
+        saved_state = decode_state(load_checkpoint(saved.path, model, optimizer), saved.path)
         others = saved_state["state"]
         requested = [key for key in state if key not in (model_key, optimizer_key)]
         _validate_keys_for_strict_loading(requested, others.keys(), strict=strict)

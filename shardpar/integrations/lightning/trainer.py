@@ -40,8 +40,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-import shardpar
-
+from ...checkpoint import load_checkpoint
 from ...facade import ShardedModule
 from ...optim import ShardedOptimizer
 from .common import DistributedParts, WrapOptions, decode_state, read_saved_state, save_with_state, shard_optimizer
@@ -211,7 +210,7 @@ class ShardparStrategy(DistributedParts, ParallelStrategy):
         saved = read_saved_state(checkpoint_path, self._sharded, "ShardparStrategy.load_checkpoint")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizer = self._optimizer() if fitting and saved.has_optimizer else None
-        extra = shardpar.load_checkpoint(saved.path, self._sharded, optimizer)
+        extra = load_checkpoint(saved.path, self._sharded, optimizer)
         return decode_state(extra, saved.path)
 
     # ------------------------------------------------------------------ the end
