@@ -101,6 +101,9 @@ def _check_all(async_op: bool) -> list[str]:
     torch.testing.assert_close(t, sum(_value(r, 4, torch.float64) for r in range(n)), rtol=0, atol=0)
 
     assert C.all_gather_objects({"rank": rank}) == [{"rank": r} for r in range(n)]
+    # the source's object everywhere; the others' are never pickled (a lambda would fail)
+    sent = {"from": n - 1, "path": "ckpt/step-1"} if rank == n - 1 else (lambda: None)
+    assert C.broadcast_object(sent, n - 1) == {"from": n - 1, "path": "ckpt/step-1"}
     C.barrier()
     return checked
 

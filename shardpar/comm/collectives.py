@@ -53,6 +53,7 @@ __all__ = [
     "all_gather",
     "broadcast",
     "all_gather_objects",
+    "broadcast_object",
     "barrier",
     "send",
     "recv",
@@ -256,6 +257,24 @@ def all_gather_objects(obj: Any, *, group: ProcessGroup | None = None, device: t
                kind=kind)
     rows = gathered.view(world_size, longest).cpu()
     return [pickle.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(world_size)]
+
+
+def broadcast_object(obj: Any, src: int = 0, *, group: ProcessGroup | None = None,
+                     device: torch.device | None = None) -> Any:
+    """Rank ``src``'s ``obj`` (a group rank; small and picklable: a path, a decision) on every
+    rank; what the other ranks pass is ignored, never pickled. Two broadcasts (the size, then
+    the pickle) whose waits are bounded like any other; ``device`` as in
+    :func:`all_gather_objects`."""
+    if get_world_size(group) == 1:
+        return obj
+    device = devices.object_device(group, device)
+    sending = get_rank(group) == src
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if sending else None
+    size = host.to_device([payload.numel() if sending else 0], torch.int64, device)
+    broadcast(size, src, group=group)
+    received = payload.to(device) if sending else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    broadcast(received, src, group=group)
+    return obj if sending else pickle.loads(received.cpu().numpy().tobytes())
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
