@@ -54,6 +54,7 @@ def test_report_has_every_configuration_and_keeps_the_hand_written_part(report) 
     assert "old table" not in text
     assert text.rstrip().endswith("hand-written analysis")
     assert "model name" not in text and "`nproc` =" in text
+    assert "Bytes per group" not in text and "hybrid sharding" not in text  # only when a hybrid configuration ran
 
 
 def test_bytes_and_model_state_match_the_closed_forms(report) -> None:
@@ -189,3 +190,62 @@ def test_device_and_config_errors_are_one_line() -> None:
         "error: --device cuda: no CUDA device is visible (torch.cuda.is_available() is False)"], no_gpu.stderr
     plain_n = run_script([*bench, "--configs", "stage0,torch"], timeout=120, cwd=ROOT, env={"WORLD_SIZE": "2"})
     assert plain_n.returncode != 0 and "runs at world size 1 only" in plain_n.stderr, plain_n.stderr
+    bad_g = run_script([*bench, "--configs", "stage0-g2,stage3-g3,stage3-g2"], timeout=120, cwd=ROOT,
+                       env={"WORLD_SIZE": "4"})
+    assert bad_g.returncode != 0 and bad_g.stderr.strip().splitlines() == [
+        "error: --configs: stage0-g2: stage 0 ignores shard_group_size (every rank holds everything); name stage1-3; "
+        "stage3-g3: G = 3 must divide the world size 4 and lie strictly between 1 and it (G = 4 is full sharding, "
+        "G = 1 shards nothing)"], bad_g.stderr
+
+
+def test_hybrid_sharding_at_world_size_4_bytes_per_group_equal_the_closed_forms(tmp_path: Path) -> None:
+    """``--configs stage2-g2,stage3,stage3-g2,hsdp-g2`` at 4 ranks (2 replicas × shard groups of 2):
+    every rank's bytes per group in the JSON summary equal the closed forms of docs/design.md
+    (Ψ·4·(G-1)/G each for stage 2's reduce-scatter and gather within the group, 2(Ψ/G)·4·(R-1)/R
+    across replicas) and the planner's ``by_group``, to the byte; the HSDP peer holds FSDP2's
+    shards of G and trains the same model; the report has the hybrid and bytes-per-group tables."""
+    result = run_script(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         str(ROOT / "tools" / "bench.py"), "--models", "mlp:tiny", "--configs", "stage2-g2,stage3,stage3-g2,hsdp-g2",
+         "--warmup", "1", "--rounds", "1", "--steps-per-round", "1", "--comm-reps", "1",
+         "--out", str(tmp_path / "b.md"), "--json", str(tmp_path / "b.json")],
+        timeout=240, env={"OMP_NUM_THREADS": "1"}, cwd=ROOT,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    configs = json.loads((tmp_path / "b.json").read_text())["results"][0]["configs"]
+    import shardpar
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from benchkit.models import parse_models
+
+    spec = parse_models("mlp:tiny")[0]
+    psi = sum(p.numel() for p in spec.build().parameters())
+    stage2 = configs["stage2-g2"]["by_group"]
+    assert stage2["shard_group"]["sent_bytes"] == [2 * psi * 4 * (1 / 2)] * 4  # reduce-scatter + all-gather in G
+    assert stage2["replica_group"]["sent_bytes"] == [2 * (psi / 2) * 4 * (1 / 2)] * 4  # the owned slice across R
+    for config, stage in (("stage2-g2", 2), ("stage3-g2", 3)):
+        row = configs[config]
+        closed = shardpar.estimate_communication(spec.build(), 4, stage, shard_group_size=2,
+                                                 wrap_policy=[spec.unit_class] if stage == 3 else None).by_group
+        assert set(row["by_group"]) == set(closed) == {"shard_group", "replica_group", "all_ranks"}, config
+        for group, measured in row["by_group"].items():
+            expected = closed[group]["total"]
+            assert row["closed_form_by_group"][group] == expected, (config, group)
+            # Every rank to the byte, payload + padding (a replica slice holds its own share of the
+            # padding); the payload's mean over the ranks exactly.
+            sent = [s + p for s, p in zip(measured["sent_bytes"], measured["padding_sent_bytes"])]
+            assert sent == [expected["sent_bytes"] + expected["padding_sent_bytes"]] * 4, (config, group, measured)
+            assert sum(measured["sent_bytes"]) / 4 == expected["sent_bytes"], (config, group, measured)
+        assert row["grad_alone_s"] > 0 and row["gather_alone_s"] > 0 and 0.0 <= row["hidden"] <= 1.0, config
+        assert max(row["model_state"]) == pytest.approx(row["formula"], rel=0.01), config
+    assert "by_group" not in configs["stage3"] and "closed_form_by_group" not in configs["stage3"]
+    assert configs["stage3-g2"]["peer"] == "hsdp-g2" and "vs_full" in configs["stage3-g2"]
+    assert "peer" not in configs["stage2-g2"], "stage 2 has no HSDP peer"
+    hsdp = configs["hsdp-g2"]
+    assert hsdp["formula"] == 16 * psi / 2 and max(hsdp["model_state"]) == pytest.approx(hsdp["formula"], rel=0.01)
+    assert abs(hsdp["final_loss"] - configs["stage3-g2"]["final_loss"]) < 1e-3
+    text = (tmp_path / "b.md").read_text()
+    assert "### mlp:tiny: hybrid sharding" in text and "Bytes per group:" in text
+    assert "| stage3-g2 | 2 × 2 |" in text and "| hsdp-g2 | 2 × 2 |" in text
+    assert "| stage3-g2 | across replicas | 2 |" in text and "| stage3 | all ranks (full sharding) | 4 |" in text
+    assert " ✗" not in text.split("Bytes per group:", 1)[1].split("Final loss", 1)[0]

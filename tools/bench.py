@@ -4,6 +4,8 @@
     python tools/bench.py --models mlp:tiny --rounds 2                  # world size 1, quick
     python tools/bench.py --device cuda --out /tmp/gpu.md               # one GPU: against plain torch
     torchrun --standalone --nproc_per_node 8 tools/bench.py --device cuda   # 8 GPUs, NCCL
+    torchrun --standalone --nproc_per_node 4 tools/bench.py --configs stage3,stage3-g2,fsdp2,hsdp-g2
+                                                                        # hybrid sharding (2 × 2) against HSDP
 
 The benchmark is the package beside this file, tools/benchkit/: its __init__.py says what
 each module does and what is measured ([Note: what is measured], [Note: on CUDA]).

@@ -4,7 +4,8 @@ ZeroRedundancyOptimizer and FSDP2, in one run (see tools/bench.py for the comman
 One module per job:
 
     models      the model zoo (``--models``: MLP stacks and transformers, tiny to large)
-    runners     one configuration each: shardpar stage N, DDP, DDP + ZeRO, FSDP2, plain torch
+    runners     one configuration each: shardpar stage N, DDP, DDP + ZeRO, FSDP2, plain torch;
+                hybrid sharding stageN-gG against FSDP2's HSDP hsdp-gG ([Note: hybrid configurations])
     measure     one timed training step: wall, phases, CPU, page faults, waits
     memory      the memory phase: each configuration alone, its peak RSS or CUDA allocation
     comm_alone  the collectives of one step timed with nothing else running
@@ -34,7 +35,10 @@ Markdown report, default docs/benchmarks.md), ``--png`` when matplotlib is impor
   then dropped. See [Note: allocator modes] in memory.py.
 - Bytes: ``comm_stats()`` over the timed steps / steps, against ``estimate_communication``
   (payload and, in the JSON summary, padding, with the configuration's bucket cap and
-  alignment).
+  alignment). Under hybrid sharding also per group (``comm_stats()["by_group"]``: within the
+  shard groups, across replicas, all ranks) against ``estimate_communication(...,
+  shard_group_size=G).by_group``, the closed forms of docs/design.md; the report's "bytes per
+  group" table shows them when a hybrid configuration ran.
 - Exposed communication (shardpar stages only): ``engine.wait_clock``, reset before each
   step and read after it, gives the seconds the rank's main thread was blocked waiting for
   collectives, per phase (forward: parameter gathers; backward gathers: stage 3's; backward
@@ -49,7 +53,10 @@ Markdown report, default docs/benchmarks.md), ``--png`` when matplotlib is impor
   forward and backward, unless ``reshard_after_forward=False`` or the unit was kept gathered
   from forward into backward; in the compute dtype; stage 3's
   16-byte gather tags and the few bytes of the used-parameter flags are left out).
-  hidden = 1 - exposed / (gradients alone + gathers alone), clamped to [0, 1].
+  hidden = 1 - exposed / (gradients alone + gathers alone), clamped to [0, 1]. Under hybrid
+  sharding the collectives run on the shard group and each reduce-scatter is followed by the
+  all-reduce of the owned slice across replicas, counted with the gradients ([Note: hybrid
+  sharding alone] in comm_alone.py).
 
 [Note: on CUDA]
 ``--device cuda`` puts each rank on ``cuda:LOCAL_RANK`` with NCCL (under plain python, a

@@ -21,8 +21,8 @@ from . import ROOT
 from .models import parse_models
 from .report import command_line, machine, write_chart, write_report
 from .run import bench_model, warm_process
-from .runners import (ALL_CONFIGS, CANDIDATE, KNOWN_CONFIGS, PLAIN, default_configs, init_group, load_candidate,
-                      parse_option, stage_of)
+from .runners import (ALL_CONFIGS, CANDIDATE, HYBRID_CONFIGS, KNOWN_CONFIGS, PLAIN, config_problem, default_configs,
+                      init_group, load_candidate, parse_option, stage_of)
 from .tables import exposure_table, timing_table
 
 
@@ -31,8 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", default="mlp:small,mlp:large,gpt:small,gpt:large",
                         help="comma-separated KIND:SIZE, kinds mlp and gpt, sizes tiny, small, large")
     parser.add_argument("--configs", default=None,
-                        help=f"subset of {','.join(KNOWN_CONFIGS)} (default: {','.join(ALL_CONFIGS)}; with --device "
-                             f"cuda at world size 1 the stages and {PLAIN})")
+                        help=f"subset of {','.join(KNOWN_CONFIGS)} and the hybrid {','.join(HYBRID_CONFIGS)} "
+                             f"(G a divisor of the world size, e.g. stage3-g2,hsdp-g2) (default: {','.join(ALL_CONFIGS)}; "
+                             f"with --device cuda at world size 1 the stages and {PLAIN})")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: gloo (default); cuda: cuda:LOCAL_RANK and NCCL (see [Note: on CUDA])")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
@@ -61,9 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.config_list = default_configs(args.device, world)
     else:
         args.config_list = [c.strip() for c in args.configs.split(",")]
-    unknown = [c for c in args.config_list if c not in KNOWN_CONFIGS]
-    if unknown or args.warmup < 1 or args.rounds < 1 or args.steps_per_round < 1:
-        raise SystemExit(f"error: bad --configs {unknown} or a count below 1")
+    problems = [problem for c in args.config_list if (problem := config_problem(c, world))]
+    if problems:
+        raise SystemExit(f"error: --configs: {'; '.join(problems)}")
+    if args.warmup < 1 or args.rounds < 1 or args.steps_per_round < 1:
+        raise SystemExit("error: --warmup, --rounds and --steps-per-round must be at least 1")
     if PLAIN in args.config_list and world > 1:
         raise SystemExit(f"error: --configs {PLAIN}: plain torch averages no gradients, so it runs at world size 1 only")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -39,6 +39,8 @@ class Measured:
     sent_bytes: float | None = None
     padding_bytes: float | None = None
     sent_by_op: dict[str, float] = field(default_factory=dict)
+    sent_by_group: dict[str, dict[str, float]] = field(default_factory=dict)  # hybrid sharding: per group,
+    # {"sent_bytes", "padding_sent_bytes"} per step (comm_stats()["by_group"])
     grad_alone_s: float | None = None
     gather_alone_s: float | None = None
     final_loss: float = math.nan

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from .runners import PLAIN
-from .tables import exposure_table, limits_section, memory_table, targets_section, timing_table
+from .tables import (exposure_table, group_bytes_table, has_hybrid, hybrid_table, limits_section, memory_table,
+                     targets_section, timing_table)
 
 KEEP_MARKER = "<!-- everything below this line is written by hand; tools/bench.py keeps it -->"
 
@@ -94,6 +95,21 @@ CUDA_COLUMNS = (
     "(the model and AdamW, no wrapper), every stage's peer."
 )
 
+HYBRID_COLUMNS = (
+    "Hybrid sharding (see [Note: hybrid configurations] in tools/benchkit/runners.py): *stageN-gG* is "
+    "`shardpar.wrap(model, stage=N, shard_group_size=G)`, state sharded over groups of G consecutive ranks and "
+    "replicated across the R = N/G groups; *hsdp-gG* is FSDP2's HSDP on the same layout, `fully_shard` with "
+    "`mesh=init_device_mesh(device, (R, G), mesh_dim_names=(\"replicate\", \"shard\"))`, the peer of stage 3 "
+    "(*vs peer* and *vs HSDP*); stages 1–2 have none. *vs full sharding*: median over the same configuration "
+    "without G (stageN; fsdp2 for hsdp-gG). The ZeRO formula takes G for N. *Bytes per group*: `comm_stats()"
+    "[\"by_group\"]` per step, the mean over ranks (a rank's all-reduce across replicas carries its own slice, "
+    "so its padding, and with it the payload, can differ between ranks; the mean is exact), against "
+    "`estimate_communication(..., shard_group_size=G).by_group`, the closed forms of docs/design.md; full "
+    "sharding's stages as one group of every rank. *grads alone* under hybrid sharding: each bucket's "
+    "reduce-scatter on its shard group, then, once it is done, the all-reduce of the owned slice across "
+    "replicas (see [Note: hybrid sharding alone] in tools/benchkit/comm_alone.py)."
+)
+
 
 def write_report(path: Path, results: list[dict[str, Any]], info: dict[str, Any], args, png: Path | None) -> None:
     kept = ""
@@ -128,6 +144,7 @@ def write_report(path: Path, results: list[dict[str, Any]], info: dict[str, Any]
         "",
         COLUMNS,
         *(["", CUDA_COLUMNS] if "gpu" in info else []),
+        *(["", HYBRID_COLUMNS] if any(has_hybrid(result) for result in results) else []),
         "",
     ]
     if png is not None:
@@ -136,6 +153,9 @@ def write_report(path: Path, results: list[dict[str, Any]], info: dict[str, Any]
         lines += [f"## {result['model']}: {result['description']}, Ψ = {result['params']:,} parameters", ""]
         peak = "CUDA allocated" if "gpu" in info else "RSS"
         lines += timing_table(result) + [""] + exposure_table(result) + [""] + memory_table(result, peak) + [""]
+        if has_hybrid(result):
+            lines += [f"### {result['model']}: hybrid sharding", ""] + hybrid_table(result) + [""]
+            lines += ["Bytes per group:", ""] + group_bytes_table(result) + [""]
         losses = {c: r["final_loss"] for c, r in result["configs"].items()}
         spread = max(losses.values()) - min(losses.values())
         lines += [f"Final loss after the same steps, all configurations: {min(losses.values()):.5f}–"

@@ -76,8 +76,11 @@ def bench_model(spec: ModelSpec, configs: list[str], args) -> dict[str, Any]:
     return summarize(spec, psi, configs, gathered, args)
 
 
-def accumulate_comm(m: Measured, stats: dict[str, dict[str, float]], steps: int) -> None:
-    """Per-step bytes from one round's counters (every round moves the same bytes)."""
+def accumulate_comm(m: Measured, stats: dict[str, Any], steps: int) -> None:
+    """Per-step bytes from one round's counters (every round moves the same bytes), and per
+    group under hybrid sharding."""
     m.sent_bytes = stats["total"]["sent_bytes"] / steps
     m.padding_bytes = stats["total"]["padding_sent_bytes"] / steps
-    m.sent_by_op = {op: v["sent_bytes"] / steps for op, v in stats.items() if op != "total"}
+    m.sent_by_op = {op: v["sent_bytes"] / steps for op, v in stats.items() if op not in ("total", "by_group")}
+    m.sent_by_group = {group: {key: value / steps for key, value in snapshot["total"].items()}
+                       for group, snapshot in stats.get("by_group", {}).items()}

@@ -1,17 +1,34 @@
 """The configurations: shardpar stage N (this checkout's, or a ``--candidate`` checkout's as
 ``stageN-cand``), and the peers it is measured against: torch DDP, DDP +
-ZeroRedundancyOptimizer, FSDP2, and plain torch at world size 1.
+ZeroRedundancyOptimizer, FSDP2, and plain torch at world size 1; and hybrid sharding,
+``stageN-gG`` against FSDP2's HSDP ``hsdp-gG`` (see [Note: hybrid configurations]).
 
 A :class:`Runner` holds one configuration (a model copy, its wrapper and optimizer) and splits
 its training step into phases so the report can say where the time goes.
+
+[Note: hybrid configurations]
+``stageN-gG`` (N = 1..3) is ``shardpar.wrap(model, stage=N, shard_group_size=G)``: state
+sharded over groups of G consecutive ranks, replicated across the R = world/G groups.
+``hsdp-gG`` is its peer, FSDP2 on the same layout: ``fully_shard`` on every block then the
+root with ``mesh=init_device_mesh(device, (R, G), mesh_dim_names=("replicate", "shard"))``,
+whose shard dimension groups consecutive ranks as shardpar's shard groups do. Each is also
+compared with its full-sharding sibling (``stageN``, ``fsdp2``). G must divide the world size
+and lie strictly between 1 and it: G = world is ``stageN`` itself, and G = 1 shards nothing
+(stage 0 moves the same bytes). Stage 0 ignores ``shard_group_size``, so ``stage0-gG`` is
+refused, and so is ``--wrap-option shard_group_size=...``: a configuration's G is in its name,
+where the closed forms and the report read it. Stages 1-2 have no HSDP peer (FSDP2 always
+shards parameters): their ``vs peer`` stays empty and the hybrid table compares them with
+their full-sharding sibling only.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,20 +47,60 @@ PLAIN = "torch"
 """Plain torch, no wrapper: every stage's peer at world size 1 on CUDA (``--configs`` may name
 it at world size 1 on the CPU too)."""
 KNOWN_CONFIGS = [*ALL_CONFIGS, PLAIN]
+HYBRID_CONFIGS = ["stage1-gG", "stage2-gG", "stage3-gG", "hsdp-gG"]
+"""Patterns of the hybrid configurations (G a number): see [Note: hybrid configurations]."""
 PEER_STAGE = {"ddp": 0, "ddp+zero": 1, "fsdp2": 3, PLAIN: 0}
 """The shardpar stage each peer matches (same storage and collectives)."""
 CANDIDATE = "-cand"
 """Suffix of the stages run from ``--candidate`` (another checkout's shardpar, to A/B a patch)."""
+_HYBRID = re.compile(r"(?P<base>stage\d|hsdp)-g(?P<size>\d+)")
 
 
 def stage_of(config: str) -> int | None:
-    """3 for "stage3" and "stage3-cand"; None for the peers."""
-    return int(config.removesuffix(CANDIDATE)[-1]) if config.startswith("stage") else None
+    """3 for "stage3", "stage3-cand" and "stage3-g2"; None for the peers."""
+    return int(config[len("stage")]) if config.startswith("stage") else None
 
 
-def peer_of(config: str, present: Any = ()) -> str:
+def shard_group_size_of(config: str) -> int | None:
+    """G of a hybrid configuration ("stage3-g2", "stage3-g2-cand", "hsdp-g2"); None for the others."""
+    match = _HYBRID.fullmatch(config.removesuffix(CANDIDATE))
+    return int(match["size"]) if match else None
+
+
+def full_sharding_of(config: str) -> str:
+    """A hybrid configuration's full-sharding sibling: "stage3-g2-cand" -> "stage3-cand",
+    "hsdp-g2" -> "fsdp2"; any other configuration itself."""
+    match = _HYBRID.fullmatch(config.removesuffix(CANDIDATE))
+    if match is None:
+        return config
+    return "fsdp2" if match["base"] == "hsdp" else match["base"] + config[match.end():]
+
+
+def config_problem(config: str, world: int) -> str | None:
+    """Why ``--configs`` cannot hold ``config`` at ``world`` ranks; None when it can."""
+    if config in KNOWN_CONFIGS:
+        return None
+    match = _HYBRID.fullmatch(config)
+    if match is None:
+        return f"unknown configuration {config!r}"
+    if match["base"] == "stage0":
+        return f"{config}: stage 0 ignores shard_group_size (every rank holds everything); name stage1-3"
+    if match["base"] not in ("stage1", "stage2", "stage3", "hsdp"):
+        return f"unknown configuration {config!r}"
+    size = int(match["size"])
+    if not 1 < size < world or world % size:
+        return (f"{config}: G = {size} must divide the world size {world} and lie strictly between 1 and it "
+                f"(G = {world} is full sharding, G = 1 shards nothing)")
+    return None
+
+
+def peer_of(config: str, present: Any = ()) -> str | None:
     """The peer a stage is compared with: its distributed counterpart, or plain torch when only
-    that is in ``present`` (world size 1 on CUDA)."""
+    that is in ``present`` (world size 1 on CUDA); for hybrid sharding, HSDP on the same
+    layout at stage 3 and none at stages 1-2 ([Note: hybrid configurations])."""
+    size = shard_group_size_of(config)
+    if size is not None:
+        return f"hsdp-g{size}" if stage_of(config) == 3 else None
     peer = {0: "ddp", 1: "ddp+zero", 2: "ddp+zero", 3: "fsdp2"}[stage_of(config)]
     return PLAIN if peer not in present and PLAIN in present else peer
 
@@ -56,9 +113,13 @@ def default_configs(device: str, world: int) -> list[str]:
 
 
 def zero_formula(config: str, psi: int, world: int) -> float:
-    """DESIGN.md's model-state bytes per rank with fp32 AdamW (peers: the stage they match)."""
-    stage = PEER_STAGE[config] if stage_of(config) is None else stage_of(config)
-    return [16 * psi, 8 * psi + 8 * psi / world, 4 * psi + 12 * psi / world, 16 * psi / world][stage]
+    """DESIGN.md's model-state bytes per rank with fp32 AdamW (peers: the stage they match);
+    under hybrid sharding with the shard group's G in place of the world size."""
+    stage = stage_of(config)
+    if stage is None:
+        stage = PEER_STAGE[full_sharding_of(config)]
+    n = shard_group_size_of(config) or world
+    return [16 * psi, 8 * psi + 8 * psi / n, 4 * psi + 12 * psi / n, 16 * psi / n][stage]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -176,16 +237,41 @@ class ZeroRunner(Runner):
 class FSDPRunner(Runner):
     name = "fsdp2"
 
-    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
+    def mesh(self) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.device.type, (dist.get_world_size(),))
+
+    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
         from shardpar.comm.compat import fully_shard
 
-        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        mesh = self.mesh()
         for module in model.modules():
             if isinstance(module, self.spec.unit_class):
                 fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+@functools.cache
+def hsdp_mesh(device_type: str, replicas: int, shard_size: int) -> Any:
+    """The 2-D mesh (replicate, shard) of HSDP, made once per launch: every ``init_device_mesh``
+    creates new process groups, and each configuration is built three times per model."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+class HSDPRunner(FSDPRunner):
+    """FSDP2's hybrid sharding: ``fully_shard`` on a 2-D mesh; see [Note: hybrid configurations]."""
+
+    def __init__(self, shard_size: int, *args: Any) -> None:
+        self.shard_size = shard_size
+        self.name = f"hsdp-g{shard_size}"
+        super().__init__(*args)
+
+    def mesh(self) -> Any:
+        return hsdp_mesh(self.device.type, dist.get_world_size() // self.shard_size, self.shard_size)
 
 
 LIBRARIES: dict[str, Any] = {CANDIDATE: shardpar}
@@ -195,13 +281,17 @@ LIBRARIES: dict[str, Any] = {CANDIDATE: shardpar}
 def build_runner(config: str, model: nn.Module, spec: ModelSpec, args: argparse.Namespace) -> Runner:
     """``config`` built on ``model``, which is first moved to the rank's device."""
     model = model.to(args.torch_device)
-    stage = stage_of(config)
+    stage, shard_size = stage_of(config), shard_group_size_of(config)
+    if stage is None and shard_size is not None:
+        return HSDPRunner(shard_size, model, spec, {})
     if stage is None:
         runners = {"ddp": DDPRunner, "ddp+zero": ZeroRunner, "fsdp2": FSDPRunner, PLAIN: PlainRunner}
         return runners[config](model, spec, {})
+    hybrid = {} if shard_size is None else {"shard_group_size": shard_size}
     if config.endswith(CANDIDATE):
-        return ShardparRunner(stage, LIBRARIES[CANDIDATE], model, spec, {**args.wrap_options, **args.candidate_options})
-    return ShardparRunner(stage, shardpar, model, spec, args.wrap_options)
+        options = {**args.wrap_options, **args.candidate_options, **hybrid}
+        return ShardparRunner(stage, LIBRARIES[CANDIDATE], model, spec, options)
+    return ShardparRunner(stage, shardpar, model, spec, {**args.wrap_options, **hybrid})
 
 
 def load_candidate(checkout: Path) -> None:
@@ -225,6 +315,9 @@ def parse_option(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or key not in shardpar.ShardConfig.option_names():
         raise SystemExit(f"error: --wrap-option {text!r}: expected KEY=VALUE with KEY a shardpar.wrap option")
+    if key in ("shard_group_size", "mesh"):
+        raise SystemExit(f"error: --wrap-option {text!r}: name the hybrid configurations in --configs instead "
+                         f"({', '.join(HYBRID_CONFIGS)}, G a number)")
     try:
         return key, ast.literal_eval(value)
     except (ValueError, SyntaxError):

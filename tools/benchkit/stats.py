@@ -11,7 +11,7 @@ import shardpar
 
 from .measure import WAIT_PHASES
 from .models import ModelSpec
-from .runners import CANDIDATE, peer_of, stage_of, zero_formula
+from .runners import CANDIDATE, full_sharding_of, peer_of, shard_group_size_of, stage_of, zero_formula
 
 
 def quantiles(values: list[float]) -> dict[str, float]:
@@ -39,6 +39,20 @@ def exposure(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         if "exposed_total_s" in out and out["comm_alone_s"] > 0:
             out["hidden"] = min(1.0, max(0.0, 1 - out["exposed_total_s"] / out["comm_alone_s"]))
     return out
+
+
+def bytes_by_group(per_rank: list[dict[str, Any]], closed: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
+    """Hybrid sharding's bytes per step per group ("shard_group", "replica_group", "all_ranks"):
+    every rank's (``comm_stats()["by_group"]``), and the closed form's (``by_group`` of
+    ``estimate_communication``), each ``{"sent_bytes", "padding_sent_bytes"}``."""
+    groups = list(dict.fromkeys([*closed, *(g for m in per_rank for g in m["sent_by_group"])]))
+    keys = ("sent_bytes", "padding_sent_bytes")
+    return {
+        "by_group": {g: {k: [m["sent_by_group"].get(g, {}).get(k, 0.0) for m in per_rank] for k in keys}
+                     for g in groups},
+        "closed_form_by_group": {g: {k: closed.get(g, {}).get("total", {}).get(k, 0.0) for k in keys}
+                                 for g in groups},
+    }
 
 
 def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], args) -> dict[str, Any]:
@@ -75,14 +89,20 @@ def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], 
                 bucket_cap_mb=options.get("bucket_cap_mb", shardpar.ShardConfig.bucket_cap_mb),
                 wrap_policy=[spec.unit_class] if stage == 3 else None,
                 align_for_bandwidth=options.get("align_for_bandwidth"),
+                shard_group_size=shard_group_size_of(config),
             )
             row["sent_bytes"] = [m["sent_bytes"] for m in per_rank]
             row["padding_bytes"] = [m["padding_bytes"] for m in per_rank]
             row["closed_form_bytes"] = closed.sent_bytes
             row["closed_form_padding_bytes"] = closed.padding_sent_bytes
+            if shard_group_size_of(config) is not None:
+                row.update(bytes_by_group(per_rank, closed.by_group))
             row.update(exposure(per_rank))
         per_config[config] = row
     for config, row in per_config.items():
+        full = full_sharding_of(config)
+        if full != config and full in per_config:
+            row["vs_full"] = row["step_s"]["median"] / per_config[full]["step_s"]["median"]
         if stage_of(config) is None:
             continue
         peer = peer_of(config, per_config)

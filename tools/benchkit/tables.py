@@ -8,7 +8,7 @@ from typing import Any
 
 from .measure import WAIT_PHASES
 from .memory import MIB
-from .runners import CANDIDATE, PLAIN
+from .runners import CANDIDATE, PLAIN, full_sharding_of, shard_group_size_of, stage_of
 
 TARGETS = {"stage0": 0.95, "stage1": 0.85, "stage2": 0.85, "stage3": 0.60}
 """Step time over the peer's (issue #16, "Communication that hides behind compute"; the first
@@ -205,4 +205,73 @@ def targets_section(results: list[dict[str, Any]]) -> list[str]:
                 ratio = max(row["model_state"]) / row["formula"]
                 met = "yes" if abs(ratio - 1) <= 0.10 else "**no**"
                 lines.append(f"| {result['model']} | {config} model state = ZeRO formula ±10% | {ratio:.3f}× | {met} |")
+    return lines
+
+
+def has_hybrid(result: dict[str, Any]) -> bool:
+    """Whether a hybrid configuration ran (stageN-gG or hsdp-gG)."""
+    return any(shard_group_size_of(config) is not None for config in result["configs"])
+
+
+def hybrid_table(result: dict[str, Any]) -> list[str]:
+    """Each hybrid configuration against its full-sharding sibling and, at stage 3, HSDP on the
+    same layout: step time and memory per rank (see [Note: hybrid configurations] in runners.py)."""
+    lines = [
+        ("| config | replicas × shard group | median step ms | vs full sharding | vs HSDP | model state MiB "
+         "(rank 0 / 1 …) | formula MiB | peak RSS increase MiB (rank 0 / 1 …) |"),
+        "|---|---|---:|---|---|---:|---:|---:|",
+    ]
+    for config, row in result["configs"].items():
+        size = shard_group_size_of(config)
+        if size is None:
+            continue
+        full = f"{row['vs_full']:.2f}× {full_sharding_of(config)}" if "vs_full" in row else "—"
+        hsdp = f"{row['vs_peer']:.2f}× {row['peer']}" if "vs_peer" in row else "—"
+        lines.append(
+            f"| {config} | {result['world'] // size} × {size} | {_ms(row['step_s']['median'])} | {full} | {hsdp} "
+            f"| {_per_rank(row['model_state'], _mib)} | {_mib(row['formula'])} "
+            f"| {_per_rank(row['rss_increase'], _mib)} |"
+        )
+    return lines
+
+
+GROUP_LABELS = {"shard_group": "within shard groups", "replica_group": "across replicas", "all_ranks": "all ranks"}
+"""Report names of ``comm_stats()["by_group"]``'s groups."""
+
+
+def _bytes_row(config: str, group: str, ranks: int, measured: list[float], padding: list[float], closed: float,
+               closed_padding: float) -> str:
+    """One row of the bytes-per-group table: the mean over ranks against the closed form."""
+    mean = sum(measured) / len(measured)
+    spread = "" if min(measured) == max(measured) else f" ({_span(measured, lambda v: f'{v / 1e6:.4f}')})"
+    diff = mean - closed
+    mark = " ✓" if abs(diff) < 0.5 else " ✗"
+    return (f"| {config} | {group} | {ranks} | {mean / 1e6:.4f}{spread} | {closed / 1e6:.4f} | {diff:+.0f} B{mark} "
+            f"| {sum(padding) / len(padding):.0f} / {closed_padding:.0f} |")
+
+
+def group_bytes_table(result: dict[str, Any]) -> list[str]:
+    """Bytes per step per group, measured (``comm_stats()["by_group"]``, the mean over ranks,
+    per-rank range in brackets) against the closed forms (``estimate_communication(...,
+    shard_group_size=G).by_group``); full sharding's stages as one group of every rank."""
+    world = result["world"]
+    lines = [
+        ("| config | group | ranks per group | sent MB/step, mean over ranks (per rank) | closed form MB "
+         "| difference | padding B, measured / closed form |"),
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for config, row in result["configs"].items():
+        if not (stage_of(config) or 0) or "sent_bytes" not in row:
+            continue
+        size = shard_group_size_of(config)
+        if size is None:
+            lines.append(_bytes_row(config, "all ranks (full sharding)", world, row["sent_bytes"],
+                                    row["padding_bytes"], row["closed_form_bytes"], row["closed_form_padding_bytes"]))
+            continue
+        ranks = {"shard_group": size, "replica_group": world // size, "all_ranks": world}
+        for group, measured in row["by_group"].items():
+            closed = row["closed_form_by_group"][group]
+            lines.append(_bytes_row(config, GROUP_LABELS.get(group, group), ranks.get(group, 0),
+                                    measured["sent_bytes"], measured["padding_sent_bytes"], closed["sent_bytes"],
+                                    closed["padding_sent_bytes"]))
     return lines
