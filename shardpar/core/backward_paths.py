@@ -12,7 +12,7 @@ stage 3 (:class:`ReshardThenReduce`, what FSDP2's per-group post-backward does):
     backward has been checked across ranks ([Note: kept for backward] in gatherer.py: a rank
     that departed from the others' unit order must meet the mismatch before it posts any
     reduction). Buckets that complete before that wait, and launch with the first gradient
-    that arrives after the check (or at the end of backward).
+    that arrives after a gather was checked (or at the end of backward).
 end of backward (both): buckets still collecting -- parameters this rank gave no gradient --
     complete with zeros (stage 3 frees their groups too), every bucket launches, and the
     reducer waits for all of them.
@@ -68,10 +68,14 @@ class ReshardThenReduce:
         bucket = self.reducer.on_grad_ready(name, param)
         if bucket is not None:
             self.gatherer.grads_final(bucket.space)
-            self._waiting = True
-        if self._waiting and (not self.gated or self.gatherer.may_reduce()):
-            self._waiting = False
+            # Asking completes the gathers in flight if none was checked yet; asking again
+            # for every later gradient would wait for each prefetch as soon as it is issued.
+            allowed = not self.gated or self.gatherer.may_reduce()
+        else:
+            allowed = self._waiting and self.gatherer.reductions_allowed()
+        if allowed:
             self.reducer.launch_ready()
+        self._waiting = not allowed and (self._waiting or bucket is not None)
 
     def finish_backward(self) -> None:
         if self.gated:

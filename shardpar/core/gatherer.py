@@ -169,6 +169,11 @@ class UnitGatherer(GatherPhases, GatherChannel):
             order.check_tags(block=True)
         return order.checked_in_backward
 
+    def reductions_allowed(self) -> bool:
+        """:meth:`may_reduce`'s answer without completing or checking anything."""
+        order = self.order
+        return (not order.tolerant and self.flats[0].device.type != "cpu") or order.checked_in_backward
+
     # ------------------------------------------------------------------ each group's gathers
 
     def issue_gather(self, flat: FlatParamGroup) -> C.Handle:
