@@ -1,5 +1,6 @@
 """The engine: one stage's training machinery, composed of the parts its row of the stage
-table picks (``stages.py``): parameter storage, gradient reducer strategy, parameter gatherer.
+table picks (``stages.py``): parameter storage, gradient reducer strategy, parameter gatherer,
+backward path.
 
 The engine owns what every stage shares: the training state, the hooks that tell it where
 forward and backward are, the end-of-backward callback, buffers, and the questions the
@@ -19,8 +20,6 @@ hook did (a backward through part of the model).
 
 from __future__ import annotations
 
-import atexit
-import gc
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -51,19 +50,6 @@ from .grad_marks import GradPlaceholders
 from .hooks import engine_hook
 from .module_hooks import UseHooks, module_of_params, unit_hooks
 
-
-def _collect_cycles_before_exit() -> None:
-    """[Note: collecting at exit] A wrapped model is a reference cycle (its modules' hooks
-    hold the engine, which holds the modules), so a script that drops it leaves it to the
-    cycle collector, with the process group the engine holds. Left to the interpreter's
-    finalisation, the group would be destroyed after torch's own state, which can abort the
-    process ("terminate called without an active exception") after a run that succeeded.
-    Collecting at exit, while everything is alive, frees them in a healthy state; see also
-    [Note: no group outlives destroy_process_group] in comm/process_group.py."""
-    gc.collect()
-
-
-atexit.register(_collect_cycles_before_exit)
 
 WRAPPED_MARK = "_shardpar_wrapped"
 """Set on the module an engine manages, so that wrapping it (or a model containing it) again
