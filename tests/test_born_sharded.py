@@ -79,13 +79,14 @@ def _reference(kind: str) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _meta_wraps(kind: str, stages: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
+def _meta_wraps(kind: str, stages: tuple[int, ...], extra: tuple = ()) -> list[dict[str, torch.Tensor]]:
+    """Meta-built wraps at each of ``stages`` (``extra``: more wrap options), their full states."""
     out = []
     for stage in stages:
         with torch.device("meta"):
             module, init, options = _build(kind)
         torch.manual_seed(SEED + C.get_rank())  # every rank must get rank 0's values anyway
-        model = shardpar.wrap(module, stage=stage, init_fn=init, **options)
+        model = shardpar.wrap(module, stage=stage, init_fn=init, **options, **dict(extra))
         out.append(model.full_state_dict())
         model.engine.close()
     return out

@@ -82,6 +82,19 @@ def test_stage_0_ignores_the_option() -> None:
     check_parity(hybrid, recipe, 4, "stage 0")
 
 
+def test_a_meta_built_hugging_face_model_is_born_sharded_per_shard_group() -> None:
+    """A Llama built from a config on the meta device, wrapped with G = 2 of 4: every rank's
+    values equal one process's ``model.apply(model._init_weights)``, bit for bit, at stages 1-3."""
+    from tests.test_born_sharded import _meta_wraps, _reference
+
+    expected = _reference("llama")
+    for rank, states in enumerate(run_ranks(_meta_wraps, 4, "llama", (1, 2, 3), (("shard_group_size", 2),),
+                                            timeout=180)):
+        for stage, state in zip((1, 2, 3), states):
+            differ = [k for k, v in expected.items() if not torch.equal(state[k], v)]
+            assert state.keys() == expected.keys() and not differ, f"stage {stage}, rank {rank}: {differ}"
+
+
 # --------------------------------------------------------------------------- bytes per group
 
 
