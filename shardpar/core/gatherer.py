@@ -160,10 +160,10 @@ class UnitGatherer(GatherPhases, GatherChannel):
         """Whether this backward's gradient reductions may be posted: once a gather of this
         backward has been checked (see [Note: kept for backward]). Completes the gathers in
         flight first if none has been."""
+        if self.reductions_allowed():
+            return True
         order = self.order
-        if not order.tolerant and self.flats[0].device.type != "cpu":
-            return True  # see [Note: deferred tag checks] in unit_order.py; on the CPU a wait blocks anyway
-        if not order.checked_in_backward and order.in_flight:
+        if order.in_flight:
             order.complete_in_flight()
         if not order.checked_in_backward and not order.tolerant:
             order.check_tags(block=True)
@@ -172,6 +172,8 @@ class UnitGatherer(GatherPhases, GatherChannel):
     def reductions_allowed(self) -> bool:
         """:meth:`may_reduce`'s answer without completing or checking anything."""
         order = self.order
+        # Off the CPU a gather that cannot be told apart is checked later, see [Note: deferred
+        # tag checks] in unit_order.py; on the CPU a wait blocks anyway.
         return (not order.tolerant and self.flats[0].device.type != "cpu") or order.checked_in_backward
 
     # ------------------------------------------------------------------ each group's gathers
