@@ -308,11 +308,10 @@ def _from_mesh(mesh: Any, world_size: int, source: str) -> ShardingGroups:
 
 def _trivial(parent: ProcessGroup, world_size: int, shard_size: int, source: str) -> ShardingGroups:
     """G = N (the parent is the shard group) or G = 1 (the parent is the replica group)."""
-    rank, ranks = dist.get_rank(parent), tuple(dist.get_process_group_ranks(parent))
-    me = (ranks[rank],)
     if shard_size == world_size:
-        return ShardingGroups(world_size, world_size, 1, rank, 0, ranks, me, parent, None, source)
-    return ShardingGroups(world_size, 1, world_size, 0, rank, me, ranks, None, parent, source)
+        return replace(ShardingGroups.whole(parent), source=source)
+    rank, ranks = dist.get_rank(parent), tuple(dist.get_process_group_ranks(parent))
+    return ShardingGroups(world_size, 1, world_size, 0, rank, (ranks[rank],), ranks, None, parent, source)
 
 
 def _create(parent: ProcessGroup, world_size: int, shard_size: int, timeout_s: float | None) -> ShardingGroups:
