@@ -30,11 +30,18 @@ class AcrossReplicas:
         self.group = group
         self.shard_rank = shard_rank
         self.comm = comm
+        self._padding: dict[int, tuple[Bucket, int]] = {}
+        """id(spec) -> (spec, its padding in this rank's slice): counted once per bucket
+        layout, not per step (an aligned layout has a gap in front of every tensor)."""
 
     def padding_in_slice(self, spec: Bucket) -> int:
         """Elements of ``spec``'s padding inside this rank's slice of it."""
-        owned = spec.shard(self.shard_rank)
-        return sum(part.size for gap in spec.gaps if (part := gap.intersect(owned)) is not None)
+        known = self._padding.get(id(spec))
+        if known is None or known[0] is not spec:
+            owned = spec.shard(self.shard_rank)
+            count = sum(part.size for gap in spec.gaps if (part := gap.intersect(owned)) is not None)
+            known = self._padding[id(spec)] = (spec, count)
+        return known[1]
 
     def sum_(self, owned: torch.Tensor, spec: Bucket, op: str) -> None:
         """Sum (or average, ``op="avg"``) ``owned`` -- this rank's slice of ``spec`` after its
