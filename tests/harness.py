@@ -48,6 +48,7 @@ fork problem.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import importlib
 import multiprocessing as mp
@@ -63,7 +64,7 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 __all__ = [
     "CPU_ONLY_ENV",
@@ -699,3 +700,23 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass  # the group is already gone
+
+
+def _set_environ(values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@contextlib.contextmanager
+def environment(**values: str | None) -> Iterator[None]:
+    """The environment with ``values`` (None: unset) inside; as before outside (a pool's rank
+    lives on into the next test)."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        _set_environ(values)
+        yield
+    finally:
+        _set_environ(saved)

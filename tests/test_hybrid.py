@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ import torch
 import shardpar
 from shardpar.comm import collectives as C
 from shardpar.planner import estimate_communication
-from tests.harness import RankFailure, run_ranks
+from tests.harness import RankFailure, environment, run_ranks
 from tests.models import KITCHEN_BRANCHES, TRANSFORMER, spec
 from tests.parity import Recipe, assert_ranks_identical, assert_states_close, cap_mb, check_parity, sharded
 
@@ -217,8 +215,6 @@ def test_a_bad_shard_group_size_is_named_on_every_rank(case: str, stage: int, ex
 
 def _auto_on_two_nodes(budget: str) -> tuple[int, int, str]:
     """wrap(stage='auto') as if on two nodes of two ranks (torchrun's environment)."""
-    saved = {key: os.environ.get(key) for key in ("LOCAL_WORLD_SIZE", "GROUP_RANK")}
-    os.environ.update(LOCAL_WORLD_SIZE="2", GROUP_RANK=str(C.get_rank() // 2))
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
@@ -226,14 +222,13 @@ def _auto_on_two_nodes(budget: str) -> tuple[int, int, str]:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        model = shardpar.wrap(TRANSFORMER.build(), stage="auto", memory_budget=budget, **dict(FULL))
+        with environment(LOCAL_WORLD_SIZE="2", GROUP_RANK=str(C.get_rank() // 2)):
+            model = shardpar.wrap(TRANSFORMER.build(), stage="auto", memory_budget=budget, **dict(FULL))
         picked = model.engine.stage, model.engine.shards.shard_size, " ".join(records)
         model.engine.close()
         return picked
     finally:
         logger.removeHandler(handler)
-        for key, value in saved.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
 
 
 def test_auto_picks_the_shard_group_that_keeps_bytes_inside_nodes() -> None:

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -25,31 +24,12 @@ from shardpar.comm.sharding_groups import (
     resolve_shard_group_size,
     sharding_groups,
 )
-from tests.harness import run_ranks
+from tests.harness import environment, run_ranks
 
 WORLD = 4
 ERROR_WITHIN_S = 10.0
 """A refused choice is raised on every rank this soon (no rank waits for a collective that
 another will not issue)."""
-
-
-def _set_environ(values: dict[str, str | None]) -> None:
-    for name, value in values.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
-@contextmanager
-def _environ(**values: str | None) -> Iterator[None]:
-    """The environment with ``values`` (None: unset) inside; as before outside (a pool's rank lives on)."""
-    saved = {name: os.environ.get(name) for name in values}
-    try:
-        _set_environ(values)
-        yield
-    finally:
-        _set_environ(saved)
 
 
 def _membership(groups: ShardingGroups) -> dict[str, Any]:
@@ -96,7 +76,7 @@ def _on_four_ranks() -> dict[str, Any]:
     out["G=4"] = _membership(sharding_groups(4))
     out["None"] = _membership(sharding_groups(None))
     out["G=1"] = _membership(sharding_groups(1))
-    with _environ(LOCAL_WORLD_SIZE="2"):
+    with environment(LOCAL_WORLD_SIZE="2"):
         node = sharding_groups("node")
         out["node"] = _membership(node)
         out["node reuses the groups"] = node.shard_group is two.shard_group and node.replica_group is two.replica_group
@@ -115,11 +95,11 @@ def _on_four_ranks() -> dict[str, Any]:
     }
     for name, call in errors.items():
         out[name] = _refused(call)
-    with _environ(LOCAL_WORLD_SIZE=None):
+    with environment(LOCAL_WORLD_SIZE=None):
         out["node without LOCAL_WORLD_SIZE"] = _refused(lambda: sharding_groups("node"))
-    with _environ(LOCAL_WORLD_SIZE="3"):
+    with environment(LOCAL_WORLD_SIZE="3"):
         out["node, LOCAL_WORLD_SIZE=3"] = _refused(lambda: sharding_groups("node"))
-    with _environ(LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank % 2)):  # nodes interleaved: not torchrun's order
+    with environment(LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank % 2)):  # nodes interleaved: not torchrun's order
         out["node, nodes interleaved"] = _refused(lambda: sharding_groups("node"))
     out["after the errors"] = _membership(sharding_groups(2))
     return out
