@@ -15,7 +15,7 @@ from .checkpoint.dtypes import is_storable
 from .comm.sharding_groups import ShardingGroups, resolve_shard_group_size, sharding_groups
 from .config import ShardConfig
 from .core.deferred_init import DeferredInit, InitFn, materialise_whole
-from .core.inventory import check_initialized, first_difference, model_signature, module_device
+from .core.inventory import check_initialized, first_difference, model_signature, module_device, plain_state_entries
 from .engines import WRAPPED_MARK, build_engine
 from .facade import ShardedModule
 from .planner import choose_plan
@@ -87,7 +87,7 @@ def _check_storable(module: nn.Module) -> None:
     """Refuse at wrap, not at the first save hours later, a state-dict entry no checkpoint can
     hold (complex128: safetensors has no such dtype). Trainable dtypes are checked by the
     engine (real floating point only)."""
-    for name, tensor in module.state_dict(keep_vars=True).items():
+    for name, tensor in plain_state_entries(module).items():
         if not is_storable(tensor.dtype):
             kind = "parameter" if isinstance(tensor, nn.Parameter) else "buffer"
             raise ValueError(

@@ -21,6 +21,7 @@ first use -- never a silent no-op.
 
 from __future__ import annotations
 
+import copy
 import contextlib
 import re
 from typing import Any
@@ -283,6 +284,8 @@ def _evaluate_on_rank_0_only(stage: int, what: str = "eval", mixed_precision: An
             model.train()
         if rank == 0 and what == "state_dict":  # nanoGPT's checkpoint, on master_process only
             evaluated = len(model.module.state_dict())
+        if rank == 0 and what == "model.state_dict":
+            evaluated = len(model.state_dict())
         dist.barrier()  # the script's own "wait for rank 0", as DDP scripts do
         model(_batch(1, rank)).square().mean().backward()
         opt.step()
@@ -291,8 +294,11 @@ def _evaluate_on_rank_0_only(stage: int, what: str = "eval", mixed_precision: An
     return evaluated, model.full_state_dict()
 
 
-def test_evaluation_on_rank_0_only_completes_at_stage_0() -> None:
-    (evaluated, state0), (nothing, state1) = run_ranks(_evaluate_on_rank_0_only, 2, 0, timeout=60)
+@pytest.mark.parametrize("what", ["eval", "state_dict", "model.state_dict"])
+def test_evaluation_on_rank_0_only_completes_at_stage_0(what: str) -> None:
+    """Every rank holds every value at stage 0: an evaluation or a state dict on rank 0 alone
+    (nanoGPT's ``if master_process:``) needs no other rank, as under DDP."""
+    (evaluated, state0), (nothing, state1) = run_ranks(_evaluate_on_rank_0_only, 2, 0, what, timeout=60)
     assert evaluated is not None and nothing is None
     for name, value in state0.items():
         assert torch.equal(value, state1[name]), name
@@ -381,11 +387,12 @@ def _partial_loads(stage: int) -> dict[str, Any]:
     out["keys"] = sorted(plain.state_dict())
     before = model.full_state_dict()
     for case, bad, strict in (("strict", partial, True), ("shape", {"body.weight": torch.zeros(4, 4)}, False)):
-        try:
-            model.load_state_dict(bad, strict=strict)
-            out[case] = "no error"
-        except ValueError as error:
-            out[case] = str(error)
+        for who, target in (("plain_" + case, copy.deepcopy(plain)), (case, model)):
+            try:
+                target.load_state_dict(bad, strict=strict)
+                out[who] = "no error"
+            except RuntimeError as error:
+                out[who] = str(error)
     out["unchanged_after_errors"] = all(torch.equal(v, before[k]) for k, v in model.full_state_dict().items())
     model.engine.close()
     return out
@@ -396,14 +403,16 @@ def test_load_state_dict_strict_false_loads_the_keys_present_like_torch(stage: i
     """``strict=False`` (a backbone without its head, a checkpoint with extra keys): the keys
     present are loaded, the rest keep their values, and the missing/unexpected keys returned
     are torch's; a tied parameter is loaded through whichever key is given. ``strict=True``
-    names what is missing and unexpected; a wrong shape is an error either way; an error
-    changes nothing."""
+    names what is missing and unexpected; a wrong shape is an error either way, each torch's
+    own error; unlike torch, an error changes nothing."""
     for rank, out in enumerate(run_ranks(_partial_loads, 2, stage, timeout=120)):
         assert tuple(out["ours"]) == tuple(out["plain"]), (rank, out["ours"], out["plain"])
         assert sorted(out["plain"].missing_keys) == ["body.bias", "emb.weight"], out["plain"]
         assert out["state_equal"] == out["keys"], (rank, out["state_equal"])
-        assert "missing: body.bias, emb.weight" in out["strict"] and "unexpected: not.in.the.model" in out["strict"]
-        assert "shape: body.weight: (4, 4) vs model (8, 8)" in out["shape"], out["shape"]
+        assert out["strict"] == out["plain_strict"], (out["strict"], out["plain_strict"])  # torch's own error
+        assert out["shape"] == out["plain_shape"], (out["shape"], out["plain_shape"])
+        assert 'Missing key(s) in state_dict: "emb.weight", "body.bias"' in out["strict"], out["strict"]
+        assert '"not.in.the.model"' in out["strict"] and "size mismatch for body.weight" in out["shape"], out
         assert out["unchanged_after_errors"], rank
 
 

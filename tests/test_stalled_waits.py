@@ -287,7 +287,8 @@ def _state_dict_on_rank_0(stage: int, how: str, mixed_precision: str | None) -> 
 
 
 STATE_DICT_CASES = [
-    (0, "model.state_dict", None),  # the ShardedModule's own state_dict is a collective at every stage
+    (1, "model.state_dict", None),  # the masters are sharded: a collective (not at stage 0, where every rank
+                                    # holds every value: test_ddp_habits' rank-0-only state dicts complete)
     (1, "module.state_dict", "bf16"),  # the fp32 masters are sharded: a collective
     (2, "module.state_dict", "bf16"),
     (3, "module.state_dict", None),

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import torch
 
 from ..comm import collectives as C
+from ..core.inventory import state_dict_hook_modules
 from ..errors import CheckpointError
 from ..facade import ShardedModule
 from ..sizes import parse_bytes
@@ -57,6 +58,8 @@ def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size
     out_dir = Path(path).absolute()
     problem: BaseException | None = None
     mine: list[tuple[str, int, int, str]] = []
+    if state_dict_hook_modules(engine.module, load=False):
+        return _save_full_state_dict(out_dir, model, max_shard_size, dtype)
     try:
         max_bytes = parse_bytes(max_shard_size, "max_shard_size")
         out_dtype = _resolve_dtype(dtype)
@@ -136,6 +139,50 @@ def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size
         except Exception as error:
             problem = error
     return agree(problem, "save_full", group, names)[0]
+
+
+def _save_full_state_dict(out_dir: Path, model: ShardedModule, max_shard_size: int | str,
+                          dtype: torch.dtype | str | None) -> list[str]:
+    """:func:`save_full` of a model whose modules have state-dict hooks: what ``state_dict()``
+    gives, the hooks run on full values (every rank then holds the whole model once, as plain
+    torch's ``save_pretrained`` does), written by rank 0; entries sharing memory (tied weights)
+    are written once, under their first name."""
+    engine = model.engine
+    problem: BaseException | None = None
+    names: list[str] = []
+    try:
+        max_bytes = parse_bytes(max_shard_size, "max_shard_size")
+        out_dtype = _resolve_dtype(dtype)
+    except Exception as error:
+        problem = error
+    agree(problem, "save_full", engine.group)
+    state = model.full_state_dict()  # collective: every rank
+    if engine.rank == 0:
+        try:
+            written: dict[tuple[int, tuple[int, ...], torch.dtype], str] = {}
+            tensors: list[tuple[str, torch.Tensor]] = []
+            for name, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(f"state-dict entry '{name}' is a {type(value).__name__}, which the safetensors "
+                                     "layout cannot hold (save_full writes tensors only)")
+                where = (value.data_ptr(), tuple(value.shape), value.dtype)
+                if where not in written:
+                    written[where] = name
+                    cast = out_dtype if out_dtype is not None and value.is_floating_point() else value.dtype
+                    tensors.append((name, value.to(cast)))
+            entries = [(name, value.dtype, tuple(value.shape)) for name, value in tensors]
+            json_files = config_files(hf_config_of(model.module), floating_dtype([d for _, d, _ in entries]))
+            writer = HFLayoutWriter(out_dir, entries, max_bytes, json_files)
+            try:
+                for _, value in tensors:
+                    writer.write(flat(value))
+                names = writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+        except Exception as error:
+            problem = error
+    return agree(problem, "save_full", engine.group, names)[0]
 
 
 def _write_chunk(writer: HFLayoutWriter | None, chunk: torch.Tensor, problem: BaseException | None):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..comm import watch
+from ..core.inventory import state_dict_hook_modules
 from ..errors import CheckpointError
 from ..facade import sharded_module_of
 from .hf import RangeRead, open_hf_checkpoint
@@ -35,8 +36,11 @@ def load_pretrained(model: Any, path: str | os.PathLike[str], strict: bool = Tru
     with ``strict`` either being non-empty is a :class:`shardpar.CheckpointError` (raised
     before anything is read). Bad files, shapes, or names in the index are
     ``CheckpointError``\\ s naming the tensor or file, on every rank."""
-    engine = sharded_module_of(model, "shardpar.load_pretrained").engine  # or a torch.compile wrapper of it
+    sharded = sharded_module_of(model, "shardpar.load_pretrained")  # or a torch.compile wrapper of it
+    engine = sharded.engine
     group = engine.group
+    if state_dict_hook_modules(engine.module, load=True):
+        return _load_through_hooks(sharded, path, strict)
     with watch.operation("load_pretrained"):
         watch.meet(group, "load_pretrained")
         problem: BaseException | None = None
@@ -58,6 +62,57 @@ def load_pretrained(model: Any, path: str | os.PathLike[str], strict: bool = Tru
             if checkpoint is not None:
                 checkpoint.close()
         engine.after_load()
+    return report
+
+
+def _load_through_hooks(model: Any, path: str | os.PathLike[str], strict: bool) -> KeyReport:
+    """``load_pretrained`` of a model whose modules have load hooks (a fused QKV weight stored
+    split): only torch's ``load_state_dict`` knows which stored tensor reaches which parameter,
+    so every rank reads every stored tensor whole and runs it on the full values ([Note: full
+    values in the module]), as plain torch's loading of the file does. Missing and unexpected
+    keys are torch's, less the patterns a ``transformers`` model ignores; with ``strict`` any
+    left is a CheckpointError and nothing is written."""
+    engine = model.engine
+    group = engine.group
+    with watch.operation("load_pretrained"):
+        watch.meet(group, "load_pretrained")
+        problem: BaseException | None = None
+        checkpoint = None
+        state: dict[str, torch.Tensor] = {}
+        try:
+            try:
+                checkpoint = open_hf_checkpoint(path)
+                reads = []
+                for name, (dtype, shape) in checkpoint.tensors.items():
+                    state[name] = torch.empty(shape, dtype=dtype, device=engine.device)
+                    reads.append(RangeRead(name, 0, state[name].numel(), state[name].view(-1)))
+            except Exception as error:
+                problem = error
+            agree(problem, "load_pretrained", group)
+            read_on_every_rank(lambda: checkpoint.read_ranges(reads), [], "load_pretrained", group)
+        finally:
+            if checkpoint is not None:
+                checkpoint.close()
+        ignore_missing, ignore_unexpected = hf_ignore_patterns(engine.module)
+
+        def check(result: Any) -> KeyReport:
+            # torch's keys, filtered as transformers filters them (nothing provided, nothing known)
+            report = match_keys(result.unexpected_keys, result.missing_keys, {},
+                                ignore_missing=ignore_missing, ignore_unexpected=ignore_unexpected)
+            if strict and (report.missing_keys or report.unexpected_keys):
+                raise CheckpointError(
+                    f"{checkpoint.directory}: missing keys {report.missing_keys or 'none'}; unexpected keys "
+                    f"{report.unexpected_keys or 'none'} (after the model's load hooks; "
+                    "load_pretrained(..., strict=False) loads what matches)")
+            return report
+
+        problem = None
+        report = KeyReport([], [])
+        try:
+            report = model.module_state.load_checked(state, check)
+        except Exception as error:
+            problem = error
+        agree(problem, "load_pretrained", group)
     return report
 
 

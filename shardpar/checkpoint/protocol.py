@@ -20,6 +20,7 @@ import torch
 from ..comm import collectives as C
 from ..comm import watch
 from ..core.element_order import ElementOrder
+from ..core.inventory import plain_state_entries
 from ..engines import Engine
 from ..errors import CheckpointError
 from ..facade import sharded_module_of
@@ -111,7 +112,7 @@ def model_tensors(engine: Engine) -> tuple[list[tuple[str, str, torch.Tensor]], 
     params = dict(engine.named_params)
     out: list[tuple[str, str, torch.Tensor]] = []
     seen: dict[int, str] = {}
-    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+    for name, tensor in plain_state_entries(engine.module).items():
         if name in aliases:
             continue
         if name in params:

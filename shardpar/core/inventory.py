@@ -164,3 +164,44 @@ def first_difference(reference: Sequence[tuple[str, str]], other: Sequence[tuple
         owner = "rank 0" if longer is reference else "rank {rank}"
         return f"{extra} exists only on {owner} ({len(reference)} entries on rank 0, {len(other)} on rank {{rank}})"
     return None
+
+
+def plain_state_entries(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict(keep_vars=True)`` as torch builds it before any hook runs: every
+    parameter and persistent buffer under each name it is reachable by, in torch's order.
+
+    What shardpar's own machinery lists (checkpoints keyed by parameters, the wrap-time checks):
+    a user's state-dict hooks may rename, split or drop entries ([Note: full values in the
+    module] in facade/module_state.py), and at stage 3 they would read sharded parameters, so
+    the hooks run only where the user asked for a state dict."""
+    entries: dict[str, torch.Tensor] = {}
+
+    def visit(sub: nn.Module, prefix: str) -> None:
+        for name, param in sub._parameters.items():
+            if param is not None:
+                entries[prefix + name] = param
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                entries[prefix + name] = buffer
+        for name, child in sub._modules.items():
+            if child is not None:
+                visit(child, prefix + name + ".")
+
+    visit(module, "")
+    return entries
+
+
+def state_dict_hook_modules(module: nn.Module, load: bool) -> list[str]:
+    """The submodules whose state dicts torch's machinery changes beyond the parameters and
+    buffers: the user's state-dict hooks (``load``: load pre- and post-hooks), or a class of
+    their own saving (loading) its state another way. Where there are any, what a state dict
+    holds is known only by running torch's own ``state_dict`` (``load_state_dict``) on full
+    values; shardpar registers no such hooks itself."""
+    if load:
+        hooks, method = ("_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"), "_load_from_state_dict"
+    else:
+        hooks, method = ("_state_dict_pre_hooks", "_state_dict_hooks"), "_save_to_state_dict"
+    return [name or "(the model)" for name, sub in module.named_modules()
+            if any(getattr(sub, attr, None) for attr in hooks)
+            or getattr(type(sub), method) is not getattr(nn.Module, method)
+            or type(sub).get_extra_state is not nn.Module.get_extra_state]

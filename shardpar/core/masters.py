@@ -13,11 +13,11 @@ replicated storage (core/replicated.py), the column of the stage table that stag
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..comm import collectives as C
 from .gather_phases import PostStepGatherer
-from .pieces import TensorPiece
+from .pieces import FullValues, TensorPiece
 from .wait_clock import WaitClock
 
 if TYPE_CHECKING:
@@ -55,9 +55,8 @@ class FullMaster:
             for name, param in buf.params.items()
         ]
 
-    def state_dict_source(self, module_state: Any) -> Callable[[], dict]:
-        """The masters, on every rank without a collective."""
-        return module_state.replicated_master_state
+    full_values = FullValues.IN_MASTERS
+    """Under mixed precision; at full precision the parameters are the masters (see the storage)."""
 
 
 class ShardedMaster:
@@ -96,6 +95,5 @@ class ShardedMaster:
             for p in buf.layout.pieces(storage.rank)
         ]
 
-    def state_dict_source(self, module_state: Any) -> Callable[[], dict]:
-        """The masters are sharded: gathered (a collective)."""
-        return module_state.full_state_dict
+    full_values = FullValues.GATHERED
+    """The masters are sharded."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -32,3 +33,17 @@ def is_elementwise(key: str, value: object, owner: torch.Tensor) -> bool:
     if not isinstance(value, torch.Tensor) or value.numel() != owner.numel():
         return False
     return value.dim() > 0 or (owner.dim() == 0 and key != "step")
+
+
+class FullValues(enum.Enum):
+    """Where a storage keeps every parameter's full, full-precision values between steps: what
+    a full state dict reads and what ``model.gathered()`` puts in the parameters ([Note: full
+    values in the module] in facade/module_state.py)."""
+
+    IN_PARAMS = "in the parameters"
+    """Stage 0 at full precision: the parameters themselves (no copy, no collective)."""
+    IN_MASTERS = "in this rank's full master copy"
+    """Stage 0 under mixed precision: every rank's full-precision masters (no collective)."""
+    GATHERED = "gathered from every rank's shards"
+    """Stages 1-3: the masters or the parameters are sharded, so the values are assembled on
+    every rank (a collective)."""

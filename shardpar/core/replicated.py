@@ -35,7 +35,7 @@ from .gather_phases import PostStepGatherer
 from .inventory import group_by_dtype
 from .masters import FullMaster, ShardedMaster
 from .layout import Alignment, BufferLayout, ShardPiece, alignment_for
-from .pieces import TensorPiece
+from .pieces import FullValues, TensorPiece
 from .rebuild import Relayout, same_buckets
 from .wait_clock import WaitClock
 
@@ -290,12 +290,13 @@ class ReplicatedStorage:
         frozen += sum(t.numel() * t.element_size() for t in self.frozen_masters.values())
         return sum(t.numel() * t.element_size() for t in tensors) + frozen
 
-    def state_dict_source(self, module_state: Any) -> Callable[[], dict] | None:
-        """What the module's own ``state_dict`` returns instead of its parameters, if anything:
-        the masters under mixed precision (gathered at stages 1-2)."""
-        if self.params_are_masters:
-            return None
-        return self.master.state_dict_source(module_state)
+    @property
+    def full_values(self) -> FullValues:
+        """Where full-precision values are read: the parameters at stage 0 without mixed precision,
+        else the masters (full on every rank at stage 0, sharded at stages 1-2)."""
+        if self.params_are_masters and not self.master.sharded:
+            return FullValues.IN_PARAMS
+        return self.master.full_values
 
     def layout_summary(self) -> dict[str, Any]:
         return {"buckets": [{"dtype": str(buf.compute_dtype).replace("torch.", ""), "start": b.range.start,

@@ -9,7 +9,7 @@ is built, so building never holds more than the shards plus one group.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from .inventory import ParamInventory, group_by_dtype
 from .deferred_init import InitWalk
 from .element_order import ElementOrder
 from .layout import BufferLayout, alignment_for
-from .pieces import TensorPiece
+from .pieces import FullValues, TensorPiece
 from .units import Unit, UnitPlan, plan_units
 
 
@@ -166,9 +166,8 @@ class ShardedStorage:
     relayouts = False
     """Its buckets are its units: never laid out again."""
 
-    def state_dict_source(self, module_state: Any) -> Callable[[], dict]:
-        """The module's own ``state_dict`` gathers full tensors (a collective)."""
-        return module_state.full_state_dict
+    full_values = FullValues.GATHERED
+    """Parameters are placeholders between uses: full values are gathered from the shards."""
 
     def layout_summary(self) -> dict[str, Any]:
         return {"units": [{"name": u.name, "params": [n for f in u.flats for n in f.layout.names]}

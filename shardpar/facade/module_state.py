@@ -1,33 +1,57 @@
-"""The whole-model view of a wrapped module: full state dicts out and in, and what the
-module's own ``state_dict``, ``load_state_dict`` and ``_apply`` do once it is wrapped.
+"""The whole-model view of a wrapped module: its full values for torch's own ``state_dict``,
+``load_state_dict`` and any code that reads or writes weights outside forward, and what its
+``_apply`` does once it is wrapped.
 
+[Note: full values in the module]
 Every stage keeps the parameters somewhere other than where plain torch looks (buffers and
-slices, fp32 masters behind bf16 compute copies, shards): this is where a full, exact,
-full-precision picture of them is assembled (:meth:`ModuleState.full_state_dict`), written
-back (:meth:`ModuleState.load_full_state_dict`), and where the module's own torch methods are
-pointed at those so that scripts written for plain torch or DDP neither lose values nor break
-the storage (see the hooks the engine installs with them).
+slices, fp32 masters behind bf16 compute copies, stage-3 placeholders). Rather than rebuild
+torch's state-dict machinery beside it (key matching, prefixes, strictness, and every
+state-dict hook a user's module registers: torchtitan's fused QKV splits ``wqkv`` into
+``wq``/``wk``/``wv`` in a post-hook and fuses them back in a load pre-hook), shardpar runs
+torch's own ``state_dict`` and ``load_state_dict`` on the real module while its parameters
+hold their full, full-precision values, and writes back what a load changed:
+
+- :meth:`ModuleState.full_values` (``model.gathered()``) points every parameter in scope at
+  its full value (``param.data``, so the Parameter objects stay the user's): the parameters
+  themselves at stage 0, the masters at stage 0 under mixed precision, values assembled from
+  every rank's shards at stages 1-3 (a collective: the ranks first meet, [Note: stalled
+  waits]); buffers are shown in the dtype the model was built with. On exit every parameter
+  points at its storage again (stage 3: its placeholder, guarded), and with ``writeback``
+  what the parameters then hold -- written in place or re-assigned through ``.data`` -- goes
+  to the masters and shards (:meth:`Engine.load_pieces`) and from there to the compute
+  copies (:meth:`Engine.after_load`).
+- ``state_dict``/``load_state_dict`` of the module and of every submodule (instance
+  attributes set by the surface) run torch's own, of the module's class, inside that context.
+  So hooks run on full tensors with torch's prefixes, missing and unexpected keys are torch's,
+  a load that matches a key copies into a tensor that is written back, and a key that reaches
+  no tensor is never reported as loaded.
+- shardpar's own checkpoints are keyed by parameters (:func:`plain_state_entries`): they need
+  no hook to reload and load into a hooked model at any stage.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..comm import collectives as C
-from ..comm import compat, watch
-from ..core.param_guard import allow, metadata_only
-from ..core.pieces import TensorPiece
+from ..comm import watch
+from ..core.inventory import plain_state_entries
+from ..core.param_guard import guard, is_guarded, metadata_only, unguard
+from ..core.pieces import FullValues, TensorPiece
+from ..core.training_state import Phase
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engines import Engine
 
 
 STATE_DICT_OPERATION = ("full_state_dict (gathering every parameter for a state dict: model.state_dict(), "
-                        "full_state_dict(), save_pretrained, a copy of the module)")
-"""What a rank gathering a full state dict is doing, in reports."""
+                        "full_state_dict(), save_pretrained, a copy of the module, model.gathered())")
+"""What a rank gathering full values is doing, in reports."""
 
 
 def _refuse_assign(what: str) -> None:
@@ -37,65 +61,259 @@ def _refuse_assign(what: str) -> None:
     )
 
 
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same values in the same memory (``param.data`` is a new
+    tensor object at every read, so identity cannot tell)."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+@dataclass
+class _Shown:
+    """What :meth:`ModuleState.full_values` changed, to undo it."""
+
+    params: list[tuple[str, nn.Parameter, torch.Tensor, torch.Tensor, Any]]
+    """``(name, parameter, its storage's tensor, the full value shown, its guard or None)``."""
+    buffers: list[tuple[str, nn.Module, str, torch.Tensor, torch.Tensor]]
+    """``(name, owner module, attribute, the buffer object, its own data)`` of each buffer shown."""
+    fresh: bool
+    """Whether the values shown are copies (gathered), so that a read may keep them."""
+    writeback: bool
+
+
 class ModuleState:
-    """One engine's full state dicts and the module-level methods built on them."""
+    """One engine's full values in the module, and the module-level methods built on them."""
 
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
-        self._internal_state = False
-        """Set while the engine itself lists the module's state-dict entries (hooks stand aside)."""
-        self._collecting_state = False
+        self._shown: _Shown | None = None
+        """The context of :meth:`full_values` in force, if any (it is entered once: inner uses
+        of it, such as torch's recursion into submodules' ``state_dict``, find it shown)."""
 
-    def install_state_dict_hooks(self, values: Callable[[], dict[str, torch.Tensor]]) -> list[Any]:
-        """``module.state_dict()`` (nanoGPT's ``raw_model.state_dict()``, Hugging Face's
-        ``save_pretrained``) returns ``values()`` instead of what the parameters hold: at stage 3
-        full tensors, like ``full_state_dict()`` (a collective: call it on every rank); at stage 0
-        under mixed precision the full-precision masters every rank holds (no collective), not
-        the low-precision compute copies. With ``keep_vars=True`` it returns the Parameter
-        objects, as torch does. At stages 1-2 under mixed precision the masters are sharded, so
-        there it is ``full_state_dict()`` too (a collective), as at stage 3. Returns the hooks'
-        handles."""
+    # ------------------------------------------------------------------ full values
 
-        def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-            if not keep_vars and not self._internal_state:
-                self._collecting_state = True
-                self._allow_detach = allow("detach")
-                self._allow_detach.__enter__()
+    @contextlib.contextmanager
+    def full_values(self, scope: nn.Module | None = None, writeback: bool = True,
+                    copies: bool = False) -> Iterator[None]:
+        """See [Note: full values in the module]. ``scope``: the module (the wrapped one, or one
+        of its submodules) whose parameters and buffers are shown; None: all of them.
+        ``copies``: the values shown are copies at every stage (not the live parameters or
+        masters of stage 0), so that what is not written back is lost: with ``writeback`` they
+        are written back only if the block returns normally (a load that raises changes
+        nothing). A collective at stages 1-3: enter it on every rank."""
+        if self._shown is not None:  # nested: the outer context shows the values already
+            self._shown.writeback |= writeback
+            yield
+            return
+        engine = self.engine
+        kind = engine.storage.full_values
+        if kind is not FullValues.IN_PARAMS and engine.state.phase is not Phase.IDLE:
+            raise RuntimeError(
+                f"full parameter values were asked for during {engine.state.phase.value} (model.gathered(), a state "
+                "dict or a load): they are for use between steps, outside forward and backward")
+        root = engine.module
+        scope = root if scope is None else scope
+        in_scope = {id(p) for p in scope.parameters()}
+        named = [(name, param) for name, param in engine.named_params if id(param) in in_scope]
+        engine.wait_for_params()
+        if kind is FullValues.GATHERED:
+            with watch.operation(STATE_DICT_OPERATION):
+                watch.meet(engine.group, "full_state_dict")
+                values = self.gather_full_params({name for name, _ in named})
+        elif kind is FullValues.IN_MASTERS:
+            values = self.replicated_masters()
+        else:
+            values = {}
+        if copies and kind is not FullValues.GATHERED:
+            with metadata_only():
+                values = {name: values.get(name, param.data).clone() for name, param in named}
+        shown = _Shown([], [], fresh=copies or kind is FullValues.GATHERED, writeback=writeback)
+        with metadata_only():  # a stage-3 parameter's (storageless) data is taken, not read
+            for name, param in named:
+                own = param.data
+                value = values.get(name, own)
+                shown.params.append((name, param, own, value, param._shardpar_guard if is_guarded(param) else None))
+        for name, param, own, value, held_guard in shown.params:
+            unguard(param)
+            param.data = value
+        module_names = {id(m): n for n, m in root.named_modules()}
+        seen: set[int] = set()
+        for sub in scope.modules():
+            for attr, buffer in sub._buffers.items():
+                if buffer is None or id(buffer) in seen:
+                    continue
+                seen.add(id(buffer))
+                prefix = module_names.get(id(sub), "")
+                qualified = f"{prefix}.{attr}" if prefix else attr
+                built = engine.original_buffer_dtypes.get(qualified, buffer.dtype)
+                own = buffer.data
+                if built != buffer.dtype or copies:
+                    buffer.data = own.to(built, copy=True)  # under mixed precision: as the model was built
+                shown.buffers.append((qualified, sub, attr, buffer, own))
+        self._shown = shown
+        try:
+            yield
+        except BaseException:
+            shown.writeback &= not copies
+            raise
+        finally:
+            self._shown = None
+            self._take_back(shown)
 
-        def post(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
-            if not self._collecting_state:
-                return
-            self._collecting_state = False
-            self._allow_detach.__exit__(None, None, None)
-            for key, value in values().items():
-                state[prefix + key] = value
+    def _take_back(self, shown: _Shown) -> None:
+        """Point parameters and buffers at their storage again and, with ``writeback``, store
+        what they hold now (written in place into a copy, or re-assigned through ``.data``)."""
+        changed: dict[str, torch.Tensor] = {}
+        problems: list[str] = []
+        for name, param, own, value, held_guard in shown.params:
+            current = param.data
+            param.data = own
+            if held_guard is not None:
+                guard(param, held_guard)
+            if shown.writeback and (shown.fresh or not _same_tensor(current, value)):
+                if current.shape != own.shape:
+                    problems.append(f"parameter '{name}' was given shape {tuple(current.shape)}, not its "
+                                    f"{tuple(own.shape)}")
+                changed[name] = current
+        changed_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for qualified, sub, attr, buffer, own in shown.buffers:
+            current = sub._buffers.get(attr)
+            if current is not buffer:  # re-assigned (``self.cache = ...``): its values go into ours,
+                sub._buffers[attr] = buffer  # whose object the engine keeps (broadcasts, casts)
+            value = current if current is not None and current is not buffer else buffer.data
+            buffer.data = own
+            if shown.writeback and not _same_tensor(value, own):
+                if value.shape != own.shape:
+                    problems.append(f"buffer '{qualified}' was given shape {tuple(value.shape)}, not its "
+                                    f"{tuple(own.shape)}")
+                changed_buffers.append((own, value))
+        if problems:
+            raise ValueError("inside model.gathered() or a load, " + "; ".join(problems) + ": a wrapped model's "
+                             "parameters and buffers keep their shapes (nothing was written back)")
+        if not shown.writeback:
+            return
+        orders = self.engine.element_orders()
+        with torch.no_grad():
+            for piece in self.engine.load_pieces():
+                if piece.name in changed:
+                    start, end = piece.param_range  # in the parameter's memory order
+                    piece.tensor.copy_(orders[piece.name].flatten(changed[piece.name])[start:end])
+            for own, value in changed_buffers:
+                own.copy_(value)
+            self.engine.after_load()
 
+    def replicated_masters(self) -> dict[str, torch.Tensor]:
+        """Stage 0 under mixed precision: every parameter's full-precision master (a view of
+        what this rank holds, no collective), frozen ones included."""
+        storage = self.engine.storage
+        masters = {name: buf.layout.view(buf.values, name) for buf in storage.buffers for name in buf.params}
+        masters.update(storage.frozen_values())
+        return masters
+
+    def gather_full_params(self, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """``name -> full tensor`` of every parameter (or those in ``names``), assembled on every
+        rank from all ranks' save pieces (each element is written by exactly one rank, so one
+        all-reduce per dtype of the zero-filled rest reproduces the values exactly). Every rank
+        passes the same ``names``."""
+        by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+        for name, param in self.engine.named_params:
+            if names is None or name in names:
+                by_dtype.setdefault(self.engine.original_dtypes[name], []).append((name, param))
+        pieces: dict[str, list[TensorPiece]] = {}
+        for piece in self.engine.save_pieces():
+            pieces.setdefault(piece.name, []).append(piece)
+        orders = self.engine.element_orders()  # pieces count in memory order; out keeps each one's strides
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for dtype, named in by_dtype.items():
+                flat = torch.zeros(sum(p.numel() for _, p in named), dtype=dtype, device=self.engine.device)
+                offset = 0
+                for name, param in named:
+                    full = flat[offset : offset + param.numel()]
+                    for piece in pieces.get(name, []):
+                        full[piece.param_range[0] : piece.param_range[1]].copy_(piece.tensor)
+                    out[name] = orders[name].shaped(full)
+                    offset += param.numel()
+                if dtype == torch.bool:  # gloo sums no bools: gather the bytes as uint8
+                    reduced = flat.view(torch.uint8)
+                    C.all_reduce(reduced, group=self.engine.group, op="max")
+                else:
+                    C.all_reduce(flat, group=self.engine.group)
+        return out
+
+    # ------------------------------------------------------------------ torch's methods on full values
+
+    def state_dict_of(self, module: nn.Module) -> Callable[..., Any]:
+        """``module.state_dict`` while wrapped: torch's own (the module class's), on full values;
+        with ``keep_vars=True`` the Parameter objects as they stand, as torch returns them."""
+        own = type(module).state_dict
+
+        def state_dict(*args: Any, **kwargs: Any) -> Any:
+            keep_vars = kwargs.get("keep_vars", len(args) > 2 and args[2])
+            if keep_vars or self._shown is not None:
+                return own(module, *args, **kwargs)
+            with self.full_values(scope=module, writeback=False):
+                return own(module, *args, **kwargs)
+
+        return state_dict
+
+    def load_state_dict_of(self, module: nn.Module, atomic: bool = False) -> Callable[..., Any]:
+        """``module.load_state_dict`` while wrapped: torch's own (the module class's) into the
+        full values, which are then written back to the masters and shards. A collective
+        wherever the values are gathered: call it on every rank. A load that raises (missing
+        keys under ``strict``, a wrong shape) has loaded what matched, as torch's; with
+        ``atomic`` (``ShardedModule.load_state_dict``) it changes nothing."""
+        own = type(module).load_state_dict
+
+        def load_state_dict(state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+            if assign:
+                _refuse_assign("" if module is self.engine.module else f" of a submodule ({type(module).__name__})")
+            with self.full_values(scope=module, writeback=True, copies=atomic):
+                return own(module, state_dict, strict=strict)
+
+        return load_state_dict
+
+    def load_checked(self, state: dict[str, torch.Tensor], check: Callable[[Any], Any]) -> Any:
+        """Torch's non-strict load of the whole module on full values, then ``check(result)``
+        (which may raise: then nothing is written back, on any rank, as every rank checks the
+        same keys); returns what ``check`` returns. For loaders with their own strictness
+        (``load_pretrained`` of a model with load hooks)."""
         module = self.engine.module
-        return [module.register_state_dict_pre_hook(pre), compat.register_state_dict_post_hook(module, post)]
+        with self.full_values(writeback=True, copies=True):
+            return check(type(module).load_state_dict(module, state, strict=False))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every tensor of ``module.state_dict()``, full, detached and in full precision (the
-        master values), on every rank. Tied aliases map to the same tensor.
+        """Every entry of ``module.state_dict()`` (its hooks run), full, detached, in full
+        precision (the master values) and the model's own buffer dtypes, on every rank; copies,
+        with entries that share memory (tied weights) sharing one copy.
 
-        A collective that scripts written for plain torch call on rank 0 alone (``if
-        master_process: torch.save(model.state_dict(), ...)``): the ranks first meet through the
-        store, so that its all-reduces never pair with another rank's training collectives, and
-        a rank that came alone is named as gathering a state dict ([Note: stalled waits])."""
-        with watch.operation(STATE_DICT_OPERATION):
-            watch.meet(self.engine.group, "full_state_dict")
-            return self._full_state_dict()
-
-    def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        self.engine.wait_for_params()
-        params = self.gather_full_params()
-        out = {}
-        for key, value in self.module_entries(keep_vars=True).items():
-            canonical = self.engine.aliases.get(key, key)
-            if canonical in params:
-                out[key] = params[canonical]
-            else:  # a buffer: back in the dtype the model was built with
-                out[key] = value.detach().to(self.engine.original_buffer_dtypes.get(canonical, value.dtype), copy=True)
-        return out
+        A collective at stages 1-3 that scripts written for plain torch call on rank 0 alone
+        (``if master_process: torch.save(model.state_dict(), ...)``): the ranks first meet
+        through the store, so that its all-reduces never pair with another rank's training
+        collectives, and a rank that came alone is named as gathering a state dict ([Note:
+        stalled waits])."""
+        module = self.engine.module
+        with self.full_values(writeback=False):
+            state = type(module).state_dict(module)
+            shown = self._shown
+            assert shown is not None
+            # Entries in live memory (the parameters at stage 0, the masters, buffers) are copied;
+            # gathered values and tensors the hooks made are copies already.
+            live = {tensor.untyped_storage().data_ptr() for _, _, _, buffer, own in shown.buffers
+                    for tensor in (buffer, own)}
+            if not shown.fresh:
+                live |= {value.untyped_storage().data_ptr() for _, _, _, value, _ in shown.params}
+            copies: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor] = {}
+            out: dict[str, Any] = {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):  # (a module's extra state stays as it is)
+                    value = value.detach()
+                    where = (value.data_ptr(), tuple(value.shape), tuple(value.stride()), value.dtype)
+                    if where not in copies:  # tied entries: one tensor
+                        copies[where] = value.clone() if value.untyped_storage().data_ptr() in live else value
+                    value = copies[where]
+                out[key] = value
+            return out
 
     def refuse_moves(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """``to()``, ``double()``, ``cuda()``, ``half()``... of the wrapped model after wrap (they
@@ -123,142 +341,3 @@ class ModuleState:
                     "before shardpar.wrap (model.to(device, dtype), then wrap), or use mixed_precision= for "
                     "low-precision compute"
                 )
-
-    def load_module_state(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """``load_state_dict`` of the ShardedModule, and of the wrapped module where its parameters
-        are not the stored values (mixed precision, stage 3): the values reach the masters and
-        shards (see :meth:`load_full_state_dict`), not just the compute copies."""
-        if assign:
-            _refuse_assign("")
-        missing, unexpected = self.load_full_state_dict(dict(state_dict), strict=strict)
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-    def install_submodule_load_hooks(self) -> list[Any]:
-        """``model.module.encoder.load_state_dict(sd)`` -- a submodule's own load, where the
-        parameters are not the stored values (mixed precision, stage 3) -- loads the masters and
-        shards like the module's (:meth:`load_module_state`), instead of writing compute copies
-        the next step overwrites, or placeholders that hold nothing. A pre-hook on each
-        submodule acts only where the load started (``prefix`` empty: a load of the whole module
-        is taken over before torch recurses); it loads the keys it recognises through
-        :meth:`load_full_state_dict` and takes them out of torch's way, and the matching
-        post-hook takes them off torch's missing keys. Keys torch would call missing or
-        unexpected stay so. A collective wherever loading the whole module is: call it on
-        every rank. Returns the hooks' handles."""
-        handled: dict[int, list[str]] = {}
-
-        def pre(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
-                missing_keys: list, unexpected_keys: list, error_msgs: list, qualified: str = "") -> None:
-            if prefix:
-                return  # one module of a larger load, which the load's own top module handles
-            if local_metadata.get("assign_to_params_buffers"):
-                _refuse_assign(f" of '{qualified}'")
-            entries = self.module_entries(keep_vars=True)
-            ours = [key for key in state_dict if f"{qualified}.{key}" in entries]
-            self.load_full_state_dict({f"{qualified}.{key}": state_dict[key] for key in ours}, strict=False)
-            for key in ours:
-                del state_dict[key]
-            handled[id(module)] = ours
-
-        def post(module: nn.Module, incompatible: Any) -> None:
-            loaded = set(handled.pop(id(module), ()))
-            incompatible.missing_keys[:] = [key for key in incompatible.missing_keys if key not in loaded]
-
-        handles = []
-        for qualified, submodule in self.engine.module.named_modules():
-            if qualified:
-                handles.append(compat.register_load_state_dict_pre_hook(
-                    submodule, lambda *args, qualified=qualified: pre(*args, qualified=qualified)))
-                handles.append(submodule.register_load_state_dict_post_hook(post))
-        return handles
-
-    def replicated_master_state(self) -> dict[str, torch.Tensor]:
-        """Stage 0 under mixed precision: the module's state-dict entries with the master values
-        (and buffers in the dtype they were built with), from what this rank holds in full."""
-        storage = self.engine.storage
-        masters = {name: buf.layout.view(buf.values, name) for buf in storage.buffers for name in buf.params}
-        masters.update(storage.frozen_values())
-        out = {}
-        for key, value in self.module_entries(keep_vars=True).items():
-            canonical = self.engine.aliases.get(key, key)
-            if canonical in masters:
-                out[key] = masters[canonical].detach()
-            else:  # a buffer: in the dtype the model was built with
-                out[key] = value.detach().to(self.engine.original_buffer_dtypes.get(canonical, value.dtype))
-        return out
-
-    def module_entries(self, keep_vars: bool) -> dict[str, Any]:
-        """The module's state-dict entries without touching parameter values."""
-        previous, self._internal_state = self._internal_state, True
-        try:
-            return self.engine.module.state_dict(keep_vars=keep_vars)
-        finally:
-            self._internal_state = previous
-
-    def gather_full_params(self) -> dict[str, torch.Tensor]:
-        """``name -> full tensor`` of every parameter, assembled on every rank from all ranks'
-        save pieces (each element is written by exactly one rank, so one all-reduce per dtype
-        of the zero-filled rest reproduces the values exactly)."""
-        by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
-        for name, param in self.engine.named_params:
-            by_dtype.setdefault(self.engine.original_dtypes[name], []).append((name, param))
-        pieces: dict[str, list[TensorPiece]] = {}
-        for piece in self.engine.save_pieces():
-            pieces.setdefault(piece.name, []).append(piece)
-        orders = self.engine.element_orders()  # pieces count in memory order; out keeps each one's strides
-        out: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for dtype, named in by_dtype.items():
-                flat = torch.zeros(sum(p.numel() for _, p in named), dtype=dtype, device=self.engine.device)
-                offset = 0
-                for name, param in named:
-                    full = flat[offset : offset + param.numel()]
-                    for piece in pieces.get(name, []):
-                        full[piece.param_range[0] : piece.param_range[1]].copy_(piece.tensor)
-                    out[name] = orders[name].shaped(full)
-                    offset += param.numel()
-                if dtype == torch.bool:  # gloo sums no bools: gather the bytes as uint8
-                    reduced = flat.view(torch.uint8)
-                    C.all_reduce(reduced, group=self.engine.group, op="max")
-                else:
-                    C.all_reduce(flat, group=self.engine.group)
-        return out
-
-    def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> tuple[list[str], list[str]]:
-        """Inverse of :meth:`full_state_dict` (every rank passes the same full tensors).
-
-        Values go through :meth:`load_pieces`, so master copies and stage-3 shards get the
-        full-precision values, not a low-precision compute copy. As ``nn.Module`` does,
-        ``strict=False`` loads the keys that are there, keeps the current values of the rest
-        and returns ``(missing, unexpected)``; a wrong shape is an error either way. A tied
-        parameter takes its value from whichever of its keys is present.
-        """
-        self.engine.wait_for_params()
-        expected = {name: tuple(t.shape) for name, t in self.module_entries(keep_vars=True).items()}
-        missing = [name for name in expected if name not in state]  # torch's orders: the module's, the input's
-        unexpected = [name for name in state if name not in expected]
-        wrong_shape = [
-            f"{name}: {tuple(state[name].shape)} vs model {shape}"
-            for name, shape in expected.items()
-            if name in state and tuple(state[name].shape) != shape
-        ]
-        problems = [("shape", wrong_shape)] + ([("missing", sorted(missing)), ("unexpected", sorted(unexpected))]
-                                               if strict else [])
-        if any(items for _, items in problems):
-            raise ValueError(
-                "state dict does not match the model: "
-                + "; ".join(f"{label}: {', '.join(items)}" for label, items in problems if items)
-                + ("" if not strict or wrong_shape else " (strict=False loads only the keys present)")
-            )
-        # Each canonical name's value: its own key, or any tied alias's.
-        source = {self.engine.aliases.get(key, key): value for key, value in state.items() if key in expected}
-        orders = self.engine.element_orders()
-        with torch.no_grad():
-            for piece in self.engine.load_pieces():
-                if piece.name in source:
-                    start, end = piece.param_range  # in the parameter's memory order
-                    piece.tensor.copy_(orders[piece.name].flatten(source[piece.name])[start:end])
-            for name, buffer in self.engine.module.named_buffers():
-                if name in state:
-                    buffer.copy_(state[name])
-            self.engine.after_load()
-        return missing, unexpected

@@ -9,10 +9,11 @@ module a ``__deepcopy__`` and a ``__reduce_ex__`` of its own (instance attribute
 ``copy`` and ``pickle`` consult before the class), and both produce what the same call gives
 under DDP: a module of the user's class, with its own hooks and attributes, but none of
 shardpar's, and every parameter and persistent buffer holding the current full-precision
-values (``full_state_dict()``; tied parameters stay tied). Gradients are not copied, nor
+values, buffers in the dtypes the model was built with (the copy is made inside
+``model.gathered()``'s context; tied parameters stay tied). Gradients are not copied, nor
 methods declared with ``register_forward_method`` (the copy's are its class's plain methods).
-Because the values come from ``full_state_dict()``, the copy is a collective: every rank
-makes it, as every rank calls ``state_dict()``.
+Because the values are gathered at stages 1-3, the copy is a collective: every rank makes it,
+as every rank calls ``state_dict()``.
 
 A copy of the ``ShardedModule`` itself is refused by name (see ``module.py``): a second set of
 engines over the same process groups would pair its collectives with the first.
@@ -25,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..core.param_guard import metadata_only
 from .forward_methods import ForwardMethod
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ COPY_HOOKS = ("__deepcopy__", "__reduce_ex__")
 
 def copy_hooks(surface: "ModuleSurface", marks: tuple[str, ...]) -> dict[str, Any]:
     """The instance attributes that give the managed module its plain copies; ``marks`` are the
-    other instance attributes set on it, which a copy must not carry."""
+    engine's own instance attributes on it, which a copy must not carry."""
     return {
         "__deepcopy__": lambda memo: plain_copy(surface, memo, marks),
         "__reduce_ex__": lambda protocol: plain_copy(surface, {}, marks).__reduce_ex__(protocol),
@@ -47,34 +47,29 @@ def copy_hooks(surface: "ModuleSurface", marks: tuple[str, ...]) -> dict[str, An
 def plain_copy(surface: "ModuleSurface", memo: dict[int, Any], marks: tuple[str, ...]) -> nn.Module:
     """See [Note: plain copies]."""
     module = surface.engine.module
-    full = surface.full_state_dict()  # collective: every rank copies
-    # deepcopy takes what ``memo`` already holds for an object instead of copying it: fresh
-    # plain Parameters with the full values (one per Parameter object, so tied ones stay tied)...
-    for name, param in module.named_parameters():
-        with metadata_only():  # a stage-3 parameter's metadata, not its (absent) values
-            requires_grad = param.requires_grad
-        memo[id(param)] = nn.Parameter(full[name].clone(), requires_grad=requires_grad)
-    for name, buffer in module.named_buffers():
-        if name in full:  # persistent: back in the dtype the model was built with
-            memo[id(buffer)] = full[name].clone()
-    # ... and each hook dict the engine registered into, without the engine's entries.
-    ours: dict[int, tuple[dict, set[int]]] = {}
-    for handle in surface.hook_handles:
-        for ref in (handle.hooks_dict_ref, *getattr(handle, "extra_dict_ref", ())):
-            hooks = ref()
-            if hooks is not None:
-                ours.setdefault(id(hooks), (hooks, set()))[1].add(handle.id)
-    for hooks, ids in ours.values():
-        memo[id(hooks)] = type(hooks)((k, copy.deepcopy(v, memo)) for k, v in hooks.items() if k not in ids)
-    saved = {key: module.__dict__.pop(key) for key in (*marks, *COPY_HOOKS) if key in module.__dict__}
-    declared = [(sub, {k: v for k, v in sub.__dict__.items() if isinstance(v, ForwardMethod)}) for sub in module.modules()]
-    for sub, methods in declared:
-        for key in methods:
-            del sub.__dict__[key]
-    try:
-        return copy.deepcopy(module, memo)
-    finally:
-        module.__dict__.update(saved)
-        for sub, methods in declared:
-            sub.__dict__.update(methods)
-
+    # Inside full_values (collective: every rank copies) the parameters and buffers hold their
+    # full, full-precision values in the model's dtypes, which the copy takes.
+    with surface.state.full_values(writeback=False):
+        # deepcopy takes what ``memo`` already holds for an object instead of copying it: fresh
+        # plain Parameters (one per Parameter object, so tied ones stay tied)...
+        for _, param in module.named_parameters():
+            memo[id(param)] = nn.Parameter(param.data.clone(), requires_grad=param.requires_grad)
+        # ... and each hook dict the engine registered into, without the engine's entries.
+        ours: dict[int, tuple[dict, set[int]]] = {}
+        for handle in surface.hook_handles:
+            for ref in (handle.hooks_dict_ref, *getattr(handle, "extra_dict_ref", ())):
+                hooks = ref()
+                if hooks is not None:
+                    ours.setdefault(id(hooks), (hooks, set()))[1].add(handle.id)
+        for hooks, ids in ours.values():
+            memo[id(hooks)] = type(hooks)((k, copy.deepcopy(v, memo)) for k, v in hooks.items() if k not in ids)
+        # The surface's and the engine's instance attributes, and declared forward methods, stay behind.
+        saved = [(sub, key, sub.__dict__.pop(key)) for sub, key in surface.attributes if key in sub.__dict__]
+        saved += [(module, key, module.__dict__.pop(key)) for key in marks if key in module.__dict__]
+        saved += [(sub, key, sub.__dict__.pop(key)) for sub in module.modules()
+                  for key, value in list(sub.__dict__.items()) if isinstance(value, ForwardMethod)]
+        try:
+            return copy.deepcopy(module, memo)
+        finally:
+            for sub, key, value in saved:
+                sub.__dict__[key] = value

@@ -17,6 +17,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..core import clipping
 from ..engines import Engine
+from .module_state import ModuleState
 from .surface import ModuleSurface
 
 
@@ -49,6 +50,12 @@ class ShardedModule(nn.Module):
     @property
     def stage(self) -> int:
         return self.engine.stage
+
+    @property
+    def module_state(self) -> ModuleState:
+        """The full values of the module and torch's state-dict methods on them (for shardpar's
+        loaders; scripts use ``state_dict``, ``load_state_dict`` and :meth:`gathered`)."""
+        return self._surface.state
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # The engine's hooks on the wrapped module do the per-forward work (buffers, gathers,
@@ -113,10 +120,29 @@ class ShardedModule(nn.Module):
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
-        """Load full tensors (keys as in ``module.state_dict()``) into every stage's storage.
-        ``strict=False`` loads the keys present and reports the rest, as ``nn.Module`` does."""
-        return self._surface.state.load_module_state(state_dict, strict=strict, assign=assign)
+        """Load full tensors (keys as in ``module.state_dict()``) into every stage's storage:
+        torch's own ``load_state_dict`` of the wrapped module, with its hooks, strictness and
+        missing/unexpected keys, run on the full values and written back to the masters and
+        shards ([Note: full values in the module]). A collective at stages 1-3. Unlike torch's, a
+        load that raises (missing keys under ``strict``, a wrong shape) changes nothing."""
+        load = self._surface.state.load_state_dict_of(self.module, atomic=True)
+        return load(state_dict, strict=strict, assign=assign)
 
+    @contextlib.contextmanager
+    def gathered(self, module: nn.Module | None = None, writeback: bool = True) -> Iterator[None]:
+        """Inside, every parameter of the model (or of ``module``, one of its submodules) holds
+        its full, full-precision value on every rank, and buffers their built dtypes, for code
+        that reads or writes weights outside forward (PEFT's ``merge_and_unload()``, an EMA,
+        weight surgery), as FSDP's ``summon_full_params``. On exit, with ``writeback``, what the
+        parameters and buffers hold then (written in place, or re-assigned through ``.data``)
+        is stored in the masters and shards of every rank; every rank must write the same values.
+        With ``writeback=False`` the values are copies at every stage, and changes are dropped.
+        A collective at stages 1-3 (enter it on every rank); between steps only."""
+        if module is not None and not any(module is sub for sub in self.module.modules()):
+            raise ValueError(f"model.gathered(module) takes the wrapped model or one of its submodules, "
+                             f"got a {type(module).__name__} that is not in it")
+        with self._surface.state.full_values(scope=module, writeback=writeback, copies=not writeback):
+            yield
     # ------------------------------------------------------------------ training helpers
 
     @contextlib.contextmanager
