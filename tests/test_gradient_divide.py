@@ -25,6 +25,7 @@ import functools
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,7 +33,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 import shardpar
 from shardpar.comm import collectives as C
-from shardpar.config import ShardConfig
 from shardpar.core.averaging import Averaging, averaging
 from tests.models import KITCHEN, TRANSFORMER
 from tests.parity import (
@@ -263,16 +263,19 @@ def test_world_size_1_still_divides(stage: int) -> None:
 ])
 def test_bad_values_name_the_option(value: Any, error: type) -> None:
     with pytest.raises(error, match="gradient_divide_factor"):
-        ShardConfig(gradient_divide_factor=value)
+        shardpar.ShardConfig(gradient_divide_factor=value)
     with pytest.raises(error, match="gradient_divide_factor"):
         shardpar.wrap(TRANSFORMER.build(), stage=1, gradient_divide_factor=value)
 
 
 def test_accepted_values() -> None:
-    assert ShardConfig().gradient_divide_factor is None
-    assert ShardConfig(gradient_divide_factor=2).gradient_divide_factor == 2.0
-    assert isinstance(ShardConfig(gradient_divide_factor=2).gradient_divide_factor, float)
-    assert ShardConfig(gradient_divide_factor=1e-3).gradient_divide_factor == 1e-3
+    assert shardpar.ShardConfig().gradient_divide_factor is None
+    assert shardpar.ShardConfig(gradient_divide_factor=2).gradient_divide_factor == 2.0
+    assert isinstance(shardpar.ShardConfig(gradient_divide_factor=2).gradient_divide_factor, float)
+    assert shardpar.ShardConfig(gradient_divide_factor=1e-3).gradient_divide_factor == 1e-3
+    # Straight from a config file: numpy scalars are numbers.
+    assert shardpar.ShardConfig(gradient_divide_factor=np.float32(0.5)).gradient_divide_factor == 0.5
+    assert shardpar.ShardConfig(gradient_divide_factor=np.int64(4)).gradient_divide_factor == 4.0
 
 
 def wrap_outcome(factors: list[Any]) -> str:
