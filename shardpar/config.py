@@ -7,6 +7,7 @@ Every option is a field with a docstring-style comment; validation happens in
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
@@ -151,6 +152,12 @@ class ShardConfig:
     mesh: Any = None
     """Stages 1-3: a 2-D ``DeviceMesh`` (replicate, shard), as FSDP2's HSDP takes it, instead
     of ``shard_group_size``."""
+    gradient_divide_factor: float | None = None
+    """What the gradients summed over all ranks are divided by (FSDP2's
+    ``set_gradient_divide_factor``): None = the world size, DDP's mean; 1.0 = the plain sum
+    (torchtitan's global-token loss normalisation); any positive finite number. At every
+    stage, under hybrid sharding over both collectives together; ``comm_stats()`` is
+    unchanged. See [Note: averaging] in core/averaging.py."""
     align_for_bandwidth: bool | None = None
     """Start every parameter at a multiple of 64 elements and pad every bucket and stage-3 unit
     to a multiple of lcm(N, 128), as Megatron-core does for NCCL's bandwidth (memory and bytes
@@ -194,6 +201,19 @@ class ShardConfig:
                 f"shard_group_size must be None (shard over every rank), a positive int dividing the world size "
                 f"or 'node', got {self.shard_group_size!r}"
             )
+        if self.gradient_divide_factor is not None:
+            _check_number("gradient_divide_factor", self.gradient_divide_factor)
+            try:
+                factor = float(self.gradient_divide_factor)
+            except OverflowError:  # an int beyond float's range
+                factor = math.inf
+            if not (math.isfinite(factor) and factor > 0):
+                raise ValueError(
+                    "gradient_divide_factor must be a positive finite number (1.0 sums the gradients over "
+                    f"the ranks, None averages them), got {self.gradient_divide_factor!r}"
+                )
+            # One float in every rank's fingerprint and every strategy: 2 and 2.0 are the same request.
+            object.__setattr__(self, "gradient_divide_factor", factor)
         if self.mesh is not None and self.shard_group_size is not None:
             raise ValueError("pass shard_group_size or mesh, not both: a mesh's shard dimension is the group size")
         object.__setattr__(self, "mixed_precision", MixedPrecision.from_option(self.mixed_precision))

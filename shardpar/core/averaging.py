@@ -1,19 +1,31 @@
-"""How a gradient sum over N ranks becomes DDP's mean: the factors each strategy applies
-around its collective.
+"""How a gradient sum over N ranks becomes DDP's mean, or the sum divided by another factor:
+the factors each strategy applies around its collective.
 
 [Note: averaging]
-Every strategy turns the sum over N ranks into DDP's mean, with as few passes as it can
-(:func:`averaging` picks the factors, once per parameter space):
+Every strategy turns the sum over N ranks into the sum divided by a factor F -- N by
+default, DDP's mean; whatever ``gradient_divide_factor`` says otherwise (1.0: the plain sum,
+as torchtitan reduces after normalising its loss by the global token count) -- with as few
+passes as it can (:func:`averaging` picks the factors, once per parameter space):
 
-- A backend that averages inside the collective (NCCL's ``ReduceOp.AVG``) does it all: no
-  pass of ours.
-- Otherwise (gloo) stage 0 divides the whole bucket before its all-reduce, and stages 1-3
-  divide only the owned 1/N after the reduce-scatter ((N-1)/N of a pass saved).
+- F = 1 needs no pass at all: the collective's sum is the result (world size 1 included).
+- A backend that averages inside the collective (NCCL's ``ReduceOp.AVG``) does it all when
+  F = N: no pass of ours. For any other F it sums, and the factor is applied as on gloo
+  (one pass; NCCL's ``PREMUL_SUM`` could fold it into the collective, not used yet).
+- Otherwise (gloo) stage 0 divides the whole bucket by F before its all-reduce, and stages
+  1-3 divide only the owned 1/N after the reduce-scatter ((N-1)/N of a pass saved).
 - An fp16 reduce dtype is split around the sum, on every backend: the bucket is divided by
-  the power of two at or above √N before (exact), and by the rest of N after. Dividing by N
-  first would flush gradients below N times fp16's smallest subnormal to zero; dividing
-  after would let a sum of N large gradients overflow. The split halves the exponent range
-  each side gives up (N = 4: ÷2, sum, ÷2).
+  the power of two at or above √F (never above F) before (exact), and by the rest of F
+  after. Dividing by F first would flush gradients below F times fp16's smallest subnormal
+  to zero; dividing after would let a sum of large gradients overflow. The split halves the
+  exponent range each side gives up (F = N = 4: ÷2, sum, ÷2). It is taken around F, not N,
+  as FSDP2 does: for F = 1 the sum is the result asked for, so nothing is divided before
+  it, and below F = 2 nothing either (F < 1 multiplies, after the sum).
+
+Under hybrid sharding the pair of collectives (reduce-scatter within the shard group, then
+all-reduce across replicas) sums over all N ranks, so the same factors, applied around the
+pair, divide by exactly F ([Note: reduction under hybrid sharding] in replicas.py). Every
+option changes only the scaling passes: the collectives, their bytes and their counts are
+the same for every F (``comm_stats()`` is unchanged).
 """
 
 from __future__ import annotations
@@ -33,34 +45,40 @@ ReduceDtype = Callable[[ParamSpace], torch.dtype]
 
 @dataclass(frozen=True)
 class Averaging:
-    """How one bucket's sum over N ranks becomes the mean; see [Note: averaging]."""
+    """How one bucket's sum over N ranks becomes the mean (or the sum divided by another
+    factor); see [Note: averaging]."""
 
     before: float = 1.0
     """Factor applied to the bucket before the collective (1.0: no pass)."""
     after: float = 1.0
     """Factor applied to the result after it (1.0: no pass)."""
     op: str = "sum"
-    """The collective's reduction: ``avg`` where the backend divides by N itself."""
+    """The collective's reduction: ``avg`` where the backend divides by N itself and N is
+    the factor asked for."""
 
 
-def averaging(dtype: torch.dtype, world_size: int, backend_averages: bool, divide_before: bool) -> Averaging:
+def averaging(dtype: torch.dtype, world_size: int, backend_averages: bool, divide_before: bool,
+              divide_factor: float | None = None) -> Averaging:
     """See [Note: averaging]; ``divide_before``: the result is the whole bucket (all-reduce),
-    so dividing before costs no more than after."""
-    if world_size == 1:
+    so dividing before costs no more than after. ``divide_factor``: what the sum over the
+    ``world_size`` ranks is divided by (None: ``world_size``, the mean)."""
+    factor = float(world_size) if divide_factor is None else divide_factor
+    if factor == 1.0:
         return Averaging()
     if dtype == torch.float16:
-        before = 2.0 ** math.ceil(math.log2(math.sqrt(world_size)))
-        return Averaging(before=1.0 / before, after=before / world_size)
-    if backend_averages:
+        # Never more than F itself (1 < F < 2 would otherwise divide by 2 and multiply after).
+        before = 2.0 ** max(0, min(math.ceil(math.log2(math.sqrt(factor))), math.floor(math.log2(factor))))
+        return Averaging(before=1.0 / before, after=before / factor)
+    if backend_averages and factor == world_size:
         return Averaging(op="avg")
-    return Averaging(before=1.0 / world_size) if divide_before else Averaging(after=1.0 / world_size)
+    return Averaging(before=1.0 / factor) if divide_before else Averaging(after=1.0 / factor)
 
 
 def averaging_per_space(spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype, world_size: int, group,
-                        divide_before: bool) -> dict[ParamSpace, Averaging]:
-    """:func:`averaging` of each space, decided once: the backend and dtypes never change."""
+                        divide_before: bool, divide_factor: float | None = None) -> dict[ParamSpace, Averaging]:
+    """:func:`averaging` of each space, decided once: the backend, dtypes and factor never change."""
     backend = C.backend_averages(group, spaces[0].device if spaces else None)
-    return {s: averaging(reduce_dtype(s), world_size, backend, divide_before) for s in spaces}
+    return {s: averaging(reduce_dtype(s), world_size, backend, divide_before, divide_factor) for s in spaces}
 
 
 def scale(tensor: torch.Tensor, factor: float) -> None:

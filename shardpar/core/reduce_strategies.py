@@ -1,7 +1,8 @@
 """Where gradients live and which collective reduces a bucket: the reducer's three strategies.
 
 - :class:`AllReduceStrategy` (stage 0): one full gradient buffer per parameter space in the
-  reduce dtype, ``param.grad`` are views of it; each bucket is divided by N and all-reduced.
+  reduce dtype, ``param.grad`` are views of it; each bucket is divided by N (or the
+  ``gradient_divide_factor``) and all-reduced.
 - :class:`ReduceScatterInPlace` (stage 1): the same full buffer; each bucket is
   reduce-scattered in place, so this rank's slice holds the averaged gradient.
 - :class:`~.staged_reduce_scatter.StagedReduceScatter` (stages 2-3, in staged_reduce_scatter.py):
@@ -9,8 +10,9 @@
   reduce-scattered out of it into this rank's gradient shard, and the staging buffer goes
   back to the pool.
 
-Each turns the sum over N ranks into the mean as [Note: averaging] in averaging.py says; the
-two that reduce-scatter share :class:`ShardedAverage` (here).
+Each turns the sum over N ranks into the mean (or the sum divided by the
+``gradient_divide_factor``) as [Note: averaging] in averaging.py says; the two that
+reduce-scatter share :class:`ShardedAverage` (here).
 
 [Note: stage 1 accumulation across reductions]
 Stage 1 reduce-scatters each bucket in place, so after backward the owned slice of the full
@@ -165,10 +167,12 @@ class AllReduceStrategy(_FullGradBuffer):
     """Whether ``param.grad`` holds the whole reduced gradient after a synchronising backward
     (else see [Note: no full gradients at stages 1-3] in core/sharded_grads.py)."""
 
-    def __init__(self, spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype, world_size: int, group, comm) -> None:
+    def __init__(self, spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype, world_size: int, group, comm,
+                 divide_factor: float | None = None) -> None:
         super().__init__(spaces, reduce_dtype)
         self.world_size, self.group, self.comm = world_size, group, comm
-        self.averaging_of = averaging_per_space(spaces, reduce_dtype, world_size, group, divide_before=True)
+        self.averaging_of = averaging_per_space(spaces, reduce_dtype, world_size, group, divide_before=True,
+                                                divide_factor=divide_factor)
         # What the optimizer reads: reduced gradients in the master dtype.
         self.master_grads = {
             s: g if g.dtype == s.master_dtype else torch.zeros_like(g, dtype=s.master_dtype) for s, g in self.data.items()
@@ -301,12 +305,13 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
     full_grads_on_params = False
 
     def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm,
-                 replicas: AcrossReplicas | None = None, ranks_summed: int | None = None) -> None:
+                 replicas: AcrossReplicas | None = None, ranks_summed: int | None = None,
+                 divide_factor: float | None = None) -> None:
         _FullGradBuffer.__init__(self, spaces, reduce_dtype)
         self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = reduce_dtype, world_size, rank, group, comm
         self.replicas = replicas
         self.averaging_of = averaging_per_space(spaces, reduce_dtype, ranks_summed or world_size, group,
-                                                divide_before=False)
+                                                divide_before=False, divide_factor=divide_factor)
         self.master_grad_shards = {
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device)
             for s, g in self.data.items()

@@ -8,7 +8,9 @@ is all-reduced across the replica group, the R ranks holding the same slice: eve
 with the sum over all N ranks of the slice it owns, and the cross-replica links carry Ψ/G
 elements per step instead of Ψ. The mean follows [Note: averaging] over N: where the backend
 averages (NCCL), both collectives average (over G, then over R); otherwise the factors of N
-apply around the pair. The all-reduce starts once the reduce-scatter is waited for (on CUDA
+apply around the pair. A ``gradient_divide_factor`` F other than N always takes the second
+way: both collectives sum and F's factors apply around the pair, once, so the result is the
+sum over all N ranks divided by exactly F (never F per group). The all-reduce starts once the reduce-scatter is waited for (on CUDA
 that wait orders streams and does not block the host). Padding is counted exactly: the gaps
 of the bucket that fall in this rank's slice.
 """

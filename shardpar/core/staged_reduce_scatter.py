@@ -35,13 +35,14 @@ class StagedReduceScatter(ShardedAverage):
     full_grads_on_params = False
 
     def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm,
-                 replicas: AcrossReplicas | None = None, ranks_summed: int | None = None) -> None:
+                 replicas: AcrossReplicas | None = None, ranks_summed: int | None = None,
+                 divide_factor: float | None = None) -> None:
         self.spaces = list(spaces)
         self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = reduce_dtype, world_size, rank, group, comm
         self.replicas = replicas
         """See [Note: reduction under hybrid sharding] in replicas.py."""
         self.averaging_of = averaging_per_space(spaces, reduce_dtype, ranks_summed or world_size, group,
-                                                divide_before=False)
+                                                divide_before=False, divide_factor=divide_factor)
         self.grad_shards = {
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device) for s in spaces
         }  # 1-D, this rank's slice of every bucket, in bucket order (local space), master dtype

@@ -71,7 +71,8 @@ def _unit_gatherer(engine: "Engine") -> UnitGatherer:
 
 
 def _all_reduce(engine: "Engine", spaces: list) -> AllReduceStrategy:
-    return AllReduceStrategy(spaces, engine.reduce_dtype, engine.world_size, engine.group, engine.comm)
+    return AllReduceStrategy(spaces, engine.reduce_dtype, engine.world_size, engine.group, engine.comm,
+                             divide_factor=engine.config.gradient_divide_factor)
 
 
 def _across_replicas(engine: "Engine") -> AcrossReplicas | None:
@@ -82,13 +83,15 @@ def _across_replicas(engine: "Engine") -> AcrossReplicas | None:
 def _reduce_scatter_in_place(engine: "Engine", spaces: list) -> ReduceScatterInPlace:
     shards = engine.shards
     return ReduceScatterInPlace(spaces, engine.reduce_dtype, shards.shard_size, shards.shard_rank, shards.shard_group,
-                                engine.shard_comm, _across_replicas(engine), ranks_summed=engine.world_size)
+                                engine.shard_comm, _across_replicas(engine), ranks_summed=engine.world_size,
+                               divide_factor=engine.config.gradient_divide_factor)
 
 
 def _staged_reduce_scatter(engine: "Engine", spaces: list) -> StagedReduceScatter:
     shards = engine.shards
     return StagedReduceScatter(spaces, engine.reduce_dtype, shards.shard_size, shards.shard_rank, shards.shard_group,
-                               engine.shard_comm, _across_replicas(engine), ranks_summed=engine.world_size)
+                               engine.shard_comm, _across_replicas(engine), ranks_summed=engine.world_size,
+                               divide_factor=engine.config.gradient_divide_factor)
 
 
 def _reduce_when_complete(engine: "Engine") -> ReduceWhenComplete:
