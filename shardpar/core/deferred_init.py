@@ -21,9 +21,9 @@ The values are those bit for bit, at every stage and world size:
   once every module that holds one of its parameters (tied ones included) and the unit's own
   module have been visited. Its values are then copied into its shard and its CPU copy freed,
   so a rank holds its shards plus the parameters of the unit being initialised (and of units
-  whose tied parameters wait for a later module), never the whole model. An init that writes
-  a parameter of a unit already sharded (an ancestor's init reaching into a finished unit)
-  raises, naming the parameter.
+  whose tied parameters wait for a later module), never the whole model. An init that reads
+  or writes a parameter of a unit already sharded (an ancestor's init reaching into a
+  finished unit) raises, naming the init's module, the parameter and its unit.
 - At stages 0-2 the whole module is materialised (every rank keeps every parameter anyway).
 
 An init may also re-assign, as torchtitan, Hugging Face and timm init code does (see [Note:
@@ -53,11 +53,13 @@ instead of writing into them, and the values must still be the reference's:
   shards are allocated before the init runs), so a different one is refused by name.
 - Replacing a Parameter object (``module.weight = nn.Parameter(...)``), setting it to None,
   or adding a parameter cannot be honoured: ties, the engine's inventory and the shards hold
-  the objects the model was built with, and the new object's values would be dropped. Each
-  is refused by name, right after the visit that did it (at stage 3 before its unit's shard
+  the objects the model was built with, and the new object's values would be dropped. Nor can
+  two Parameter objects sharing one storage (``head.weight.data = embed.weight.data``): each
+  gets its own place in a flat buffer, and they would train apart. Each is refused by name, right after the visit that did it (at stage 3 before its unit's shard
   is filled), with what to write instead.
-- Writing ``.data`` of a parameter whose stage-3 unit is already sharded goes through that
-  parameter's guard, which raises naming it and its unit, as any other write does.
+- Writing ``.data`` of a parameter whose stage-3 unit is already sharded (as any write or
+  read of it) goes through that parameter's guard; the walk turns its error into one that
+  names the init's module, the parameter and its unit.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm import devices as D
 from .element_order import is_dense, row_major_strides
+from .flat_param import ShardedParameterAccess
 from .param_guard import is_guarded
 
 InitFn = Callable[[nn.Module], Any]
@@ -240,17 +243,29 @@ class InitWalk:
                 if known is None:  # the first module holding it: a buffer registered twice stays one tensor
                     known = self._fresh_buffers[id(buffer)] = (buffer, _fresh(buffer))
                 module._buffers[name] = known[1]
-        with torch.no_grad():
-            if self.init_fn is not None:
-                self.init_fn(module)
-            elif callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
+        try:
+            with torch.no_grad():
+                if self.init_fn is not None:
+                    self.init_fn(module)
+                elif callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()
+        except ShardedParameterAccess as error:  # what an init did, not a forward: say so
+            raise ValueError(
+                f"shardpar.wrap of a meta-device model at stage 3: {self._init_name(module)} read or wrote parameter "
+                f"'{error.name}', whose unit '{error.unit}' was already initialised and sharded (a unit is built once "
+                "its own module, every module holding one of its parameters and its parent, unless that is the root "
+                "or a container, were visited); "
+                "initialise a parameter from the init of its own module or of its unit's parent, put both modules "
+                "in one unit (wrap_policy), or wrap at stage 0-2"
+            ) from error
         self._check_parameter_slots(module)
 
     def _check_parameter_slots(self, visited: nn.Module) -> None:
         """Refuse, by name, what the init of ``visited`` did to parameters that cannot be honoured
         ([Note: re-assignment in an init]). Every module under ``visited`` has been visited
         (children come first), so each of its parameters holds values by now."""
+        storages: dict[int, tuple[str, nn.Parameter]] = {}
+        """Storage address -> the first parameter found in it: two Parameter objects may not share one."""
         for module in visited.modules():
             built = self._as_built.get(module)
             before = built.params if built is not None else {}
@@ -263,9 +278,14 @@ class InitWalk:
                     problem = _data_change(now, *built.shapes[name])
                 else:
                     problem = None
+                label = f"'{_qualified(prefix, name)}' ({type(module).__name__}.{name})"
+                if problem is None and now is not None and not is_guarded(now) and now.numel() > 0:
+                    first = storages.setdefault(now.untyped_storage().data_ptr(), (label, now))
+                    if first[1] is not now:
+                        problem = (f"made parameter {{}} share its storage with parameter {first[0]} (a .data "
+                                   "assignment of the other's tensor)", _SHARED_STORAGE)
                 if problem is not None:
                     what, remedy = problem
-                    label = f"'{_qualified(prefix, name)}' ({type(module).__name__}.{name})"
                     raise ValueError(
                         f"shardpar.wrap of a meta-device model: {self._init_name(visited)} {what.format(label)}; "
                         f"{remedy.format(name=name)}"
@@ -279,6 +299,9 @@ class InitWalk:
 
 
 _PLANNED = "the shards and buckets are planned from the model as built on the meta device"
+_SHARED_STORAGE = ("shardpar keeps each parameter in its own place in a flat buffer, so the two would train apart; "
+                   "tie them by registration in the constructor (module.{name} = other_module.{name}, one Parameter) "
+                   "or copy the values (param.copy_(other))")
 
 
 def _slot_change(was: nn.Parameter | None, now: nn.Parameter | None) -> tuple[str, str]:
