@@ -11,13 +11,13 @@ the CPU-built model ([Note: re-assignment in an init] in shardpar/core/deferred_
   equal to plain torch's;
 - under ``MixedPrecision(buffer_dtype=bf16)`` a re-assigned buffer is cast like any other;
 - what cannot be kept (a new Parameter object, another shape or dtype, a parameter set to
-  None, two parameters sharing a storage, a stage-3 unit already sharded) is a ValueError
-  naming the module and the parameter, on every rank.
+  None or added, a meta buffer, two parameters sharing a storage, a stage-3 unit already
+  sharded) is a ValueError naming the module and the parameter, on every rank.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
@@ -235,6 +235,18 @@ def _parameter_to_none(module: nn.Module) -> None:
         module.bias = None
 
 
+def _add_parameter(module: nn.Module) -> None:
+    reassigning_init(module)
+    if isinstance(module, Gain):
+        module.extra = nn.Parameter(torch.zeros(1))
+
+
+def _meta_buffer(module: nn.Module) -> None:
+    reassigning_init(module)
+    if isinstance(module, Rotary):
+        module.cache = torch.empty(LENGTH, DIM, device="meta")  # torch refuses a meta .data for a parameter
+
+
 def _share_storage(module: nn.Module) -> None:
     reassigning_init(module)
     if isinstance(module, RopeModel):
@@ -249,7 +261,7 @@ def _write_a_sharded_unit(module: nn.Module) -> None:
 
 BAD_INITS: dict[str, Callable[[nn.Module], None]] = {
     "replace": _replace_parameter, "shape": _other_shape, "dtype": _other_dtype, "none": _parameter_to_none,
-    "share": _share_storage, "sharded unit": _write_a_sharded_unit,
+    "add": _add_parameter, "meta buffer": _meta_buffer, "share": _share_storage, "sharded unit": _write_a_sharded_unit,
 }
 PREFIX = "shardpar.wrap of a meta-device model"
 
@@ -272,6 +284,13 @@ def _expected_error(how: str, stage: int) -> str | None:
         return (f"{PREFIX}: init_fn of module 'blocks.0.proj' (Linear) set parameter 'blocks.0.proj.bias' "
                 "(Linear.bias) to None; the shards and buckets are planned from the model as built on the meta "
                 "device, so remove it in the constructor instead")
+    if how == "add":
+        return (f"{PREFIX}: init_fn of module 'blocks.0.gain' (Gain) added parameter 'blocks.0.gain.extra' "
+                "(Gain.extra); the shards and buckets are planned from the model as built on the meta device, so "
+                "register it in the constructor and only initialise it in the init")
+    if how == "meta buffer":
+        return (f"{PREFIX}: no initialisation set the buffer(s) blocks.0.rope.cache, blocks.1.rope.cache; buffers "
+                "computed in a constructor are not rebuilt, so set them in init_fn")
     if stage == 3:  # blocks.0's unit was sharded before the root's init ran
         return (f"{PREFIX} at stage 3: init_fn of the root module (RopeModel) read or wrote parameter "
                 "'blocks.0.gain.weight', whose unit 'blocks.0' was already initialised and sharded")

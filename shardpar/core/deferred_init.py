@@ -103,8 +103,6 @@ def _apply_order(module: nn.Module) -> Iterator[nn.Module]:
 
 def _unset(tensor: torch.Tensor) -> torch.Tensor:
     """The marker that says "no init wrote this element"."""
-    if tensor.is_meta:  # an init assigned a meta tensor: no values at all
-        return torch.ones((), dtype=torch.bool)
     if tensor.is_floating_point() or tensor.is_complex():
         return torch.isnan(tensor)
     if tensor.dtype == torch.bool:
@@ -268,22 +266,10 @@ class InitWalk:
         """Storage address -> the first parameter found in it: two Parameter objects may not share one."""
         for module in visited.modules():
             built = self._as_built.get(module)
-            before = built.params if built is not None else {}
             prefix = built.name if built is not None else f"{self._as_built[visited].name}.<a module the init added>"
-            for name in dict.fromkeys([*before, *module._parameters]):
-                was, now = before.get(name), module._parameters.get(name)
-                if now is not was:
-                    problem = _slot_change(was, now)
-                elif now is not None and not is_guarded(now):  # a sharded unit's placeholders pass
-                    problem = _data_change(now, *built.shapes[name])
-                else:
-                    problem = None
+            for name in dict.fromkeys([*(built.params if built is not None else ()), *module._parameters]):
                 label = f"'{_qualified(prefix, name)}' ({type(module).__name__}.{name})"
-                if problem is None and now is not None and not is_guarded(now) and now.numel() > 0:
-                    first = storages.setdefault(now.untyped_storage().data_ptr(), (label, now))
-                    if first[1] is not now:
-                        problem = (f"made parameter {{}} share its storage with parameter {first[0]} (a .data "
-                                   "assignment of the other's tensor)", _SHARED_STORAGE)
+                problem = _slot_problem(built, name, module._parameters.get(name), label, storages)
                 if problem is not None:
                     what, remedy = problem
                     raise ValueError(
@@ -304,6 +290,26 @@ _SHARED_STORAGE = ("shardpar keeps each parameter in its own place in a flat buf
                    "or copy the values (param.copy_(other))")
 
 
+def _slot_problem(built: _AsBuilt | None, name: str, now: nn.Parameter | None, label: str,
+                  storages: dict[int, tuple[str, nn.Parameter]]) -> tuple[str, str] | None:
+    """(what happened, with {} for the parameter; what to do instead) where slot ``name`` of a
+    module (``built``: as built; None: a module the init added) holds what cannot be kept."""
+    was = built.params.get(name) if built is not None else None
+    if now is not was:
+        return _slot_change(was, now)
+    if now is None or is_guarded(now):  # an empty slot; a sharded unit's placeholder (its guard polices it)
+        return None
+    assert built is not None, "a slot the constructor filled"
+    changed = _data_change(now, *built.shapes[name])
+    if changed is not None or now.numel() == 0:
+        return changed
+    first = storages.setdefault(now.untyped_storage().data_ptr(), (label, now))
+    if first[1] is not now:
+        return (f"made parameter {{}} share its storage with parameter {first[0]} (a .data assignment of the "
+                "other's tensor)", _SHARED_STORAGE)
+    return None
+
+
 def _slot_change(was: nn.Parameter | None, now: nn.Parameter | None) -> tuple[str, str]:
     """(what happened, with {} for the parameter; what to do instead) when a slot holds another object."""
     if was is None:
@@ -318,9 +324,6 @@ def _slot_change(was: nn.Parameter | None, now: nn.Parameter | None) -> tuple[st
 
 def _data_change(param: nn.Parameter, shape: torch.Size, dtype: torch.dtype) -> tuple[str, str] | None:
     """(what happened; what to do instead) when a parameter's ``.data`` cannot be kept, else None."""
-    if param.is_meta:
-        return ("assigned a meta-device tensor to parameter {}",
-                "assign values computed on the CPU (e.g. torch.empty(shape).normal_()), or initialise it in place")
     if param.shape != shape or param.dtype != dtype:
         return (f"assigned a tensor of shape {list(param.shape)} and dtype {param.dtype} to parameter {{}}, built "
                 f"with shape {list(shape)} and dtype {dtype}",
