@@ -59,6 +59,15 @@ class _PendingGather:
         return f"all-gather of '{self.group.label}' in flight"
 
 
+class ShardedParameterAccess(RuntimeError):
+    """Code read (or wrote) a stage-3 parameter while its unit is sharded."""
+
+    def __init__(self, message: str, name: str, unit: str) -> None:
+        super().__init__(message)
+        self.name = name
+        self.unit = unit
+
+
 class _Sharded:
     """Guard of a sharded stage-3 parameter: reading it is an error naming it and its unit."""
 
@@ -67,7 +76,7 @@ class _Sharded:
         self.name = name
 
     def on_access(self, param: nn.Parameter, operation: str) -> None:
-        raise RuntimeError(
+        raise ShardedParameterAccess(
             f"parameter '{self.name}' of stage-3 unit '{self.group.unit}' was read ({operation}) while the unit "
             "is sharded: its values exist only while the forward (or backward) of a module of that unit runs, "
             "or a method of such a module declared with shardpar.register_forward_method(module, 'method_name') "
@@ -75,7 +84,8 @@ class _Sharded:
             "unit's modules (register the module under the unit that uses it, or tie the weight by "
             "registration), and read full values outside forward with model.full_state_dict(). Code that needs "
             "whole parameters and their gradients between backward and step (per-parameter clipping such as "
-            "timm's adaptive gradient clipping) needs stage=0: only stage 0 keeps whole gradients"
+            "timm's adaptive gradient clipping) needs stage=0: only stage 0 keeps whole gradients",
+            self.name, self.group.unit,
         )
 
     def __str__(self) -> str:

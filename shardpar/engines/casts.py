@@ -40,7 +40,9 @@ class MixedPrecisionCasts:
         if mp is None or mp.buffer_dtype is None:
             return
         for name, buffer in module.named_buffers():
-            if buffer.is_floating_point():
+            # Only buffers not cast yet: stage 3 calls this again after a meta-built model's
+            # init, which may have re-assigned a buffer in its own dtype.
+            if buffer.is_floating_point() and buffer.dtype != mp.buffer_dtype:
                 self.original_buffer_dtypes[name] = buffer.dtype
                 buffer.data = buffer.data.to(mp.buffer_dtype)
 

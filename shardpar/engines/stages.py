@@ -53,6 +53,7 @@ def _sharded_units(engine: "Engine") -> ShardedStorage:
     storage = ShardedStorage(engine.module, engine.inventory, engine.config, shards.shard_group, shards.shard_size,
                              shards.shard_rank, FromInit(engine.module, walk, engine.device))
     walk.finish(engine.device)
+    engine.casts.cast_buffers(engine.module)  # a buffer the init re-assigned has the init's dtype
     return storage
 
 
