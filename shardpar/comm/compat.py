@@ -11,8 +11,6 @@ and torch/nn/modules/module.py:
 | all_gather_single                  | dist.all_gather_single (2.13)                 | dist.all_gather_into_tensor (<= 2.3; alias from 2.13)  |
 | broadcast / isend / irecv          | group_src= / group_dst= keywords (2.6)        | src= / dst= as a global rank, via get_global_rank      |
 | default_backend_for_device         | dist.get_default_backend_for_device (2.6)     | dist.Backend.default_device_backend_map (<= 2.3)       |
-| register_state_dict_post_hook      | nn.Module.register_state_dict_post_hook (2.5) | nn.Module._register_state_dict_hook                    |
-| register_load_state_dict_pre_hook  | nn.Module.register_load_state_dict_pre_hook (2.5) | _register_load_state_dict_pre_hook(with_module=True) |
 | fully_shard                        | torch.distributed.fsdp.fully_shard (2.6)      | torch.distributed._composable.fsdp.fully_shard (2.4)   |
 
 From 2.13 on, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` are deprecated
@@ -38,8 +36,6 @@ __all__ = [
     "irecv",
     "isend",
     "reduce_scatter_single",
-    "register_load_state_dict_pre_hook",
-    "register_state_dict_post_hook",
 ]
 
 
@@ -114,23 +110,6 @@ def default_backend_for_device(device: str | torch.device) -> str:
     if backend is None:
         raise ValueError(f"Default backend not registered for device : {device}")
     return backend
-
-
-def register_state_dict_post_hook(module: nn.Module, hook: Callable[..., None]) -> Any:
-    """``module.register_state_dict_post_hook(hook)`` (2.5+). Before 2.5 it goes through
-    ``_register_state_dict_hook``, which calls the hook with the same arguments. The private
-    hook also uses the hook's return value, so ``hook`` must return None."""
-    if hasattr(module, "register_state_dict_post_hook"):
-        return module.register_state_dict_post_hook(hook)
-    return module._register_state_dict_hook(hook)
-
-
-def register_load_state_dict_pre_hook(module: nn.Module, hook: Callable[..., None]) -> Any:
-    """``module.register_load_state_dict_pre_hook(hook)`` (2.5+). In 2.5 that is
-    ``_register_load_state_dict_pre_hook(hook, with_module=True)``, which 2.4 already has."""
-    if hasattr(module, "register_load_state_dict_pre_hook"):
-        return module.register_load_state_dict_pre_hook(hook)
-    return module._register_load_state_dict_pre_hook(hook, with_module=True)
 
 
 def fully_shard(module: nn.Module, **kwargs: Any) -> Any:
