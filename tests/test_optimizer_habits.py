@@ -844,6 +844,72 @@ def test_at_stages_1_to_3_a_muon_like_class_and_one_the_check_cannot_build_are_r
             assert f"at stage {stage} it must" in unbuilt and "Use stage=0" in unbuilt, unbuilt
 
 
+class SizeGroupedSGD(torch.optim.SGD):
+    """Elementwise, but groups the tensors it is given by size, as Muon's constructor does."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        params = list(params)
+        sizes = sorted({p.numel() for p in params})
+        super().__init__([{"params": [p for p in params if p.numel() == size]} for size in sizes], lr=lr)
+
+
+class FailsOnRank1(torch.optim.SGD):
+    """Stands for a class that refuses the pieces some ranks hand it only (a check of their
+    sizes): at stages 1-3 each rank builds it over its own pieces."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        if dist.get_rank() == 1:
+            raise ValueError("FailsOnRank1 does not like these tensors")
+        super().__init__(params, lr=lr)
+
+
+def _build_over_pieces(stage: int) -> dict[str, tuple[str, str] | None]:
+    out: dict[str, tuple[str, str] | None] = {}
+    for case, cls in (("regrouped", SizeGroupedSGD), ("one rank fails", FailsOnRank1)):
+        model = _wrap(_net(), stage)
+        try:
+            shardpar.optimizer(model, cls, list(model.parameters()), lr=0.1)
+            out[case] = None
+        except ValueError as error:
+            out[case] = (type(error).__name__, str(error))
+        model.engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_class_that_regroups_or_fails_on_some_ranks_pieces_is_refused_on_every_rank(stage: int) -> None:
+    """At stages 1-3 a rank's tensors are its 1-D pieces: a grouping by size made from them
+    would differ between ranks, and a failure over one rank's pieces must stop every rank."""
+    for rank, out in enumerate(run_ranks(_build_over_pieces, 2, stage, timeout=60)):
+        regrouped = out["regrouped"]
+        assert regrouped is not None, f"rank {rank}: a grouping of its own pieces was accepted"
+        assert regrouped[1].startswith(f"{SizeGroupedSGD.__module__}.SizeGroupedSGD regrouped the list of tensors "
+                                       "it was given into"), regrouped
+        assert f"at stage {stage} it is given 1-D pieces of the parameters" in regrouped[1], regrouped
+        failed = out["one rank fails"]
+        assert failed is not None, f"rank {rank} went on while rank 1 failed"
+        expected = "FailsOnRank1 does not like these tensors"
+        assert failed[1] == (expected if rank == 1 else f"shardpar.optimizer failed on rank 1: {expected}"), failed
+
+
+def _regrouped_at_stage_0() -> dict[str, Any]:
+    model = _wrap(_net(), 0)
+    opt = shardpar.optimizer(model, SizeGroupedSGD, list(model.parameters()), lr=0.1)
+    _train(model, opt, range(2))
+    state = model.full_state_dict()
+    model.engine.close()
+    return {"groups": len(opt.param_groups), "state": state}
+
+
+def test_at_stage_0_a_class_may_group_the_whole_parameters_its_own_way() -> None:
+    module = _net()
+    plain = SizeGroupedSGD(module.parameters(), lr=0.1)
+    _train(module, plain, range(2))
+    for rank, out in enumerate(run_ranks(_regrouped_at_stage_0, 2, timeout=60)):
+        assert out["groups"] == len(plain.param_groups) > 1, (rank, out["groups"])
+        _assert_close(out["state"], module.state_dict(), f"rank {rank}")
+
+
 ELEMENTWISE_OVER_TENSORS: dict[str, Callable[[Callable[..., Any], nn.Module], Any]] = {
     "TensorsOnlySGD over a list": lambda make, model: make(TensorsOnlySGD, list(model.parameters()), lr=0.1),
     "TensorsOnlySGD over None": lambda make, model: make(TensorsOnlySGD, None, lr=0.1),

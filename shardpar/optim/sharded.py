@@ -117,7 +117,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             handed = [{**{k: v for k, v in group.items() if k != "names"}, "params": [t.tensor for t in tensors]}
                       for group, tensors in zip(request.groups, requested)]
-        self.inner = optimizer_class(handed, **defaults)
+        self.inner = optimizer_class(handed, **defaults)  # first: bad arguments raise the class's own error
+        if engine.stage >= 1:
+            _refuse_if_not_elementwise(optimizer_class, request, defaults, engine)
         self.group_tensors: list[list[TensorPiece]] = self._pieces_of_inner_groups(requested)
         """Per param group of the inner optimizer (the class's own grouping), its pieces."""
         self._group_names: list[list[str]] = self._names_of_inner_groups(request, requested)
@@ -673,14 +675,10 @@ def optimizer(
         )
     engine = model.engine
     request = _resolve_param_groups(engine, params)
-    if engine.stage == 0:  # whole parameters, alike on every rank: it builds or fails alike everywhere
-        built = ShardedOptimizer(engine, optimizer_class, request, defaults)
-    else:
-        def build() -> ShardedOptimizer:
-            # Built for real first, so that bad arguments raise the class's own error, as in torch.
-            sharded = ShardedOptimizer(engine, optimizer_class, request, defaults)
-            _refuse_if_not_elementwise(optimizer_class, request, defaults, engine)
-            return sharded
-        built = _on_every_rank(engine, build)
+    def build() -> ShardedOptimizer:
+        return ShardedOptimizer(engine, optimizer_class, request, defaults)
+
+    # At stage 0 the class gets whole parameters, alike on every rank: it builds or fails alike everywhere.
+    built = build() if engine.stage == 0 else _on_every_rank(engine, build)
     model.attach_optimizer(built)
     return built
