@@ -1,10 +1,12 @@
 """``shardpar.optimizer``: any ``torch.optim.Optimizer`` class, run on what this rank owns.
 
 The engine decides which tensors the wrapped optimizer sees: the parameters themselves at
-stage 0, flat 1-D views of this rank's pieces at stages 1-3 (see ``ShardPiece``). Param
-groups keep their hyperparameters because each user group becomes one inner group made of
-that group's tensors, so ``param_groups`` stays in the user's order and
-``torch.optim.lr_scheduler`` schedulers drive it unchanged.
+stage 0, flat 1-D views of this rank's pieces at stages 1-3 (see ``TensorPiece``). The class
+is handed them as the user handed the parameters: a list of tensors as a list (a class may
+group it itself, as nanochat's Muon does by shape), param groups as one dict each with the
+group's options, so ``param_groups`` keeps the user's hyperparameters and order and
+``torch.optim.lr_scheduler`` schedulers drive it unchanged. ``step(closure)`` hands the
+closure on ([Note: closures]).
 """
 
 from __future__ import annotations
