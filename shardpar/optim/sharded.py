@@ -119,9 +119,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             handed = [{**{k: v for k, v in group.items() if k != "names"}, "params": [t.tensor for t in tensors]}
                       for group, tensors in zip(request.groups, requested)]
-        self.inner = optimizer_class(handed, **defaults)  # first: bad arguments raise the class's own error
-        if engine.stage >= 1:
-            _refuse_if_not_elementwise(optimizer_class, request, defaults, engine)
+        # The check first, so that a class that needs whole tensors is refused as such (Muon's own
+        # error over a 1-D piece says less); then the real build, so that bad arguments raise the
+        # class's own error, as in torch, also where they kept the check from building it.
+        unchecked = _refuse_if_not_elementwise(optimizer_class, request, defaults, engine) if engine.stage else None
+        self.inner = optimizer_class(handed, **defaults)
+        if unchecked is not None:
+            raise ValueError(unchecked)
         self.group_tensors: list[list[TensorPiece]] = self._pieces_of_inner_groups(requested)
         """Per param group of the inner optimizer (the class's own grouping), its pieces."""
         self._group_names: list[list[str]] = self._names_of_inner_groups(request, requested)
@@ -601,11 +605,12 @@ def _not_elementwise(optimizer_class: type[torch.optim.Optimizer], defaults: dic
 
 
 def _refuse_if_not_elementwise(optimizer_class: type[torch.optim.Optimizer], request: ParamRequest,
-                               defaults: dict[str, Any], engine: Engine) -> None:
+                               defaults: dict[str, Any], engine: Engine) -> str | None:
     """Stages 1-3: a ValueError naming the class unless it updates element by element with the
     options of every param group (one probe per distinct set of options: an optimizer may only
     take whole-parameter norms where weight decay is on, as timm's LARS), handed what the user
-    handed it (a list of tensors, or param groups)."""
+    handed it (a list of tensors, or param groups). Where the check cannot build the class, the
+    refusal to raise once building it for real has not failed with the class's own error."""
     probed = set()
     for index, group in enumerate(request.groups):
         options = None if request.as_tensors else \
@@ -619,12 +624,10 @@ def _refuse_if_not_elementwise(optimizer_class: type[torch.optim.Optimizer], req
         try:
             reason = _not_elementwise(optimizer_class, defaults, engine.device, options)
         except _CannotProbe as error:
-            raise ValueError(
-                f"{name}{which} could not be checked for updating parameters element by element ({error}), which "
-                f"at stage {engine.stage} it must: each rank updates 1-D slices of the parameters, and an optimizer "
-                "that computes anything over a whole parameter would compute it over a slice. Use stage=0, where "
-                "every rank updates whole parameters"
-            ) from error
+            return (f"{name}{which} could not be checked for updating parameters element by element ({error}), "
+                    f"which at stage {engine.stage} it must: each rank updates 1-D slices of the parameters, and an "
+                    "optimizer that computes anything over a whole parameter would compute it over a slice. Use "
+                    "stage=0, where every rank updates whole parameters")
         if reason is not None:
             raise ValueError(
                 f"{name} does not update parameters element by element{which} ({reason}), but at stage "
@@ -633,6 +636,7 @@ def _refuse_if_not_elementwise(optimizer_class: type[torch.optim.Optimizer], req
                 "across ranks. Use stage=0, where every rank updates whole parameters, or an optimizer that updates "
                 "element by element (torch.optim.AdamW, Adam, SGD, Adagrad, RMSprop, NAdam, RAdam, Adamax, ...)"
             )
+    return None
 
 
 def _on_every_rank(engine: Engine, build: Callable[[], ShardedOptimizer]) -> ShardedOptimizer:
