@@ -319,14 +319,15 @@ def test_elementwise_torch_optimizers_are_accepted_at_every_stage(optimizer_clas
 @pytest.mark.parametrize("optimizer_class, why", [
     (torch.optim.Adafactor, "differs from its update of the same 128 values as a 1-D tensor"),
     (torch.optim.Muon, "it refuses a 1-D tensor"),
-    (torch.optim.LBFGS, "missing 1 required positional argument: 'closure'"),
+    (torch.optim.LBFGS, "LBFGS's history and step sizes over the vector of all parameters"),
 ])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_optimizers_that_need_whole_parameters_are_refused_at_stages_1_to_3(
     optimizer_class: type, why: str, stage: int
 ) -> None:
     """Stages 1-3 give the optimizer 1-D slices of parameters: Adafactor's factored moments,
-    Muon's whole-matrix update and LBFGS's closure cannot work on them, and Adafactor would run
+    Muon's whole-matrix update and LBFGS's history over all parameters (its step run with a
+    closure, as it needs one) cannot work on them, and Adafactor would run
     and silently compute something else than torch. Refused at construction, naming the class
     and the stage; at stage 0 (whole parameters) Adafactor trains exactly as torch's."""
     model = shardpar.wrap(nn.Linear(4, 3, bias=False), stage=stage)

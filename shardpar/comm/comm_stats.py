@@ -27,7 +27,7 @@ real traffic for gathers of units smaller than the largest exceeds the ring mode
 
 Every collective an engine issues from the end of ``wrap`` on in training is counted, under
 the kinds of ``SEND_FACTOR``: forward, backward, ``clip_grad_norm_``, ``GradScaler`` and
-``step()``, the one-off agreements of the first steps included; tests/test_comm_stats.py
+``step()`` (with a closure, the mean of its loss per call), the one-off agreements of the first steps included; tests/test_comm_stats.py
 checks the sum against a counter wrapped around ``torch.distributed``, exactly. Not
 counted: ``wrap``'s own set-up, state dicts, checkpoints and the reports of an error.
 
@@ -60,7 +60,7 @@ import torch
 # agreement between ranks (pickles of a size no closed form gives): the launch order of the
 # first synchronising backward, the bucket rebuild's proposal, stage 3's tag probes and fillers.
 SEND_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "used_flags": 2, "rebuild": 1,
-                "clip_norm": 2, "found_inf": 2, "control": 1}
+                "clip_norm": 2, "found_inf": 2, "control": 1, "closure_loss": 2}
 
 
 SHARD_GROUP = "shard_group"

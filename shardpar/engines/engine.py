@@ -103,8 +103,6 @@ class Engine:
         self.original_buffer_dtypes = self.casts.original_buffer_dtypes
         """Buffers that ``MixedPrecision.buffer_dtype`` cast: their dtypes as created."""
         self.casts.cast_buffers(module)
-        self.optimizer: Any = None
-        """The ShardedOptimizer built over this engine last, once there is one."""
         self.layout_generation = 0
         """How many times the buckets were rebuilt (at most once; see [Note: bucket rebuild])."""
         self._relayouts: dict[Any, Any] = {}
@@ -307,10 +305,6 @@ class Engine:
         (``name -> (tensor, state)``) in the new layout; collective where the masters are
         sharded (see [Note: optimizers follow the layout] in optim/sharded.py)."""
         return carry_state(states, self._relayouts, self.storage, self.group, self.comm, self.device)
-
-    def add_optimizer(self, optimizer: Any) -> None:
-        """A ShardedOptimizer was built over this engine (the one ``engine.optimizer`` names)."""
-        self.optimizer = optimizer
 
     @property
     def require_grad_sync(self) -> bool:

@@ -9,6 +9,7 @@ and state-dict keys are the wrapped module's own, so code written for the unwrap
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -46,6 +47,9 @@ class ShardedModule(nn.Module):
         self.module = module
         self.engine = engine
         self._surface = ModuleSurface(engine)
+        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        """Every shardpar optimizer built over this model and still alive (``memory_stats``
+        counts their state; one the script dropped holds none). The engine holds none of them."""
 
     @property
     def stage(self) -> int:
@@ -232,13 +236,19 @@ class ShardedModule(nn.Module):
         for stats in (self.engine.comm, self.engine.shard_comm, self.engine.replica_comm):
             stats.reset()
 
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """``shardpar.optimizer`` built ``optimizer`` over this model (one of several, maybe:
+        one for the matrices and one for the rest, as nanochat trains)."""
+        self._optimizers.add(optimizer)
+
     def memory_stats(self) -> dict[str, int]:
         """Bytes of model state this rank holds now: ``params``, ``grads``,
-        ``optimizer_state`` (once an optimizer is attached), ``workspace`` and ``total``."""
+        ``optimizer_state`` (the state of every optimizer attached, once there is one),
+        ``workspace`` and ``total``."""
         stats = dict(self.engine.memory_stats())
-        optimizer = getattr(self.engine, "optimizer", None)
-        if optimizer is not None:
-            stats["optimizer_state"] = optimizer.state_bytes()
+        optimizers = list(self._optimizers)
+        if optimizers:
+            stats["optimizer_state"] = sum(optimizer.state_bytes() for optimizer in optimizers)
         stats["total"] = sum(v for k, v in stats.items() if not k.startswith("peak_"))
         return stats
 

@@ -1,21 +1,26 @@
 """``shardpar.optimizer``: any ``torch.optim.Optimizer`` class, run on what this rank owns.
 
 The engine decides which tensors the wrapped optimizer sees: the parameters themselves at
-stage 0, flat 1-D views of this rank's pieces at stages 1-3 (see ``ShardPiece``). Param
-groups keep their hyperparameters because each user group becomes one inner group made of
-that group's tensors, so ``param_groups`` stays in the user's order and
-``torch.optim.lr_scheduler`` schedulers drive it unchanged.
+stage 0, flat 1-D views of this rank's pieces at stages 1-3 (see ``TensorPiece``). The class
+is handed them as the user handed the parameters: a list of tensors as a list (a class may
+group it itself, as nanochat's Muon does by shape), param groups as one dict each with the
+group's options, so ``param_groups`` keeps the user's hyperparameters and order and
+``torch.optim.lr_scheduler`` schedulers drive it unchanged. ``step(closure)`` hands the
+closure on ([Note: closures]).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
+from ..comm import collectives as C
 from ..core.pieces import TensorPiece
 from ..engines import Engine
 from ..facade import ShardedModule, sharded_module_of
@@ -29,7 +34,21 @@ def _unname(members: list[Any]) -> list[Any]:
     return members
 
 
-def _resolve_param_groups(engine: Engine, params: Any) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class ParamRequest:
+    """What the user passed as ``params``, resolved to names of the wrapped model's parameters.
+
+    ``groups[g]`` holds group ``g``'s options and ``"names"`` (its trainable parameters, in the
+    user's order). ``as_tensors``: the user passed tensors (or None, which means the model's
+    parameters, as ``model.parameters()`` gives torch), not param-group dicts, so the class is
+    handed a list of tensors, as torch hands it what the user passed: nanochat's ``Muon``
+    regroups the tensors it is given by shape, and a dict has no ``numel``."""
+
+    groups: list[dict[str, Any]]
+    as_tensors: bool
+
+
+def _resolve_param_groups(engine: Engine, params: Any) -> ParamRequest:
     """User params (None, tensors, or dicts as torch takes them) -> groups naming params."""
     if params is None:
         params = [p for _, p in engine.trainable]
@@ -38,9 +57,10 @@ def _resolve_param_groups(engine: Engine, params: Any) -> list[dict[str, Any]]:
     params = _unname(list(params))
     if not params:
         raise ValueError("shardpar.optimizer got an empty parameter list")
+    as_tensors = not any(isinstance(g, dict) for g in params)
     if all(isinstance(g, dict) for g in params):
         groups = [dict(g) for g in params]
-    elif not any(isinstance(g, dict) for g in params):
+    elif as_tensors:
         groups = [{"params": params}]
     else:
         raise TypeError("params mixes tensors and param-group dicts; pass one kind")
@@ -70,7 +90,7 @@ def _resolve_param_groups(engine: Engine, params: Any) -> list[dict[str, Any]]:
             if param.requires_grad:  # frozen parameters are never updated; no storage to hand out
                 names.append(name)
         resolved.append({**group, "names": names})
-    return resolved
+    return ParamRequest(resolved, as_tensors)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -82,24 +102,83 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, engine: Engine, optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]],
+        self, engine: Engine, optimizer_class: type[torch.optim.Optimizer], request: ParamRequest,
         defaults: dict[str, Any],
     ) -> None:
         self.engine = engine
-        self._group_names: list[list[str]] = [list(g["names"]) for g in groups]
-        self._names = frozenset(name for names in self._group_names for name in names)
-        """The trainable parameters this optimizer updates (what its ``zero_grad`` clears)."""
-        self.group_tensors: list[list[TensorPiece]] = [engine.optimizer_tensors(names) for names in self._group_names]
-        inner_groups = [
-            {**{k: v for k, v in group.items() if k != "names"}, "params": [t.tensor for t in tensors]}
-            for group, tensors in zip(groups, self.group_tensors)
-        ]
-        self.inner = optimizer_class(inner_groups, **defaults)
         self.optimizer_class = optimizer_class
+        self._names = frozenset(name for group in request.groups for name in group["names"])
+        """The trainable parameters this optimizer updates (what its ``zero_grad`` clears)."""
+        self._as_tensors = request.as_tensors
+        self._stand_in = torch.empty(0, device=engine.device)
+        """What a list of tensors holds where this rank has no piece of them: torch refuses an
+        empty list, and an empty tensor is one no optimizer steps (its ``.grad`` stays None)."""
+        requested = [engine.optimizer_tensors(group["names"]) for group in request.groups]
+        if request.as_tensors:
+            handed: list[Any] = self._tensors_of(requested[0])
+        else:
+            handed = [{**{k: v for k, v in group.items() if k != "names"}, "params": [t.tensor for t in tensors]}
+                      for group, tensors in zip(request.groups, requested)]
+        # The check first, so that a class that needs whole tensors is refused as such (Muon's own
+        # error over a 1-D piece says less); then the real build, so that bad arguments raise the
+        # class's own error, as in torch, also where they kept the check from building it.
+        unchecked = _refuse_if_not_elementwise(optimizer_class, request, defaults, engine) if engine.stage else None
+        self.inner = optimizer_class(handed, **defaults)
+        if unchecked is not None:
+            raise ValueError(unchecked)
+        self.group_tensors: list[list[TensorPiece]] = self._pieces_of_inner_groups(requested)
+        """Per param group of the inner optimizer (the class's own grouping), its pieces."""
+        self._group_names: list[list[str]] = self._names_of_inner_groups(request, requested)
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
         self._layout_generation = engine.layout_generation
-        engine.add_optimizer(self)
+
+    def _tensors_of(self, pieces: list[TensorPiece]) -> list[torch.Tensor]:
+        """What the inner optimizer holds for ``pieces``: their tensors (the stand-in for none,
+        where the user passed a list of tensors)."""
+        tensors = [piece.tensor for piece in pieces]
+        return tensors if tensors or not self._as_tensors else [self._stand_in]
+
+    def _pieces_of_inner_groups(self, requested: list[list[TensorPiece]]) -> list[list[TensorPiece]]:
+        """The class's param groups, tensor by tensor, as the pieces they are: a class given a
+        list of tensors may group them its own way (Muon by shape)."""
+        by_tensor = {id(piece.tensor): piece for pieces in requested for piece in pieces}
+        grouped = []
+        for index, group in enumerate(self.inner.param_groups):
+            pieces = []
+            for tensor in group["params"]:
+                if tensor is self._stand_in:
+                    continue
+                if id(tensor) not in by_tensor:
+                    raise ValueError(
+                        f"{self.class_name} put a tensor of shape {tuple(tensor.shape)} into its param group {index} "
+                        "that it was not given; shardpar can only step the tensors it hands the optimizer"
+                    )
+                pieces.append(by_tensor[id(tensor)])
+            grouped.append(pieces)
+        return grouped
+
+    def _names_of_inner_groups(self, request: ParamRequest, requested: list[list[TensorPiece]]) -> list[list[str]]:
+        """Per inner group, the parameters whose pieces it holds: what it fetches again after a
+        bucket rebuild ([Note: optimizers follow the layout]).
+
+        At stage 0 the pieces are whole parameters, one per parameter on every rank, so the
+        class may group them as it likes and each group keeps its own. At stages 1-3 a rank's
+        pieces are 1-D slices that another rank, or a rebuild, cuts otherwise: a grouping made
+        from them (by shape, by size) would differ between ranks and from the grouping of the
+        whole parameters, so the class must keep the groups it was given."""
+        if self.engine.stage == 0:
+            return [[piece.name for piece in pieces] for pieces in self.group_tensors]
+        given = [[piece.name for piece in pieces] for pieces in requested]
+        if [[piece.name for piece in pieces] for pieces in self.group_tensors] != given:
+            what = "list of tensors" if request.as_tensors else f"{len(given)} param groups"
+            raise ValueError(
+                f"{self.class_name} regrouped the {what} it was given into {len(self.group_tensors)} param groups of "
+                f"its own, but at stage {self.engine.stage} it is given 1-D pieces of the parameters, cut differently "
+                "on each rank, so its grouping would differ between ranks and from that of the whole parameters. "
+                "Use stage=0, where it gets the whole parameters, or pass its param groups as dicts that it keeps"
+            )
+        return [list(group["names"]) for group in request.groups]
 
     # Live views of the inner optimizer, so schedulers that set group["lr"] reach it.
     @property
@@ -147,24 +226,83 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._refuse_torch_grad_scaler()
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        else:
-            loss = None
         self._follow_layout()
         self.engine.count_optimizer_step()
-        # No backward reduced gradients since zero_grad(): as torch does when every .grad is
-        # None, the step changes nothing (no weight decay, no moment update). Gradients that
-        # zero_grad(set_to_none=False) kept are zeros torch would step with.
-        if self.engine.any_gradient:
-            self.engine.before_optimizer_step()
-            self._attach_grads()
-            self.inner.step()
-            self.engine.after_optimizer_step()
+        if closure is not None:
+            loss = self._step_with_closure(closure)
+        else:
+            loss = None
+            # No backward reduced gradients since zero_grad(): as torch does when every .grad is
+            # None, the step changes nothing (no weight decay, no moment update). Gradients that
+            # zero_grad(set_to_none=False) kept are zeros torch would step with.
+            if self.engine.any_gradient:
+                self.engine.before_optimizer_step()
+                self._attach_grads()
+                self.inner.step()
+                self.engine.after_optimizer_step()
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
+
+    # [Note: closures]
+    # ``opt.step(closure)`` hands the inner optimizer a closure of its own, as torch hands it
+    # the user's: the inner optimizer decides when and how often to call it (SGD and Adam
+    # once, first; LBFGS once per evaluation of its line search, up to ``max_eval`` times).
+    # Each call runs the user's closure (zero_grad, forward, a backward that reduces as any
+    # backward does), then makes its reduced gradients the ones the inner optimizer reads,
+    # and returns the closure's loss averaged over the ranks. That mean is what one process
+    # returns on the concatenated batch (equal batches, a mean loss: what averaging the
+    # gradients already assumes), and it is the same on every rank: LBFGS compares losses to
+    # stop and its strong-Wolfe line search chooses its step from them, so a rank's own loss
+    # would make ranks call the closure a different number of times and part (torch DDP has
+    # that hazard). Before every call after the first, the values the inner optimizer changed
+    # since (masters under mixed precision, master shards at stages 1-2) are made the ones
+    # the closure's forward computes with, as after a step.
+    # At stages 1-3 a closure works with every optimizer that updates element by element
+    # (checked at construction). LBFGS is not one: it keeps its history and takes its step
+    # sizes over the one vector of all its parameters (dot products, a norm), which on a rank
+    # would be this rank's pieces only, and shardpar does not reach inside an optimizer to
+    # sum them across ranks. The elementwise check runs a class whose step needs a closure
+    # with one (see _not_elementwise), finds this, and refuses LBFGS at stages 1-3 by name.
+
+    def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
+        """See [Note: closures]."""
+        self.engine.before_optimizer_step()  # the inner step may change values before it calls the closure
+        if self.engine.any_gradient:  # an optimizer may read gradients of a backward before the step
+            self._attach_grads()
+        calls = 0
+
+        def reduced_closure() -> Any:
+            nonlocal calls
+            if calls:
+                self.engine.after_optimizer_step()
+            calls += 1
+            with torch.enable_grad():
+                loss = closure()
+            self.engine.before_optimizer_step()
+            if self.engine.any_gradient:
+                self._attach_grads()
+            else:
+                self._detach_grads()
+            return self._mean_over_ranks(loss)
+
+        loss = self.inner.step(reduced_closure)
+        self.engine.after_optimizer_step()
+        return loss
+
+    def _mean_over_ranks(self, loss: Any) -> Any:
+        """The closure's loss averaged over the ranks (a tensor stays a detached tensor of its
+        dtype and device, a number a float; anything else is returned as it is)."""
+        engine = self.engine
+        if engine.world_size == 1 or not isinstance(loss, (torch.Tensor, int, float)) or isinstance(loss, bool):
+            return loss
+        if isinstance(loss, torch.Tensor):
+            mean = loss.detach().clone()
+        else:
+            mean = torch.tensor(float(loss), dtype=torch.float64, device=engine.device)
+        C.all_reduce(mean, group=engine.group, stats=engine.comm, kind="closure_loss")
+        mean.div_(engine.world_size)
+        return mean if isinstance(loss, torch.Tensor) else mean.item()
 
     def _attach_grads(self) -> None:
         """Point each tensor at its reduced gradient, or at None where no rank's backward used
@@ -174,6 +312,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for piece in tensors:
                 if piece.grad is not None:
                     piece.tensor.grad = piece.grad if self.engine.has_gradient(piece.name) else None
+
+    def _detach_grads(self) -> None:
+        """No gradient since ``zero_grad`` (a closure without backward): as torch's, every
+        ``.grad`` None (the parameters themselves at stage 0 are left as ``zero_grad`` left them)."""
+        for tensors in self.group_tensors:
+            for piece in tensors:
+                if piece.grad is not None:
+                    piece.tensor.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of this optimizer's parameters only, as torch's ``zero_grad``
@@ -207,7 +353,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.group_tensors = [self.engine.optimizer_tensors(names) for names in self._group_names]
         new_state: defaultdict = defaultdict(dict)
         for group, tensors in zip(self.inner.param_groups, self.group_tensors):
-            group["params"] = [t.tensor for t in tensors]  # the same group dicts: schedulers keep theirs
+            group["params"] = self._tensors_of(tensors)  # the same group dicts: schedulers keep theirs
             for piece in tensors:
                 if moved.get(piece.name):
                     new_state[piece.tensor] = moved[piece.name]
@@ -344,16 +490,18 @@ _PROBE_LR = 0.1
 would look elementwise."""
 
 
-def _probe(optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any], options: dict[str, Any],
+def _probe(optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any], options: dict[str, Any] | None,
            values: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[tuple[nn.Parameter, torch.optim.Optimizer]]:
     """``values`` cut into consecutive tensors of ``shapes``, each with its own instance of the
-    optimizer (as each rank has its own), built with ``options`` as its one param group."""
+    optimizer (as each rank has its own), handed a list of that one tensor (``options`` None:
+    the user passed tensors) or one param group with ``options``, as the user's was."""
     built, start = [], 0
     for shape in shapes:
         numel = math.prod(shape)
         param = nn.Parameter(values[start:start + numel].clone().reshape(shape))
         start += numel
-        probe = optimizer_class([{**options, "params": [param]}], **defaults)
+        handed: list[Any] = [param] if options is None else [{**options, "params": [param]}]
+        probe = optimizer_class(handed, **defaults)
         for group in probe.param_groups:
             lr = group.get("lr")
             if isinstance(lr, torch.Tensor):
@@ -364,23 +512,55 @@ def _probe(optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any
     return built
 
 
+def _step_needs_closure(optimizer_class: type[torch.optim.Optimizer]) -> bool:
+    """Whether the class's ``step`` takes a closure it cannot do without (LBFGS's)."""
+    try:
+        closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def _probe_step(param: nn.Parameter, probe: torch.optim.Optimizer, grad: torch.Tensor, needs_closure: bool) -> None:
+    """One step of ``probe`` with gradient ``grad``: set before the step, or by the closure
+    that a step needing one calls (the gradient of the linear loss ``<grad, param>``)."""
+    if not needs_closure:
+        param.grad = grad
+        probe.step()
+        return
+
+    def closure() -> torch.Tensor:
+        param.grad = grad.clone()
+        return torch.dot(param.detach().reshape(-1), grad.reshape(-1))
+
+    probe.step(closure)
+
+
+class _CannotProbe(Exception):
+    """The elementwise check could not build the class at all: it cannot tell."""
+
+
 def _not_elementwise(optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any],
                      device: torch.device, options: dict[str, Any] | None = None) -> str | None:
-    """Why ``optimizer_class`` (with ``defaults``, and ``options`` as one param group's) cannot
-    run on the pieces of parameters that stages 1-3 give it, or None when it updates element
-    by element (then a piece gets exactly what it would as part of the whole parameter).
+    """Why ``optimizer_class`` (with ``defaults``, and ``options`` as one param group's, or
+    None where it is handed a list of tensors) cannot run on the pieces of parameters that
+    stages 1-3 give it, or None when it updates element by element (then a piece gets exactly
+    what it would as part of the whole parameter).
 
     Found by running it (two steps) three ways: on an 8x16 tensor, on the same 128 values as
     a 1-D tensor, and on the two 1-D halves of them with one instance each, as two ranks step
     their pieces. The first two must agree bit for bit, the halves with the whole within
-    rounding. This catches factored statistics (Adafactor), whole-matrix updates (Muon),
-    optimizers that need a closure (LBFGS), and anything computed over a whole parameter or
-    over all of them: the norms of LAMB's and LARS's trust ratios, a clipping by the global
-    norm inside the optimizer. Torch's or anyone's, without a list of names. The halves differ
-    in scale, values one way and gradients the other, so that a norm of either half is far
-    from the whole's. On the model's device, where options such as ``fused=True`` or
-    ``capturable=True`` are meant to run."""
-    options = {k: v for k, v in (options or {}).items() if k != "params"}
+    rounding. This catches factored statistics (Adafactor), whole-matrix updates (Muon), and
+    anything computed over a whole parameter or over all of them: the norms of LAMB's and
+    LARS's trust ratios, a clipping by the global norm inside the optimizer, LBFGS's history
+    and step sizes over the vector of all its parameters (a class whose step needs a closure
+    gets one). Torch's or anyone's, without a list of names. The halves differ in scale,
+    values one way and gradients the other, so that a norm of either half is far from the
+    whole's. On the model's device, where options such as ``fused=True`` or
+    ``capturable=True`` are meant to run. A class it cannot build is not taken for
+    elementwise: it raises ``_CannotProbe`` with the class's own error."""
+    options = None if options is None else {k: v for k, v in options.items() if k != "params"}
+    needs_closure = _step_needs_closure(optimizer_class)
     generator = torch.Generator().manual_seed(0)
     numel = math.prod(_PROBE_SHAPE)
     first_half = torch.arange(numel) < numel // 2
@@ -393,15 +573,17 @@ def _not_elementwise(optimizer_class: type[torch.optim.Optimizer], defaults: dic
             built = _probe(optimizer_class, defaults, options, values, shapes)
         except Exception as error:
             if not results:
-                return None  # it cannot be built with these options at all: building it for real says why
+                what = "a list of one" if options is None else "one param group of one"
+                raise _CannotProbe(f"it could not be built over {what} {'x'.join(map(str, _PROBE_SHAPE))} tensor "
+                                   f"({type(error).__name__}: {error})") from error
             return f"it refuses a 1-D tensor ({type(error).__name__}: {error})"
         try:
             for grad in grads:
                 start = 0
                 for param, probe in built:
-                    param.grad = grad[start:start + param.numel()].clone().reshape(param.shape)
+                    piece = grad[start:start + param.numel()].clone().reshape(param.shape)
                     start += param.numel()
-                    probe.step()
+                    _probe_step(param, probe, piece, needs_closure)
         except Exception as error:
             shape = "x".join(map(str, shapes[0]))
             return f"a step on a {shape} tensor failed ({type(error).__name__}: {error})"
@@ -417,26 +599,36 @@ def _not_elementwise(optimizer_class: type[torch.optim.Optimizer], defaults: dic
         return ("its update of a tensor's two halves, each stepped by its own instance as two ranks step their "
                 "pieces, differs from its update of the whole tensor: it computes something over a whole parameter "
                 "(a norm, such as LAMB's or LARS's trust ratio) or over all of them (such as a clipping by their "
-                "global norm), which on a rank would cover only that rank's pieces")
+                "global norm, or LBFGS's history and step sizes over the vector of all parameters), which on a rank "
+                "would cover only that rank's pieces")
     return None
 
 
-def _refuse_if_not_elementwise(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]],
-                               defaults: dict[str, Any], engine: Engine) -> None:
+def _refuse_if_not_elementwise(optimizer_class: type[torch.optim.Optimizer], request: ParamRequest,
+                               defaults: dict[str, Any], engine: Engine) -> str | None:
     """Stages 1-3: a ValueError naming the class unless it updates element by element with the
     options of every param group (one probe per distinct set of options: an optimizer may only
-    take whole-parameter norms where weight decay is on, as timm's LARS)."""
+    take whole-parameter norms where weight decay is on, as timm's LARS), handed what the user
+    handed it (a list of tensors, or param groups). Where the check cannot build the class, the
+    refusal to raise once building it for real has not failed with the class's own error."""
     probed = set()
-    for index, group in enumerate(groups):
-        options = {k: v for k, v in group.items() if k not in ("names", "param_names")}  # labels, not options
-        key = repr(sorted(options.items(), key=lambda item: item[0]))
+    for index, group in enumerate(request.groups):
+        options = None if request.as_tensors else \
+            {k: v for k, v in group.items() if k not in ("names", "param_names")}  # labels, not options
+        key = repr(None if options is None else sorted(options.items(), key=lambda item: item[0]))
         if key in probed:
             continue
         probed.add(key)
-        reason = _not_elementwise(optimizer_class, defaults, engine.device, options)
+        name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+        which = f" with the options of param group {index}" if len(request.groups) > 1 else ""
+        try:
+            reason = _not_elementwise(optimizer_class, defaults, engine.device, options)
+        except _CannotProbe as error:
+            return (f"{name}{which} could not be checked for updating parameters element by element ({error}), "
+                    f"which at stage {engine.stage} it must: each rank updates 1-D slices of the parameters, and an "
+                    "optimizer that computes anything over a whole parameter would compute it over a slice. Use "
+                    "stage=0, where every rank updates whole parameters")
         if reason is not None:
-            name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
-            which = f" with the options of param group {index}" if len(groups) > 1 else ""
             raise ValueError(
                 f"{name} does not update parameters element by element{which} ({reason}), but at stage "
                 f"{engine.stage} each rank updates 1-D slices of the parameters, where it would compute something "
@@ -444,6 +636,28 @@ def _refuse_if_not_elementwise(optimizer_class: type[torch.optim.Optimizer], gro
                 "across ranks. Use stage=0, where every rank updates whole parameters, or an optimizer that updates "
                 "element by element (torch.optim.AdamW, Adam, SGD, Adagrad, RMSprop, NAdam, RAdam, Adamax, ...)"
             )
+    return None
+
+
+def _on_every_rank(engine: Engine, build: Callable[[], ShardedOptimizer]) -> ShardedOptimizer:
+    """``build()``, or its error raised on every rank: at stages 1-3 the class is built over
+    each rank's own pieces, so it may fail on some ranks only (a grouping by size that only some
+    ranks' pieces break), and the others must not go on to wait for them in the first backward.
+    One small all-gather, once, when the optimizer is built."""
+    problem: Exception | None = None
+    try:
+        built = build()
+    except Exception as error:
+        problem = error
+    verdict = None if problem is None else (type(problem).__name__, str(problem))
+    verdicts = C.all_gather_objects(verdict, group=engine.group, device=engine.device)
+    if problem is not None:
+        raise problem
+    for rank, other in enumerate(verdicts):
+        if other is not None:
+            kind = {"TypeError": TypeError, "ValueError": ValueError}.get(other[0], RuntimeError)
+            raise kind(f"shardpar.optimizer failed on rank {rank}: {other[1]}")
+    return built
 
 
 def optimizer(
@@ -454,8 +668,10 @@ def optimizer(
 ) -> ShardedOptimizer:
     """Build ``optimizer_class`` over the wrapped model, sharded as the model's stage says.
 
-    ``params`` takes what torch optimizers take (tensors, or dicts with per-group options);
-    None means every trainable parameter.
+    ``params`` takes what torch optimizers take (tensors, or dicts with per-group options),
+    and the class is handed the same kind: a list of tensors (whole parameters at stage 0, this
+    rank's pieces of them at stages 1-3), or one dict per group with its options. None means
+    every trainable parameter, as a list of tensors (what ``model.parameters()`` gives torch).
     """
     model = sharded_module_of(model, "shardpar.optimizer")  # or a torch.compile wrapper of it
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -463,7 +679,12 @@ def optimizer(
             f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, "
             f"got {optimizer_class!r}"
         )
-    groups = _resolve_param_groups(model.engine, params)
-    if model.engine.stage >= 1:
-        _refuse_if_not_elementwise(optimizer_class, groups, defaults, model.engine)
-    return ShardedOptimizer(model.engine, optimizer_class, groups, defaults)
+    engine = model.engine
+    request = _resolve_param_groups(engine, params)
+    def build() -> ShardedOptimizer:
+        return ShardedOptimizer(engine, optimizer_class, request, defaults)
+
+    # At stage 0 the class gets whole parameters, alike on every rank: it builds or fails alike everywhere.
+    built = build() if engine.stage == 0 else _on_every_rank(engine, build)
+    model.attach_optimizer(built)
+    return built
