@@ -198,7 +198,7 @@ def _save_on_rank_0_only(stage: int, directory: str) -> dict[str, Any]:
 
     rank, world_size = C.get_rank(), C.get_world_size()
     module = _lora_model()
-    model = _lora_wrap(module, stage, timeout_s=3)
+    model = _lora_wrap(module, stage, timeout_s=60)
     opt = shardpar.optimizer(model, torch.optim.AdamW, lr=LR)
     try:
         _lora_train(model, opt, rank, world_size)
