@@ -51,18 +51,24 @@ def _worst(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -
 # --------------------------------------------------------------------------- PEFT / LoRA
 
 
-def _lora_model(lora_seed: int = 0) -> nn.Module:
-    """A tiny Llama (base weights from seed 0) with LoRA adapters on q_proj and v_proj (their
-    initial values from ``lora_seed``; ``init_lora_weights=False`` makes B nonzero, so both A and
-    B get gradients from the first step)."""
-    import peft
+def _llama() -> nn.Module:
+    """A tiny Llama from a config (seed 0), no download."""
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                       bos_token_id=0, eos_token_id=VOCAB - 1, pad_token_id=0)
     torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _lora_model(lora_seed: int = 0) -> nn.Module:
+    """A tiny Llama (base weights from seed 0) with LoRA adapters on q_proj and v_proj (their
+    initial values from ``lora_seed``; ``init_lora_weights=False`` makes B nonzero, so both A and
+    B get gradients from the first step)."""
+    import peft
+
+    base = _llama()
     torch.manual_seed(lora_seed)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     return peft.get_peft_model(base, lora)
@@ -379,3 +385,57 @@ def test_moe_generate_of_different_lengths_with_synced_gpus_at_stage_3(policy: s
     for rank, out in enumerate(run_ranks(_moe_generate, 2, policy, timeout=180)):
         assert out["ours"] == out["expected"], (rank, out)
         assert len(out["ours"][0]) == 3 + 3 + 4 * rank, (rank, out)
+
+
+# --------------------------------------------------------------------------- torchtitan's loss
+
+
+def _targets(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets of the global batch (4 rows of 8), with a different
+    number of ignored targets (-100, padding) per row: 8 valid in rows 0-1, 5 and 2 in rows 2-3,
+    so the ranks hold 16 and 7 of the 23 tokens."""
+    data = _tokens(step, 4, 9)
+    inputs, targets = data[:, :-1], data[:, 1:].clone()
+    targets[2, 5:] = -100
+    targets[3, 2:] = -100
+    return inputs, targets
+
+
+def _global_token_mean(stage: int) -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    rank, world_size = C.get_rank(), C.get_world_size()
+    plain = _llama()
+    reference_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    for step in range(STEPS):
+        inputs, targets = _targets(step)
+        logits = plain(input_ids=inputs).logits
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100).backward()  # the global mean
+        reference_opt.step()
+        reference_opt.zero_grad()
+    model = shardpar.wrap(_llama(), stage=stage, gradient_divide_factor=1.0,
+                          **({"min_unit_params": 1} if stage == 3 else {}))
+    opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.5)
+    for step in range(STEPS):
+        inputs, targets = (_rows(t, rank, world_size) for t in _targets(step))
+        tokens = (targets != -100).sum()
+        dist.all_reduce(tokens)  # the global batch's token count
+        logits = model(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum") / tokens
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    error, differ = _worst(model.full_state_dict(), plain.state_dict())
+    model.engine.close()
+    return {"error": error, "differ": differ}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_summed_gradients_of_a_global_token_mean_equal_plain_torch(stage: int) -> None:
+    """torchtitan's loss: each rank sums its token losses and divides by the global batch's token
+    count, and ``gradient_divide_factor=1.0`` sums the ranks' gradients. With 16 tokens on rank 0
+    and 7 on rank 1, three SGD steps (linear in the gradient, so a wrong scale shows) equal plain
+    torch's per-token mean over the concatenated batch; the default mean of the ranks' own means
+    would weight rank 1's tokens 16/7 times as much."""
+    for rank, out in enumerate(run_ranks(_global_token_mean, 2, stage, timeout=180)):
+        assert out["differ"] == [] and out["error"] <= TOLERANCE, (rank, out)
