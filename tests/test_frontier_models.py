@@ -244,7 +244,7 @@ def test_save_pretrained_on_rank_0_alone_works_at_stage_0(tmp_path: Path) -> Non
     assert all(torch.equal(alone[k], everyone[k]) for k in everyone)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_save_pretrained_on_rank_0_alone_is_named_at_stages_1_to_3(tmp_path: Path, stage: int) -> None:
     """At stages 1-3 the adapters' state dict gathers from every rank's shards: rank 0 saving
     alone while rank 1 trains on is ``RanksOutOfStep`` on every rank, naming full_state_dict."""
