@@ -51,7 +51,7 @@ def _worst(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -
 # --------------------------------------------------------------------------- PEFT / LoRA
 
 
-def _llama() -> nn.Module:
+def _llama() -> Any:
     """A tiny Llama from a config (seed 0), no download."""
     import transformers
 
@@ -62,7 +62,7 @@ def _llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def _lora_model(lora_seed: int = 0) -> nn.Module:
+def _lora_model(lora_seed: int = 0) -> Any:
     """A tiny Llama (base weights from seed 0) with LoRA adapters on q_proj and v_proj (their
     initial values from ``lora_seed``; ``init_lora_weights=False`` makes B nonzero, so both A and
     B get gradients from the first step)."""
@@ -77,10 +77,11 @@ def _lora_model(lora_seed: int = 0) -> nn.Module:
 def _lora_wrap(module: nn.Module, stage: int, **options: Any) -> Any:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    return shardpar.wrap(module, stage=stage, **({"wrap_policy": [LlamaDecoderLayer]} if stage == 3 else {}), **options)
+    policy: dict[str, Any] = {"wrap_policy": [LlamaDecoderLayer]} if stage == 3 else {}
+    return shardpar.wrap(module, stage=stage, **policy, **options)
 
 
-def _lora_train(model: nn.Module, opt: Any, rank: int, world_size: int) -> None:
+def _lora_train(model: Any, opt: Any, rank: int, world_size: int) -> None:
     for step in range(STEPS):
         batch = _rows(_tokens(step, 4, 8), rank, world_size)
         model(input_ids=batch, labels=batch).loss.backward()
@@ -127,7 +128,7 @@ def _lora(stage: int, load_stage: int, directory: str) -> dict[str, Any]:
     # Back into fresh models at another stage: adapters of another seed, replaced by the saved ones.
     fresh = _lora_model(lora_seed=5)
     other = _lora_wrap(fresh, load_stage)
-    result = peft.set_peft_model_state_dict(fresh, saved)
+    result: Any = peft.set_peft_model_state_dict(fresh, saved)
     out["unexpected"] = list(result.unexpected_keys)
     loaded = other.full_state_dict()
     out["set_error"] = max(rel_error(loaded[k], v) for k, v in trained.items())
@@ -263,7 +264,7 @@ def test_save_pretrained_on_rank_0_alone_is_named_at_stages_1_to_3(tmp_path: Pat
 EXPERTS = 4
 
 
-def _moe_model(**config_options: Any) -> nn.Module:
+def _moe_model(**config_options: Any) -> Any:
     """A tiny Mixtral (4 experts, top-2), fused 3-D expert weights as transformers builds them."""
     import transformers
 
@@ -278,10 +279,12 @@ def _moe_model(**config_options: Any) -> nn.Module:
 def _stage_3_options(policy: str) -> dict[str, Any]:
     from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
-    return {"default": {}, "layers": {"wrap_policy": [MixtralDecoderLayer]}, "every_module": {"min_unit_params": 1}}[policy]
+    choices: dict[str, dict[str, Any]] = {"default": {}, "layers": {"wrap_policy": [MixtralDecoderLayer]},
+                                          "every_module": {"min_unit_params": 1}}
+    return choices[policy]
 
 
-def _record_routing(module: nn.Module, into: list[list[set[int]]]) -> None:
+def _record_routing(module: Any, into: list[list[set[int]]]) -> None:
     """Per forward, per layer: the experts this rank's tokens were routed to."""
     for index, layer in enumerate(module.model.layers):
         def hook(_: nn.Module, __: Any, output: Any, index: int = index) -> None:
@@ -292,7 +295,7 @@ def _record_routing(module: nn.Module, into: list[list[set[int]]]) -> None:
         layer.mlp.gate.register_forward_hook(hook)
 
 
-def _moe_train(model: nn.Module, opt: Any, rank: int, world_size: int, slices: int = 1) -> None:
+def _moe_train(model: Any, opt: Any, rank: int, world_size: int, slices: int = 1) -> None:
     """One sequence of 4 tokens per rank: 8 top-2 choices among 4 experts, so some expert gets
     none of a rank's tokens. The loss is the language-model loss only (the load-balancing loss
     of one rank's tokens is not a share of the global batch's). ``slices``: plain torch's loss
@@ -370,7 +373,7 @@ def _moe_generate(policy: str) -> dict[str, Any]:
     model = shardpar.wrap(module, stage=3, timeout_s=5, **_stage_3_options(policy))
     model.eval()
     prompt = torch.tensor([[1 + rank, 2, 3]])
-    options = dict(max_new_tokens=3 + 4 * rank, do_sample=False, pad_token_id=0)  # different lengths
+    options = {"max_new_tokens": 3 + 4 * rank, "do_sample": False, "pad_token_id": 0}  # different lengths
     with torch.no_grad():
         ours = module.generate(prompt, synced_gpus=True, **options)
         expected = plain.generate(prompt, **options)
@@ -413,8 +416,8 @@ def _global_token_mean(stage: int) -> dict[str, Any]:
         F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100).backward()  # the global mean
         reference_opt.step()
         reference_opt.zero_grad()
-    model = shardpar.wrap(_llama(), stage=stage, gradient_divide_factor=1.0,
-                          **({"min_unit_params": 1} if stage == 3 else {}))
+    units: dict[str, Any] = {"min_unit_params": 1} if stage == 3 else {}
+    model = shardpar.wrap(_llama(), stage=stage, gradient_divide_factor=1.0, **units)
     opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.5)
     for step in range(STEPS):
         inputs, targets = (_rows(t, rank, world_size) for t in _targets(step))
