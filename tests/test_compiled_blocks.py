@@ -11,9 +11,18 @@ every stage (world size 2):
   step (kind, count, bytes) as eager shardpar;
 - FSDP2 with the same compiled blocks (``block.compile`` then ``fully_shard``) gives the same
   losses and parameters as shardpar's stage 3;
+- bf16 mixed precision's input casts move out of blocks compiled after wrapping (stages 0, 3);
 - what cannot work is a clear error at the first forward: at stage 3 a module compiled after
   wrapping that contains a unit's module, and at any stage a module replaced by a
   ``torch.compile`` wrapper after wrapping.
+
+[Note: fresh compiles]
+Dynamo does not guard on the hooks of modules inside a compiled frame
+(``torch._dynamo.config.skip_nnmodule_hook_guards``): a graph traced for one model runs for
+the next model built from the same classes without calling that model's hooks. So every run
+here starts with ``torch._dynamo.reset()``: a hook left inside a block compiled after wrapping
+is traced (and refused under ``fullgraph=True``) as it would be in a fresh process, instead of
+being skipped by a graph an earlier run compiled.
 
 Every compiled graph runs through a counting backend (``aot_eager`` inside), so a test also
 fails if dynamo fell back to eager code. Tolerance: relative error ``max|a-b| / max|b|`` at
@@ -47,6 +56,8 @@ COMPILES = ("in-place", "wrapper", "in-place-after-wrap")
 CHECKPOINTING = ("none", "inside", "around", "around-reentrant")
 """Where activation checkpointing goes: none, inside the compiled block (non-reentrant),
 around each compiled block in the parent's forward (non-reentrant, reentrant)."""
+MIXED_PRECISION_STAGES = (0, 3)
+"""Where bf16 runs check that the input casts move out of blocks compiled after wrapping too."""
 CASES = [(compile_, "none") for compile_ in COMPILES] + [
     ("in-place", "inside"), ("in-place-after-wrap", "around-reentrant"), ("wrapper", "around"),
     ("in-place-after-wrap", "inside"),
@@ -121,6 +132,9 @@ def compile_blocks(blocks: nn.ModuleList, in_place: bool) -> None:
 
 
 def build(compile_: str | None, checkpointing: str) -> TinyLM:
+    """The model, its blocks compiled before wrapping if ``compile_`` says so; dynamo's caches
+    emptied first (see [Note: fresh compiles])."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = TinyLM(checkpointing)
     if compile_ in ("in-place", "wrapper"):
@@ -145,10 +159,11 @@ def _canonical(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- runs
 
 
-def _train_sharded(stage: int, compile_: str | None, checkpointing: str) -> dict[str, Any]:
+def _train_sharded(stage: int, compile_: str | None, checkpointing: str,
+                   mixed_precision: str | None = None) -> dict[str, Any]:
     """STEPS AdamW steps on this rank: losses, collectives per step, final state, compiled calls."""
     options = {"wrap_policy": [Block]} if stage == 3 else {"bucket_cap_mb": 200 * 4 / 2**20}
-    model = shardpar.wrap(build(compile_, checkpointing), stage=stage, **options)
+    model = shardpar.wrap(build(compile_, checkpointing), stage=stage, mixed_precision=mixed_precision, **options)
     if compile_ == "in-place-after-wrap":
         compile_blocks(model.module.blocks, in_place=True)
     opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
@@ -200,13 +215,28 @@ def _rank_runs() -> dict[Any, dict[str, Any]]:
             runs[(stage, None, "none")] = _train_sharded(stage, None, "none")
             for compile_, checkpointing in CASES:
                 runs[(stage, compile_, checkpointing)] = _train_sharded(stage, compile_, checkpointing)
+            if stage in MIXED_PRECISION_STAGES:
+                for compile_ in (None, "in-place", "in-place-after-wrap"):
+                    runs[(stage, compile_, "bf16")] = _train_sharded(stage, compile_, "none", "bf16")
         runs["fsdp2"] = _train_fsdp2()
     return runs
 
 
 @functools.lru_cache(maxsize=None)
+def _rank_runs_or_failure() -> tuple[list[dict[Any, dict[str, Any]]], str]:
+    try:
+        return run_ranks(_rank_runs, WORLD, timeout=600), ""
+    except Exception as error:  # noqa: BLE001 -- kept, so that every test reports it at once
+        return [], f"{type(error).__name__}: {error}"
+
+
 def rank_runs() -> list[dict[Any, dict[str, Any]]]:
-    return run_ranks(_rank_runs, WORLD, timeout=600)
+    """Every rank's runs, made once; a failure is reported by every test that needs them
+    without running them again."""
+    runs, failure = _rank_runs_or_failure()
+    if failure:
+        raise AssertionError(failure)
+    return runs
 
 
 @functools.lru_cache(maxsize=None)
@@ -274,6 +304,23 @@ def test_fsdp2_with_the_same_compiled_blocks_matches_stage_3() -> None:
         assert runs["fsdp2"]["compiled_calls"] >= 2 * STEPS, "FSDP2's blocks did not run compiled"
         fsdp2 = runs["fsdp2"]
         _assert_close(runs[(3, "in-place", "none")], fsdp2, rank, f"stage 3 vs FSDP2, rank {rank}")
+
+
+@pytest.mark.parametrize("stage", MIXED_PRECISION_STAGES)
+def test_mixed_precision_casts_move_out_of_blocks_compiled_after_wrap(stage: int) -> None:
+    """bf16 casts sit on the modules that register parameters: for blocks compiled after
+    wrapping they move to the blocks, as if compiled before. Same compiled code, same casts:
+    the same bits as compiling before wrapping; eager bf16 differs by bf16 rounding only."""
+    for rank, runs in enumerate(rank_runs()):
+        after, before, eager = (runs[(stage, c, "bf16")] for c in ("in-place-after-wrap", "in-place", None))
+        what = f"bf16, stage {stage}, rank {rank}"
+        assert after["compiled_calls"] >= 2 * STEPS and before["compiled_calls"] >= 2 * STEPS, what
+        assert after["losses"] == before["losses"], what
+        for name, tensor in before["state"].items():
+            assert torch.equal(after["state"][name], tensor), f"{what}: {name}"
+        assert after["comm"] == eager["comm"], what
+        for loss, expected in zip(after["losses"], eager["losses"]):
+            assert abs(loss - expected) <= 1e-2 * abs(expected), f"{what}: {after['losses']} vs {eager['losses']}"
 
 
 # --------------------------------------------------------------------------- what cannot work
