@@ -4,6 +4,8 @@ every stage (world size 2):
 - compiled in place before wrapping (``block.compile(fullgraph=True)``), as a wrapper assigned
   before wrapping (``blocks[i] = torch.compile(block, fullgraph=True)``), and in place after
   wrapping (``model.module.blocks[i].compile(fullgraph=True)``);
+- torchtitan's order: each block in an activation-checkpointing wrapper, the wrapper compiled
+  in place, the model wrapped with a ``[Block]`` policy (the compiled wrapper is the unit);
 - with activation checkpointing inside the compiled block (non-reentrant: the only kind
   dynamo traces with ``fullgraph=True``) and around it (reentrant and not);
 - each gives the losses and parameters of eager shardpar and of plain torch, eager and with the
@@ -52,7 +54,9 @@ WORLD = 2
 VOCAB, DIM, SEQ, BATCH = 32, 16, 6, 4
 TOL = 1e-5
 COMPILES = ("in-place", "wrapper", "in-place-after-wrap")
-"""How the blocks are compiled: see the module docstring."""
+"""How the blocks are compiled: see the module docstring. "torchtitan" is torchtitan's
+order: each block inside a checkpointing wrapper module (:class:`Checkpointed`), the wrapper
+compiled in place, then the model wrapped with a ``[Block]`` policy."""
 CHECKPOINTING = ("none", "inside", "around", "around-reentrant")
 """Where activation checkpointing goes: none, inside the compiled block (non-reentrant),
 around each compiled block in the parent's forward (non-reentrant, reentrant)."""
@@ -60,7 +64,7 @@ MIXED_PRECISION_STAGES = (0, 3)
 """Where bf16 runs check that the input casts move out of blocks compiled after wrapping too."""
 CASES = [(compile_, "none") for compile_ in COMPILES] + [
     ("in-place", "inside"), ("in-place-after-wrap", "around-reentrant"), ("wrapper", "around"),
-    ("in-place-after-wrap", "inside"),
+    ("in-place-after-wrap", "inside"), ("torchtitan", "none"),
 ]
 
 
@@ -82,6 +86,18 @@ class Block(nn.Module):
         if self.checkpoint_inside:
             return checkpoint(self._forward, x, use_reentrant=False)
         return self._forward(x)
+
+
+class Checkpointed(nn.Module):
+    """torchtitan's activation-checkpointing wrapper in miniature (``checkpoint_wrapper``, whose
+    state-dict hooks are beside the point here): non-reentrant checkpoint of the block."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.checkpointed = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.checkpointed, x, use_reentrant=False)
 
 
 class TinyLM(nn.Module):
@@ -137,8 +153,11 @@ def build(compile_: str | None, checkpointing: str) -> TinyLM:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = TinyLM(checkpointing)
-    if compile_ in ("in-place", "wrapper"):
-        compile_blocks(model.blocks, in_place=compile_ == "in-place")
+    if compile_ == "torchtitan":
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = Checkpointed(block)
+    if compile_ in ("in-place", "wrapper", "torchtitan"):
+        compile_blocks(model.blocks, in_place=compile_ != "wrapper")
     return model
 
 
@@ -152,8 +171,10 @@ def _loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _canonical(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Names without torch.compile's ``_orig_mod.`` (a wrapper is registered in the block's place)."""
-    return {name.replace("_orig_mod.", ""): tensor.detach().clone() for name, tensor in state.items()}
+    """Names without the wrappers' ``_orig_mod.`` and ``checkpointed.`` (a wrapper is
+    registered in the block's place)."""
+    return {name.replace("_orig_mod.", "").replace("checkpointed.", ""): tensor.detach().clone()
+            for name, tensor in state.items()}
 
 
 # --------------------------------------------------------------------------- runs

@@ -42,7 +42,8 @@ the compiled code: dynamo skips ``nn.Module._call_impl``, the frame that runs th
 tracing at ``forward``. Hooks on the modules *inside* it would run inside compiled code, where
 an engine hook (compiler-disabled: it launches collectives) breaks the graph, and
 ``fullgraph=True`` refuses that. So no engine hook goes inside a compiled module: anything a
-policy or the leftover rule picks inside one is lifted to the compiled module itself, and a
+policy or the leftover rule picks inside one is lifted to the compiled module itself (a
+``checkpoint_wrapper`` around a block, compiled, is the unit a ``[Block]`` policy picks), and a
 class policy matches a compiled module by the class of its ``_orig_mod``. This is how FSDP2
 works with compiled blocks: ``fully_shard(block)`` hooks only the block itself.
 """
@@ -239,16 +240,23 @@ def _select_policy_units(tree: ModuleTree, policy: Any, min_params: int) -> list
                 "lower the threshold or name module classes"
             )
         return sorted(chosen, key=tree.order.__getitem__)
+    # A class or callable policy may pick modules inside a compiled module (torchtitan compiles
+    # a checkpoint wrapper around each block): the compiled module is the unit instead.
+    candidates = [(n, m) for n, m in tree.modules.items() if n and runs_forward(m)]
+
+    def lifted(picked: list[str]) -> list[str]:
+        return sorted({tree.lift(n) for n in picked}, key=tree.order.__getitem__)
+
     if isinstance(policy, (list, tuple, set)):
         classes = tuple(policy)
         for cls in classes:
             if not isinstance(cls, type) or not issubclass(cls, nn.Module):
                 raise ValueError(f"wrap_policy entries must be nn.Module classes, got {cls!r}")
-            if not any(isinstance(_original(m), cls) for _, m in named):
+            if not any(isinstance(_original(m), cls) for _, m in candidates):
                 raise ValueError(f"wrap_policy names {cls.__qualname__}, but the model has no module of that class")
-        return [n for n, m in named if isinstance(_original(m), classes)]
+        return lifted([n for n, m in candidates if isinstance(_original(m), classes)])
     if callable(policy):
-        chosen = [n for n, m in named if policy(n, _original(m))]
+        chosen = lifted([n for n, m in candidates if policy(n, _original(m))])
         if not chosen:
             raise ValueError("wrap_policy selects no submodule; every parameter would be in the root unit")
         return chosen
