@@ -3,8 +3,9 @@
 Hooks are excluded from compilation (``torch.compiler.disable``), because they launch
 collectives: where compiled code calls one (``torch.compile`` of the whole wrapped model) it is
 a graph break, and under ``fullgraph=True`` an error, so none is placed inside a compiled module
-([Note: compiled modules] in core/units.py). Each is marked, so that a method declared with ``shardpar.register_forward_method`` can run the
-engine's hooks around it and no others ([Note: forward methods] in facade/forward_methods.py).
+([Note: compiled modules] in core/units.py). Each is marked, so that a method declared with
+``shardpar.register_forward_method`` can run the engine's hooks around it and no others
+([Note: forward methods] in facade/forward_methods.py).
 """
 
 from __future__ import annotations
