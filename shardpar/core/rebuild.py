@@ -89,6 +89,11 @@ class ReadyOrder:
         self._ready: dict[str, None] = {}  # insertion-ordered set
         self._ran: set[str] = set()
 
+    def regroup(self, module_of: Mapping[str, str]) -> None:
+        """Parameters' modules changed: modules were compiled after wrapping, and hooks moved
+        to them ([Note: compiled after wrap] in engines/module_hooks.py)."""
+        self.module_of = dict(module_of)
+
     def ran(self, names: Iterable[str]) -> None:
         """The hook of the module registering ``names`` fired (in any forward, also without
         autograd, as under reentrant activation checkpointing)."""

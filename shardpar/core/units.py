@@ -34,10 +34,18 @@ forward share one gather (a unit is freed when another unit starts); in backward
 gathered for its own backward, so a unit whose hook module is bypassed pays one gather per
 module call there, where ``wrap_policy`` naming the called modules' class pays one.
 
-``torch.compile``: a module compiled before wrapping is an ``OptimizedModule`` around the
-original (``_orig_mod``). Hooks inside it would run inside compiled code, so anything a policy
-or the leftover rule picks inside a compiled module is lifted to the compiled module itself,
-and a class policy matches a compiled module by the class of its ``_orig_mod``.
+[Note: compiled modules]
+A module is *compiled* when ``torch.compile`` made it an ``OptimizedModule`` around the original
+(``_orig_mod``), or when ``module.compile()`` compiled it in place (``_compiled_call_impl`` set:
+torchtitan's ``block.compile(fullgraph=True)``). Either way its own hooks run eagerly, around
+the compiled code: dynamo skips ``nn.Module._call_impl``, the frame that runs them, and starts
+tracing at ``forward``. Hooks on the modules *inside* it would run inside compiled code, where
+an engine hook (compiler-disabled: it launches collectives) breaks the graph, and
+``fullgraph=True`` refuses that. So no engine hook goes inside a compiled module: anything a
+policy or the leftover rule picks inside one is lifted to the compiled module itself (a
+``checkpoint_wrapper`` around a block, compiled, is the unit a ``[Block]`` policy picks), and a
+class policy matches a compiled module by the class of its ``_orig_mod``. This is how FSDP2
+works with compiled blocks: ``fully_shard(block)`` hooks only the block itself.
 """
 
 from __future__ import annotations
@@ -60,9 +68,14 @@ def encloses(outer: str, name: str) -> bool:
 
 
 def is_compiled(module: nn.Module) -> bool:
+    """Wrapped by ``torch.compile`` or compiled in place by ``module.compile()`` (see [Note:
+    compiled modules])."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    return isinstance(module, OptimizedModule)
+    if isinstance(module, OptimizedModule):
+        return True
+    # A container compiled in place is never called: its modules' hooks still run eagerly.
+    return module._compiled_call_impl is not None and type(module).forward is not nn.Module.forward
 
 
 def runs_forward(module: nn.Module) -> bool:
@@ -72,7 +85,10 @@ def runs_forward(module: nn.Module) -> bool:
 
 
 def _original(module: nn.Module) -> nn.Module:
-    return module._orig_mod if is_compiled(module) else module
+    """What a class policy looks at: the module a ``torch.compile`` wrapper holds."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return module._orig_mod if isinstance(module, OptimizedModule) else module
 
 
 @dataclass(frozen=True)
@@ -130,7 +146,7 @@ def display_name(qualified: str) -> str:
     return qualified if qualified else "<root>"
 
 
-class _ModuleTree:
+class ModuleTree:
     """The wrapped module's submodules by qualified name.
 
     [Note: a module under several names]
@@ -153,6 +169,34 @@ class _ModuleTree:
         self.order = {name: index for index, name in enumerate(self.every_name)}
         compiled = [n for n, m in self.modules.items() if n and is_compiled(m)]
         self.compiled = sorted(compiled, key=len)  # outermost first
+        """Compiled submodules (the root is never lifted to), outermost first."""
+        self._registrations = [(parent._modules, key, child) for parent in self.modules.values()
+                               for key, child in parent._modules.items() if child is not None]
+        """Every (parent's ``_modules``, key, child) as wrapped: what :meth:`compiled_since`
+        compares with."""
+
+    def compiled_since(self) -> list[str]:
+        """Submodules compiled in place (``module.compile()``) since this tree was made, by
+        canonical name; a submodule replaced by a ``torch.compile`` wrapper of itself is an
+        error (see [Note: compiled after wrap] in engines/module_hooks.py). Cheap: one
+        attribute test per module, one dict look-up per registration."""
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        for registered, key, child in self._registrations:
+            now = registered.get(key)
+            if now is not child and isinstance(now, OptimizedModule) and now._orig_mod is child:
+                name = display_name(self.canonical_name_of(child))
+                raise RuntimeError(
+                    f"shardpar: module '{name}' was replaced by torch.compile({name}) after shardpar.wrap; "
+                    "the engine's hooks sit on the modules it wrapped. Compile it in place instead "
+                    "(block.compile(...) on the module itself: parameter names stay the same), or "
+                    "assign the torch.compile wrapper before shardpar.wrap"
+                )
+        known = set(self.compiled)
+        return [n for n, m in self.modules.items() if n and n not in known and is_compiled(m)]
+
+    def canonical_name_of(self, module: nn.Module) -> str:
+        return next(name for name, m in self.modules.items() if m is module)
 
     def lift(self, name: str) -> str:
         """The outermost compiled module enclosing ``name`` (or ``name`` itself), by canonical name."""
@@ -178,7 +222,7 @@ class _ModuleTree:
         return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-def _select_policy_units(tree: _ModuleTree, policy: Any, min_params: int) -> list[str]:
+def _select_policy_units(tree: ModuleTree, policy: Any, min_params: int) -> list[str]:
     """Qualified names of the submodules the wrap policy makes units (root excluded)."""
     named = [(n, m) for n, m in tree.modules.items() if n and runs_forward(m) and not tree.inside_compiled(n)]
     if policy is None or isinstance(policy, int):
@@ -196,16 +240,23 @@ def _select_policy_units(tree: _ModuleTree, policy: Any, min_params: int) -> lis
                 "lower the threshold or name module classes"
             )
         return sorted(chosen, key=tree.order.__getitem__)
+    # A class or callable policy may pick modules inside a compiled module (torchtitan compiles
+    # a checkpoint wrapper around each block): the compiled module is the unit instead.
+    candidates = [(n, m) for n, m in tree.modules.items() if n and runs_forward(m)]
+
+    def lifted(picked: list[str]) -> list[str]:
+        return sorted({tree.lift(n) for n in picked}, key=tree.order.__getitem__)
+
     if isinstance(policy, (list, tuple, set)):
         classes = tuple(policy)
         for cls in classes:
             if not isinstance(cls, type) or not issubclass(cls, nn.Module):
                 raise ValueError(f"wrap_policy entries must be nn.Module classes, got {cls!r}")
-            if not any(isinstance(_original(m), cls) for _, m in named):
+            if not any(isinstance(_original(m), cls) for _, m in candidates):
                 raise ValueError(f"wrap_policy names {cls.__qualname__}, but the model has no module of that class")
-        return [n for n, m in named if isinstance(_original(m), classes)]
+        return lifted([n for n, m in candidates if isinstance(_original(m), classes)])
     if callable(policy):
-        chosen = [n for n, m in named if policy(n, _original(m))]
+        chosen = lifted([n for n, m in candidates if policy(n, _original(m))])
         if not chosen:
             raise ValueError("wrap_policy selects no submodule; every parameter would be in the root unit")
         return chosen
@@ -223,7 +274,7 @@ def _owners(root: nn.Module) -> dict[nn.Parameter, list[str]]:
     return owners
 
 
-def _hook_module(tree: _ModuleTree, owner: str, units: list[str]) -> str:
+def _hook_module(tree: ModuleTree, owner: str, units: list[str]) -> str:
     """See [Note: units]: the outermost module on the root -> owner path that contains no
     policy unit and runs a forward (lifted out of compiled modules)."""
     for name in tree.path(owner):
@@ -233,7 +284,7 @@ def _hook_module(tree: _ModuleTree, owner: str, units: list[str]) -> str:
     return tree.lift(owner) if owner and runs_forward(tree.every_name[owner]) else ROOT
 
 
-def _entry_modules(tree: _ModuleTree, hooks: tuple[str, ...], owners: set[str]) -> tuple[str, ...]:
+def _entry_modules(tree: ModuleTree, hooks: tuple[str, ...], owners: set[str]) -> tuple[str, ...]:
     """See [Note: entry modules]: the modules strictly inside a hook module on the way to an
     owner (itself included), in registration order."""
     entries: set[str] = set()
@@ -248,7 +299,7 @@ def _entry_modules(tree: _ModuleTree, hooks: tuple[str, ...], owners: set[str]) 
 def plan_units(root: nn.Module, policy: Any, min_params: int) -> list[UnitPlan]:
     """Every unit of ``root`` at stage 3 (see [Note: units]), in the order their first hook
     module is registered; units without parameters are left out."""
-    tree = _ModuleTree(root)
+    tree = ModuleTree(root)
     policy_units = _select_policy_units(tree, policy, min_params)
     canonical = {p: n for n, p in root.named_parameters()}
     owners = _owners(root)

@@ -41,14 +41,14 @@ from ..core.rebuild import ReadyOrder
 from ..core.reducer import GradientReducer
 from ..core.sharded import ShardedStorage
 from ..core.training_state import Phase, TrainingState
-from ..core.units import Unit, _ModuleTree
+from ..core.units import Unit, ModuleTree
 from ..core.wait_clock import WaitClock
 from .bucket_rebuild import BucketRebuild, carry_state
 from .buffer_sync import BufferSync
 from .casts import MixedPrecisionCasts
 from .grad_marks import GradPlaceholders
 from .hooks import engine_hook
-from .module_hooks import UseHooks, module_of_params, unit_hooks
+from .module_hooks import UnitHooks, UseHooks, module_of_params
 
 
 WRAPPED_MARK = "_shardpar_wrapped"
@@ -110,7 +110,9 @@ class Engine:
         self._handles: list[Any] = []
         self._backward_start_hook = _disabled(lambda grad: self.ensure_backward_started())
         """Put on the root output once per forward; made once (see on_first_grad)."""
-        self._tree = _ModuleTree(module)
+        self._tree = ModuleTree(module)
+        self.unit_hooks: UnitHooks | None = None
+        """Stage 3's hooks on units' hook and entry modules (installed by the stage's row)."""
 
         self.storage = row.storage(self)
         self.strategy = row.strategy(self, self.storage.spaces)
@@ -135,7 +137,7 @@ class Engine:
         """Orders the reducer and the gatherer in backward (see [Note: a gradient's path through
         backward] in core/backward_paths.py)."""
         self._install_root_hooks()
-        self._handles += self.casts.install_hooks(self._tree)
+        self._cast_hooks: list[Any] = self.casts.install_hooks(self._tree)
         self.module_attributes: tuple[str, ...] = (WRAPPED_MARK,)
         """Instance attributes the engine sets on the module (taken off when it closes)."""
         setattr(module, WRAPPED_MARK, True)
@@ -179,8 +181,24 @@ class Engine:
             wait_clock=self.wait_clock, retire_group=lambda: C.retire_sibling_group(self.shards.shard_group),
         )
         gatherer = storage.gatherer
-        self._handles += unit_hooks(gatherer, storage.units, storage.plans, self._tree.modules)
+        self.unit_hooks = UnitHooks(gatherer, storage.units, storage.plans, self._tree.modules)
         return gatherer
+
+    def _follow_compiled_modules(self) -> None:
+        """Hooks out of modules compiled since wrapping (see [Note: compiled after wrap] in
+        module_hooks.py)."""
+        if not self._tree.compiled_since():
+            return
+        tree = ModuleTree(self.module)
+        if self.unit_hooks is not None:
+            self.unit_hooks.move_to(tree)  # first: it may refuse, before anything moved
+        self._tree = tree
+        self.use_hooks.move_to(tree)
+        if self.reducer.ready_order is not None:
+            self.reducer.ready_order.regroup(module_of_params(tree, self.storage))
+        for handle in self._cast_hooks:
+            handle.remove()
+        self._cast_hooks = self.casts.install_hooks(tree)
 
     # ------------------------------------------------------------------ forward
 
@@ -202,6 +220,7 @@ class Engine:
         if self.state.is_recompute():
             return
         self.check_requires_grad()
+        self._follow_compiled_modules()
         self._take_off_grad_marks()
         self.state.phase = Phase.FORWARD
         self.buffer_sync.before_forward()
@@ -472,7 +491,8 @@ class Engine:
     @property
     def hook_handles(self) -> list[Any]:
         """Every hook this engine has registered and not removed yet."""
-        return self._handles + self.use_hooks.handles
+        unit_hooks = self.unit_hooks.handles if self.unit_hooks is not None else []
+        return self._handles + self.use_hooks.handles + unit_hooks + self._cast_hooks
 
     def attach(self, part: Any) -> None:
         """Something built over this engine that must be undone with it: ``part.close()`` runs
@@ -486,6 +506,8 @@ class Engine:
             handle.remove()
         self._handles.clear()
         self.use_hooks.forget()
+        self.unit_hooks = None
+        self._cast_hooks = []
         for name in self.module_attributes:
             self.module.__dict__.pop(name, None)
         for part in reversed(self._attached):

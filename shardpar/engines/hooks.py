@@ -1,8 +1,11 @@
 """How the engine's module hooks are made: run eagerly, and marked as the engine's.
 
-Hooks run eagerly even inside ``torch.compile``d code, because they launch collectives. Each
-is marked, so that a method declared with ``shardpar.register_forward_method`` can run the
-engine's hooks around it and no others ([Note: forward methods] in facade/forward_methods.py).
+Hooks are excluded from compilation (``torch.compiler.disable``), because they launch
+collectives: where compiled code calls one (``torch.compile`` of the whole wrapped model) it is
+a graph break, and under ``fullgraph=True`` an error, so none is placed inside a compiled module
+([Note: compiled modules] in core/units.py). Each is marked, so that a method declared with
+``shardpar.register_forward_method`` can run the engine's hooks around it and no others
+([Note: forward methods] in facade/forward_methods.py).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ FORWARD_HOOK_MARK = "_shardpar_forward_hook"
 
 
 def engine_hook(fn: Callable) -> Callable:
-    """``fn`` as one of the engine's hooks: compiled code calls it eagerly, and it is marked."""
+    """``fn`` as one of the engine's hooks: never compiled, and marked."""
     hook = torch.compiler.disable(fn)
     setattr(hook, FORWARD_HOOK_MARK, True)
     return hook
