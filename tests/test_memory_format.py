@@ -163,10 +163,11 @@ def _parity_runs(tmp: str) -> dict[Any, Any]:
         net = _build()
         model = shardpar.wrap(net, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
         wrapped = _strides(net)
-        run = _train(model, net, _opt(model), 0, STEPS)
+        opt = _opt(model)
+        run = _train(model, net, opt, 0, STEPS)
         out[stage] = {**run, "wrapped": wrapped, "after": _strides(net), "state": model.full_state_dict(),
                       "cut": C.all_gather_objects(_cut_blocks(model))}
-        out[stage]["relay"] = _relay(model, model.engine.optimizer, f"{tmp}/relay{stage}")
+        out[stage]["relay"] = _relay(model, opt, f"{tmp}/relay{stage}")
         model.engine.close()
     return out
 
