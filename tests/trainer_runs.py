@@ -83,15 +83,24 @@ def params(run: Trainer) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in run.model.state_dict().items()}
 
 
+def synchronising_backwards(model: Any) -> int | None:
+    """How many backward passes reduced gradients (one all-reduce of the used-parameter flags
+    each; passes under ``no_sync`` reduce nothing); None for a model shardpar did not wrap."""
+    stats = model.comm_stats() if hasattr(model, "comm_stats") else None
+    return None if stats is None else stats.get("used_flags", {}).get("calls", 0)
+
+
 def summary(run: Trainer) -> dict[str, Any]:
     history = run.state.log_history
     return {
         "losses": [entry["loss"] for entry in history if "loss" in entry],
+        "steps": [entry["step"] for entry in history if "loss" in entry],
         "grad_norms": [float(entry["grad_norm"]) for entry in history if "grad_norm" in entry],
         "lrs": [entry["learning_rate"] for entry in history if "learning_rate" in entry],
         "global_step": run.state.global_step,
         "params": params(run),
         "wrapped": type(run.model_wrapped).__name__,
+        "synchronising_backwards": synchronising_backwards(run.model_wrapped),
         "model": type(run.model).__name__,
     }
 
@@ -152,3 +161,46 @@ def error_of(run: Any, *args: Any, **kwargs: Any) -> str:
     except Exception as error:  # the tests read the message
         return f"{type(error).__name__}: {error}"
     return "nothing raised"
+
+
+def sft(name: str, output_dir: str) -> dict[str, Any]:
+    """TRL's ``SFTTrainer`` (the oracle, "ddp") or ``ShardparTrainer`` mixed into it, on text
+    it tokenises itself with the in-memory tokenizer."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    class ShardparSFTTrainer(ShardparTrainer, SFTTrainer):
+        pass
+
+    ids = torch.randint(3, VOCAB, (ROWS, TOKENS - 2), generator=torch.Generator().manual_seed(4))
+    text = Dataset.from_dict({"text": [" ".join(f"t{i}" for i in row.tolist()) for row in ids]})
+    args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=BATCH, num_train_epochs=1,
+                     learning_rate=1e-2, logging_steps=1, max_grad_norm=0.5, save_strategy="no", report_to=[],
+                     disable_tqdm=True, train_sampling_strategy="sequential", use_cpu=True, seed=7,
+                     max_length=TOKENS, packing=False, dataset_num_proc=None)
+    options: dict[str, Any] = dict(model=model(), args=args, train_dataset=text, processing_class=tokenizer())
+    if name == "ddp":
+        run = SFTTrainer(**options)
+    else:
+        run = ShardparSFTTrainer(shardpar_stage=int(name.removeprefix("stage")), **options)
+    run.train()
+    return summary(run)
+
+
+def refusals(output_dir: str) -> dict[str, str]:
+    """The naive patterns and bad options, refused by name (each on every rank)."""
+    import shardpar
+
+    refused = {
+        "sharded_model": error_of(trainer, "stage2", output_dir, trainer_options={"model": shardpar.wrap(model())}),
+        "unknown_option": error_of(ShardparTrainer, model=model(), args=arguments(output_dir),
+                                   shardpar_options={"bucket_cap": 1}),
+        "bad_stage": error_of(ShardparTrainer, model=model(), args=arguments(output_dir), shardpar_stage=4),
+    }
+    run = trainer("stage0", output_dir)
+    around = run.accelerator.prepare_model(run.sharded_model)  # accelerate's DDP around the ShardedModule
+    refused["ddp_type"] = type(around).__name__
+    batch = run.data_collator(rows(BATCH))
+    refused["ddp_around"] = error_of(run.training_step, around, batch)
+    refused["ddp_around_wrap"] = error_of(run._wrap_model, around)
+    return refused
