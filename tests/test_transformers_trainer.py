@@ -55,7 +55,7 @@ def _parity_runs(directory: str) -> dict:
     def where(name: str) -> str:
         return os.path.join(directory, name.replace(" ", "-"))
 
-    steps = {"gradient_accumulation_steps": 2}  # 2 epochs of 2 optimizer steps, max_grad_norm=0.5
+    steps = {"gradient_accumulation_steps": 2}  # 2 epochs of 2 optimizer steps, max_grad_norm=0.3
     runs = {name: R.fit(name, where(name), **steps) for name in ("ddp", "stage0", "stage1", "stage2", "stage3")}
     for name in ("ddp", "stage2"):
         runs[f"{name} unclipped"] = R.fit(name, where(f"{name} unclipped"), evaluate=False, max_grad_norm=0.0)
@@ -75,7 +75,7 @@ def parity(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_trainer_trains_evaluates_and_predicts_as_ddp(parity: list[dict], stage: int) -> None:
     """Two epochs of 2 optimizer steps, each accumulating 2 micro-batches (the first under
-    ``no_sync``: one synchronising backward per step), clipped at 0.5 (below every step's
+    ``no_sync``: one synchronising backward per step), clipped at 0.3 (below every step's
     norm), the Trainer's AdamW (``adamw_torch_fused``, weight decay on its param groups) and
     linear schedule; then ``evaluate()`` and ``predict()``, which every rank runs."""
     for rank, runs in enumerate(parity):
@@ -88,7 +88,7 @@ def test_trainer_trains_evaluates_and_predicts_as_ddp(parity: list[dict], stage:
         assert ours["synchronising_backwards"] == 4, f"{what}: accumulation reduced outside the last micro-batch"
         _assert_close(ours["losses"], ddp["losses"], tolerance, f"{what}, losses")
         _assert_close(ours["grad_norms"], ddp["grad_norms"], max(tolerance, 1e-6), f"{what}, logged grad norms")
-        assert min(ddp["grad_norms"]) > 0.5, "the oracle's steps must all clip"
+        assert min(ddp["grad_norms"]) > 0.3, "the oracle's steps must all clip"
         assert ours["lrs"] == ddp["lrs"] == [0.01, 0.0075, 0.005, 0.0025], what
         _assert_params_close(ours["params"], ddp["params"], tolerance, what)
         for metric in ("eval_loss", "test_loss"):

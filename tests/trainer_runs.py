@@ -55,7 +55,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
 def arguments(output_dir: str, **overrides: Any) -> TrainingArguments:
     values: dict[str, Any] = dict(
         output_dir=output_dir, per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
-        num_train_epochs=2, learning_rate=1e-2, weight_decay=0.1, logging_steps=1, max_grad_norm=0.5,
+        num_train_epochs=2, learning_rate=1e-2, weight_decay=0.1, logging_steps=1, max_grad_norm=0.3,
         save_strategy="no", report_to=[], disable_tqdm=True, train_sampling_strategy="sequential", use_cpu=True,
         seed=7,
     )
@@ -163,7 +163,7 @@ def error_of(run: Any, *args: Any, **kwargs: Any) -> str:
     return "nothing raised"
 
 
-def sft(name: str, output_dir: str) -> dict[str, Any]:
+def sft(name: str, output_dir: str, max_grad_norm: float = 0.5) -> dict[str, Any]:
     """TRL's ``SFTTrainer`` (the oracle, "ddp") or ``ShardparTrainer`` mixed into it, on text
     it tokenises itself with the in-memory tokenizer."""
     from datasets import Dataset
@@ -175,7 +175,7 @@ def sft(name: str, output_dir: str) -> dict[str, Any]:
     ids = torch.randint(3, VOCAB, (ROWS, TOKENS - 2), generator=torch.Generator().manual_seed(4))
     text = Dataset.from_dict({"text": [" ".join(f"t{i}" for i in row.tolist()) for row in ids]})
     args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=BATCH, num_train_epochs=1,
-                     learning_rate=1e-2, logging_steps=1, max_grad_norm=0.5, save_strategy="no", report_to=[],
+                     learning_rate=1e-2, logging_steps=1, max_grad_norm=max_grad_norm, save_strategy="no", report_to=[],
                      disable_tqdm=True, train_sampling_strategy="sequential", use_cpu=True, seed=7,
                      max_length=TOKENS, packing=False, dataset_num_proc=None)
     options: dict[str, Any] = dict(model=model(), args=args, train_dataset=text, processing_class=tokenizer())
