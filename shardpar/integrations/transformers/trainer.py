@@ -140,9 +140,22 @@ class ShardparTrainer(Trainer):
                 # the autocast accelerate gives the models it prepares (see the Note)
                 self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
             self._sharded = wrap(self.model, self.shardpar_stage, **self.shardpar_options)
+            self._refuse_other_world()
             if self.args.fp16:
                 self.accelerator.scaler = GradScaler(self._sharded)
         return self._sharded
+
+    def _refuse_other_world(self) -> None:
+        """The Trainer's ranks must be shardpar's: under torchrun on CPUs without ``use_cpu=True``
+        accelerate runs every process as a world of its own (each reads the whole dataset and
+        writes every file) while ``shardpar.wrap`` joins them into one process group."""
+        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if ranks != self.args.world_size:
+            raise ValueError(
+                f"{type(self).__name__}: the Trainer sees a world size of {self.args.world_size}, shardpar's process "
+                f"group has {ranks} ranks; on CPUs under torchrun pass TrainingArguments(use_cpu=True), with which "
+                "accelerate takes torchrun's ranks (on GPUs it does by itself)"
+            )
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         refuse_ddp_around(model, type(self).__name__)
