@@ -163,7 +163,7 @@ def error_of(run: Any, *args: Any, **kwargs: Any) -> str:
     return "nothing raised"
 
 
-def sft(name: str, output_dir: str, max_grad_norm: float = 0.5) -> dict[str, Any]:
+def sft(name: str, output_dir: str, max_grad_norm: float = 0.0) -> dict[str, Any]:
     """TRL's ``SFTTrainer`` (the oracle, "ddp") or ``ShardparTrainer`` mixed into it, on text
     it tokenises itself with the in-memory tokenizer."""
     from datasets import Dataset
