@@ -5,14 +5,11 @@ training state that rides in a checkpoint's manifest.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
-import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
@@ -37,9 +34,12 @@ from ...config import ShardConfig
 from ...errors import CheckpointError
 from ...facade import ShardedModule
 from ...optim import ShardedOptimizer
-from ...optim import optimizer as shardpar_optimizer
 from ...wrap import wrap
+from ..shared import check_wrap_options, shard_optimizer
 from .precision import PrecisionSpec
+
+__all__ = ["DistributedParts", "SavedState", "WrapOptions", "decode_state", "encode_state", "read_saved_state",
+           "save_with_state", "shard_optimizer"]
 
 STATE_KEY = "lightning"
 """The key of the manifest's ``extra`` under which a strategy keeps the framework's state."""
@@ -59,20 +59,7 @@ class WrapOptions:
     def __post_init__(self) -> None:
         if self.init_fn is not None and not callable(self.init_fn):
             raise TypeError(f"init_fn must be a callable taking a module, got {type(self.init_fn).__name__}")
-        known = [name for name in ShardConfig.option_names() if name != "stage"] + ["memory_budget"]
-        unknown = sorted(set(self.options) - set(known))
-        if unknown:
-            raise TypeError(f"ShardparStrategy got unknown option(s) {', '.join(unknown)}; "
-                            f"the options of shardpar.wrap are {', '.join(known)}")
-        config_options = {k: v for k, v in self.options.items() if k != "memory_budget"}
-        if self.stage == "auto":
-            if "memory_budget" not in self.options:
-                raise ValueError("stage='auto' needs memory_budget= (bytes per rank, or a string such as '24GB')")
-            ShardConfig(stage=0, **config_options)
-        elif "memory_budget" in self.options:
-            raise ValueError(f"memory_budget is used with stage='auto' only, got stage={self.stage!r}")
-        else:
-            ShardConfig(stage=self.stage, **config_options)
+        check_wrap_options(self.stage, self.options, "ShardparStrategy")
 
     @property
     def timeout_s(self) -> float:
@@ -107,68 +94,6 @@ def _built_on_meta(module: nn.Module, built_where: str) -> bool:
             "or none"
         )
     return bool(on_meta)
-
-
-# --------------------------------------------------------------------------- optimizers
-
-def shard_optimizer(model: ShardedModule, optimizer: Any, schedulers: Iterable[Any] = ()) -> ShardedOptimizer:
-    """The torch optimizer a LightningModule's ``configure_optimizers`` or a Fabric script built
-    over the model's parameters, made again by ``shardpar.optimizer`` with its class, param
-    groups and options, so that each rank keeps only its share of the state at stages 1-3.
-    ``schedulers`` built over it now drive the new one (their ``step`` sets its learning
-    rates). The old optimizer must not have stepped: its state would be lost."""
-    if isinstance(optimizer, ShardedOptimizer):
-        if optimizer.engine is not model.engine:
-            raise ValueError("this shardpar optimizer was built over another wrapped model")
-        return optimizer
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-    if optimizer.state:
-        raise ValueError(f"{name} already holds state (it has stepped); give the strategy a fresh optimizer, "
-                         "it rebuilds it over the wrapped model with shardpar.optimizer")
-    groups = [dict(group) for group in optimizer.param_groups]
-    sharded = shardpar_optimizer(model, type(optimizer), groups, **_constructor_defaults(optimizer))
-    for scheduler in schedulers:
-        _move_scheduler(scheduler, optimizer, sharded)
-    return sharded
-
-
-def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optimizer.defaults`` that its constructor takes back (AdamW records
-    ``decoupled_weight_decay`` but does not accept it); the groups carry every value anyway."""
-    parameters = inspect.signature(type(optimizer).__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return dict(optimizer.defaults)
-    return {key: value for key, value in optimizer.defaults.items() if key in parameters}
-
-
-def _move_scheduler(scheduler: Any, old: Any, new: ShardedOptimizer) -> None:
-    """Point ``scheduler`` (and those it chains: SequentialLR, ChainedScheduler) at ``new``."""
-    if getattr(scheduler, "optimizer", None) is old:
-        scheduler.optimizer = new
-        _mark_step_calls(new)
-    for inner in getattr(scheduler, "_schedulers", ()):
-        _move_scheduler(inner, old, new)
-
-
-def _mark_step_calls(optimizer: ShardedOptimizer) -> None:
-    """What torch's LRScheduler does to the optimizer it is built with, done for the one it now
-    drives: its ``step`` marks that it ran, which the scheduler's first ``step`` checks (it
-    warns otherwise that optimizer.step() was overridden or not called first)."""
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    step = type(optimizer).step
-    owner = weakref.ref(optimizer)  # no cycle through the instance's own attribute
-
-    @functools.wraps(step)
-    def marked_step(*args: Any, **kwargs: Any) -> Any:
-        target = owner()
-        target._opt_called = True
-        return step(target, *args, **kwargs)
-
-    marked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = marked_step  # type: ignore[method-assign]
 
 
 # --------------------------------------------------------------------------- processes
