@@ -904,3 +904,22 @@ def test_load_state_dict_of_a_submodule_reaches_the_stored_values(stage: int, mi
         assert out["unequal"] == [], (rank, out["unequal"])
         assert out["results"] == [([], []), ([], [])], (rank, out["results"])
         assert 'Missing key(s) in state_dict: "bias"' in out["error"], (rank, out["error"])
+
+
+def _ddp_around_sharded(stage: int) -> str:
+    model = _wrap(_net(), stage)
+    try:
+        DistributedDataParallel(model)
+    except TypeError as error:
+        return str(error)
+    return "nothing raised"
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_ddp_around_a_sharded_module_is_refused_by_name(stage: int) -> None:
+    """``DistributedDataParallel(shardpar.wrap(model))`` (what accelerate's ``prepare`` does to
+    a model given to a plain Hugging Face Trainer) would reduce every gradient twice: refused on
+    every rank before DDP's first collective, naming what to do."""
+    for rank, message in enumerate(run_ranks(_ddp_around_sharded, 2, stage, timeout=60)):
+        assert message.startswith("torch DistributedDataParallel around a model wrapped by shardpar"), (rank, message)
+        assert "Pass the unwrapped model to DDP" in message and "ShardparTrainer" in message, message

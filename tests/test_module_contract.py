@@ -350,3 +350,44 @@ def test_gathered_on_one_rank_only_is_named_at_stage_3() -> None:
         run_ranks(_gathered_on_one_rank, 2, 3, timeout=90)
     message = failure.value.failures[0]
     assert "RanksOutOfStep missing=[1]" in message and "full_state_dict" in message, message[-3000:]
+
+
+def _checkpoint_wrapped_blocks(stage: int) -> dict[str, Any]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        blocks = nn.Sequential(*[checkpoint_wrapper(nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, DIM)))
+                                 for _ in range(2)])
+        return nn.Sequential(nn.Linear(4, DIM), blocks, nn.Linear(DIM, 3))
+
+    plain = build()
+    model = _wrap(build(), stage)
+    reference = plain.state_dict()  # the wrapper's hook strips "_checkpoint_wrapped_module."
+    out: dict[str, Any] = {"keys": list(model.state_dict()) == list(reference),
+                           "unequal": _equal(model.full_state_dict(), reference)}
+    new = _random_like(reference, 5)
+    out["load"] = (tuple(model.load_state_dict(new)), tuple(plain.load_state_dict(new)))
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
+    rank = model.engine.rank
+    opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.1)
+    reference_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    model(x[rank * 2 : rank * 2 + 2]).square().mean().backward()
+    opt.step()
+    plain(x).square().mean().backward()
+    reference_opt.step()
+    trained = model.full_state_dict()
+    out["step_error"] = max(rel_error(trained[k], v) for k, v in plain.state_dict().items())
+    model.engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_torch_checkpoint_wrapper_state_dicts_like_plain_torch(stage: int) -> None:
+    """torch's own ``checkpoint_wrapper`` renames its entries in a state-dict hook (it strips
+    ``_checkpoint_wrapped_module.``): state dicts and loads are plain torch's at every stage (at
+    stage 3 they used to read a sharded parameter), and activation checkpointing trains equal."""
+    for rank, out in enumerate(run_ranks(_checkpoint_wrapped_blocks, 2, stage, timeout=120)):
+        assert out["keys"] and out["unequal"] == [], (rank, out)
+        assert out["load"][0] == out["load"][1] == ([], []), (rank, out["load"])
+        assert out["step_error"] <= 1e-6, (rank, out["step_error"])

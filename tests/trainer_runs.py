@@ -198,9 +198,7 @@ def refusals(output_dir: str) -> dict[str, str]:
         "bad_stage": error_of(ShardparTrainer, model=model(), args=arguments(output_dir), shardpar_stage=4),
     }
     run = trainer("stage0", output_dir)
-    around = run.accelerator.prepare_model(run.sharded_model)  # accelerate's DDP around the ShardedModule
-    refused["ddp_type"] = type(around).__name__
-    batch = run.data_collator(rows(BATCH))
-    refused["ddp_around"] = error_of(run.training_step, around, batch)
-    refused["ddp_around_wrap"] = error_of(run._wrap_model, around)
+    refused["ddp_around"] = error_of(run.accelerator.prepare_model, run.sharded_model)  # accelerate's DDP around it
+    plain = trainer("ddp", output_dir, trainer_options={"model": shardpar.wrap(model())})
+    refused["plain_trainer"] = error_of(plain.train)  # the plain Trainer given a ShardedModule: the same DDP
     return refused

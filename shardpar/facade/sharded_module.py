@@ -74,6 +74,21 @@ class ShardedModule(nn.Module):
         except AttributeError:
             return getattr(self._modules["module"], name)
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> Any:
+        """torch's ``DistributedDataParallel(model)`` asks this of the module it wraps, first
+        thing: around a ShardedModule (accelerate's ``prepare`` of a model passed to a plain
+        Hugging Face ``Trainer``, a framework's own DDP) it would all-reduce the gradients a
+        second time and fight shardpar's storage, so it is refused here by name. (A TypeError,
+        which ``hasattr`` does not swallow.)"""
+        raise TypeError(
+            "torch DistributedDataParallel around a model wrapped by shardpar: shardpar already synchronises "
+            "gradients (and shards them at stages 1-3), so DDP would reduce them twice. Pass the unwrapped model "
+            "to DDP, or train the ShardedModule directly; with the Hugging Face Trainer use "
+            "shardpar.integrations.transformers.ShardparTrainer(..., shardpar_stage=N), with Lightning "
+            "ShardparStrategy"
+        )
+
     def __deepcopy__(self, memo: dict) -> Any:
         raise TypeError(
             "copy.deepcopy of a model wrapped by shardpar would make a second engine over the same process groups; "

@@ -15,6 +15,6 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "shardpar.integrations.transformers needs transformers and accelerate: pip install 'shardpar[transformers]'"
     ) from error
 
-from .trainer import OPTIMIZER_DIR, ShardparTrainer, refuse_ddp_around, refuse_sharded_model
+from .trainer import OPTIMIZER_DIR, ShardparTrainer, refuse_sharded_model
 
-__all__ = ["OPTIMIZER_DIR", "ShardparTrainer", "refuse_ddp_around", "refuse_sharded_model"]
+__all__ = ["OPTIMIZER_DIR", "ShardparTrainer", "refuse_sharded_model"]

@@ -76,19 +76,6 @@ def refuse_sharded_model(model: Any, who: str) -> None:
         )
 
 
-def refuse_ddp_around(model: Any, who: str) -> None:
-    """torch's (accelerate's) DistributedDataParallel around a ``ShardedModule``: refused,
-    naming both. DDP would all-reduce the gradients a second time and, at stages 1-3, over
-    parameters whose gradients are shards."""
-    if isinstance(model, nn.parallel.DistributedDataParallel) and isinstance(model.module, ShardedModule):
-        raise TypeError(
-            f"{who}: DistributedDataParallel (accelerate's prepare) is around a model wrapped by shardpar; the "
-            "ShardedModule reduces gradients itself, and DDP around it would reduce them again. Do not "
-            "accelerator.prepare() the ShardedModule: ShardparTrainer hands the Trainer the wrapped model so that "
-            "accelerate leaves it alone"
-        )
-
-
 def unwrap_accelerated(optimizer: Any) -> Any:
     """The optimizer inside accelerate's ``AcceleratedOptimizer`` wrappers (itself if none)."""
     while isinstance(optimizer, AcceleratedOptimizer):
@@ -158,12 +145,9 @@ class ShardparTrainer(Trainer):
             )
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
-        refuse_ddp_around(model, type(self).__name__)
+        # A wrapped model is not wrapped again by accelerate (and DDP around a ShardedModule is
+        # refused by the ShardedModule itself, in any framework).
         return self.sharded_model
-
-    def training_step(self, model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
-        refuse_ddp_around(model, type(self).__name__)
-        return super().training_step(model, *args, **kwargs)
 
     # ------------------------------------------------------------------ optimizer
 
