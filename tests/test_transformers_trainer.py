@@ -254,21 +254,23 @@ def test_resuming_a_ddp_trainers_checkpoint_is_refused(checkpoints: tuple[list[d
 def _sft_runs(directory: str) -> dict:
     from tests import trainer_runs as R
 
-    return {name: R.sft(name, os.path.join(directory, name)) for name in ("ddp", "stage2", "stage3")}
+    return {name: R.sft(name, os.path.join(directory, name)) for name in ("ddp", "stage0", "stage1", "stage2", "stage3")}
 
 
 def test_sft_trainer_through_the_mixin(tmp_path: str) -> None:
     """TRL's ``SFTTrainer`` with ``ShardparTrainer`` mixed in first (tokenising its text
-    dataset itself, its own collator and loss) trains as the plain SFTTrainer under DDP.
-    Unclipped (``max_grad_norm=0``; the logged norms compared): clipping is covered at every
-    stage by the plain Trainer's tests above, and clipped SFT runs at stages 1-3 were seen to
-    drift from DDP by ~4e-5 in the parameters (losses within 1e-5), not yet explained."""
+    dataset itself, its own collator, fused LM head and loss) trains as the plain SFTTrainer
+    under DDP: 4 steps, each clipped at 0.3 (below every step's norm), at stages 0-3. Stage 0
+    is DDP's run bit for bit; at stages 1-3 the norm is torch's to its last bit (see
+    ``trainer_runs.sft`` for why the run has weight decay)."""
     for rank, runs in enumerate(run_ranks(_sft_runs, 2, str(tmp_path), timeout=TIMEOUT_S)):
         ddp = runs["ddp"]
         assert ddp["global_step"] == 4 and ddp["wrapped"] == "DistributedDataParallel"
-        for stage in (2, 3):
+        assert min(ddp["grad_norms"]) > 0.3, "the oracle's steps must all clip"
+        for stage in (0, 1, 2, 3):
             ours, what = runs[f"stage{stage}"], f"stage {stage}, rank {rank}"
+            tolerance = 0.0 if stage == 0 else TOLERANCE
             assert ours["wrapped"] == "ShardedModule" and ours["global_step"] == 4, what
-            _assert_close(ours["losses"], ddp["losses"], TOLERANCE, f"{what}, losses")
-            _assert_close(ours["grad_norms"], ddp["grad_norms"], TOLERANCE, f"{what}, grad norms")
-            _assert_params_close(ours["params"], ddp["params"], TOLERANCE, what)
+            _assert_close(ours["losses"], ddp["losses"], tolerance, f"{what}, losses")
+            _assert_close(ours["grad_norms"], ddp["grad_norms"], max(tolerance, 1e-6), f"{what}, grad norms")
+            _assert_params_close(ours["params"], ddp["params"], tolerance, what)
