@@ -13,8 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["DEVICES", "MANIFEST", "ArgumentParser", "DistEnv", "add_device_flag", "dist_env", "pin_device",
-           "resume_dir_problem"]
+__all__ = [
+    "DEVICES",
+    "MANIFEST",
+    "ArgumentParser",
+    "DistEnv",
+    "add_device_flag",
+    "dist_env",
+    "pin_device",
+    "resume_dir_problem",
+]
 
 MANIFEST = "shardpar.json"
 """Name of shardpar's checkpoint manifest (API.md, "Checkpoint on disk")."""
@@ -65,16 +73,22 @@ def resume_dir_problem(resume: str) -> str | None:
         return f"--resume {resume}: no such directory"
     if (path / MANIFEST).is_file() or any((child / MANIFEST).is_file() for child in path.iterdir()):
         return None
-    return (f"--resume {resume}: no checkpoint there (no {MANIFEST} in it or in a directory under it); "
-            "--resume latest starts fresh when there is none")
+    return (
+        f"--resume {resume}: no checkpoint there (no {MANIFEST} in it or in a directory under it); "
+        "--resume latest starts fresh when there is none"
+    )
 
 
 def add_device_flag(parser: argparse.ArgumentParser) -> None:
     """``--device {auto,cpu,cuda}``, the same in every recipe."""
-    parser.add_argument("--device", choices=DEVICES, default="auto",
-                        help="auto (default): cuda:LOCAL_RANK with NCCL when CUDA is available, else CPU with gloo; "
-                             "cpu: CPU and gloo even on a GPU machine (the GPUs are hidden from the process); "
-                             "cuda: require a GPU per local rank")
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="auto (default): cuda:LOCAL_RANK with NCCL when CUDA is available, else CPU with gloo; "
+        "cpu: CPU and gloo even on a GPU machine (the GPUs are hidden from the process); "
+        "cuda: require a GPU per local rank",
+    )
 
 
 def pin_device(choice: str) -> None:

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import shardpar
-from shardpar.comm import compat
 from recipes.cli import MANIFEST, ArgumentParser, DistEnv, dist_env, resume_dir_problem
+from shardpar.comm import compat
 
 __all__ = [
     "ArgumentParser",
@@ -107,12 +107,15 @@ def setup_device(env: DistEnv, choice: str = "auto") -> torch.device:
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RecipeError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False); "
-                          "use --device cpu or auto")
+        raise RecipeError(
+            "--device cuda: no CUDA device is visible (torch.cuda.is_available() is False); use --device cpu or auto"
+        )
     count = torch.cuda.device_count()
     if env.local_rank >= count:
-        raise RecipeError(f"--device {choice}: local rank {env.local_rank} needs a GPU of its own but only {count} "
-                          f"CUDA device(s) are visible; start at most {count} rank(s) per node, or use --device cpu")
+        raise RecipeError(
+            f"--device {choice}: local rank {env.local_rank} needs a GPU of its own but only {count} "
+            f"CUDA device(s) are visible; start at most {count} rank(s) per node, or use --device cpu"
+        )
     device = torch.device("cuda", env.local_rank)
     # Must precede any CUDA work so NCCL and allocations land on this rank's GPU.
     torch.cuda.set_device(device)
@@ -176,8 +179,11 @@ def remove_old_checkpoints(ckpt_dir: Path, keep_last: int, keep: Path | None = N
     deleted, so a crash halfway never leaves a half-deleted checkpoint where ``--resume``
     looks; shardpar's next save sweeps such a leftover (docs/checkpoint-format.md).
     """
-    found = sorted((int(match[1]), path) for path in ckpt_dir.iterdir()
-                   if (match := STEP_DIR.fullmatch(path.name)) and (path / MANIFEST).is_file())
+    found = sorted(
+        (int(match[1]), path)
+        for path in ckpt_dir.iterdir()
+        if (match := STEP_DIR.fullmatch(path.name)) and (path / MANIFEST).is_file()
+    )
     removed = []
     for _, path in found[: max(0, len(found) - keep_last)]:
         if keep is not None and path.absolute() == keep.absolute():

@@ -49,17 +49,92 @@ _STOI: dict[str, int] = {ch: i for i, ch in enumerate(VOCAB)}
 # Pure-Python modules present in every CPython build (no tkinter/ssl/sqlite3, which some builds
 # lack), so the corpus is the same wherever this Python version runs. Kept sorted.
 CORPUS_MODULES: tuple[str, ...] = (
-    "abc", "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "cmd", "codecs",
-    "collections", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime",
-    "decimal", "difflib", "email", "enum", "fnmatch", "fractions", "ftplib", "functools",
-    "getopt", "gettext", "glob", "gzip", "heapq", "hmac", "html", "http.client", "http.server",
-    "imaplib", "inspect", "io", "ipaddress", "json", "locale", "logging", "mailbox",
-    "mimetypes", "numbers", "operator", "optparse", "os", "pathlib", "pdb", "pickle",
-    "pkgutil", "platform", "plistlib", "pprint", "queue", "random", "re", "sched", "secrets",
-    "selectors", "shelve", "shlex", "shutil", "smtplib", "socketserver", "statistics",
-    "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading",
-    "timeit", "tokenize", "trace", "traceback", "typing", "unittest", "urllib.parse",
-    "urllib.request", "uuid", "warnings", "wave", "weakref", "xml.dom.minidom", "zipfile",
+    "abc",
+    "argparse",
+    "ast",
+    "asyncio",
+    "base64",
+    "bisect",
+    "calendar",
+    "cmd",
+    "codecs",
+    "collections",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email",
+    "enum",
+    "fnmatch",
+    "fractions",
+    "ftplib",
+    "functools",
+    "getopt",
+    "gettext",
+    "glob",
+    "gzip",
+    "heapq",
+    "hmac",
+    "html",
+    "http.client",
+    "http.server",
+    "imaplib",
+    "inspect",
+    "io",
+    "ipaddress",
+    "json",
+    "locale",
+    "logging",
+    "mailbox",
+    "mimetypes",
+    "numbers",
+    "operator",
+    "optparse",
+    "os",
+    "pathlib",
+    "pdb",
+    "pickle",
+    "pkgutil",
+    "platform",
+    "plistlib",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "selectors",
+    "shelve",
+    "shlex",
+    "shutil",
+    "smtplib",
+    "socketserver",
+    "statistics",
+    "string",
+    "struct",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "tokenize",
+    "trace",
+    "traceback",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "urllib.request",
+    "uuid",
+    "warnings",
+    "wave",
+    "weakref",
+    "xml.dom.minidom",
+    "zipfile",
 )
 
 
@@ -106,7 +181,8 @@ def _docstrings(module_name: str) -> list[str]:
             docs.extend(
                 inspect.getdoc(member)
                 for member_name, member in sorted(vars(obj).items())
-                if not member_name.startswith("_") and inspect.isfunction(member)
+                if not member_name.startswith("_")
+                and inspect.isfunction(member)
                 and member.__module__ == module.__name__
             )
     return [d for d in docs if d]
@@ -190,9 +266,7 @@ class CharDataset:
         if len(data) <= block_size:
             raise ValueError(f"{split} split has {len(data)} tokens, too few for block size {block_size}")
         # Draw the whole global batch on every rank (B integers: cheap), then keep our rows.
-        starts = torch.randint(
-            len(data) - block_size, (global_batch_size,), generator=_generator(seed, split, step)
-        )
+        starts = torch.randint(len(data) - block_size, (global_batch_size,), generator=_generator(seed, split, step))
         per_rank = global_batch_size // world_size
         starts = starts[rank * per_rank : (rank + 1) * per_rank]
         windows = data[starts[:, None] + torch.arange(block_size + 1)]  # (B / W, T + 1)

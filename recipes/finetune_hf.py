@@ -70,9 +70,15 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 def tiny_llama_config() -> transformers.LlamaConfig:
     """A Llama of ~0.1M parameters over the recipe's 96 characters, LM head tied to the embedding."""
     return transformers.LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=True, use_cache=False,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        use_cache=False,
     )
 
 
@@ -107,8 +113,12 @@ def parse_args(argv: list[str] | None, env: DistEnv) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__.split("\n")[0])
     todo = p.add_mutually_exclusive_group(required=True)
     todo.add_argument("--pretrained", type=Path, metavar="DIR", help="Hugging Face model directory to fine-tune")
-    todo.add_argument("--make-pretrained", type=Path, metavar="DIR",
-                      help="write a tiny pretrained Llama to DIR and exit (one process)")
+    todo.add_argument(
+        "--make-pretrained",
+        type=Path,
+        metavar="DIR",
+        help="write a tiny pretrained Llama to DIR and exit (one process)",
+    )
     p.add_argument("--out", type=Path, help="where step-NNNNNNNN checkpoints (and hf/ with --export) go")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3, help="ZeRO stage (0 = DDP)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
@@ -122,10 +132,17 @@ def parse_args(argv: list[str] | None, env: DistEnv) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0 = the last only)")
     p.add_argument("--export", action="store_true", help="also write the model in the Hugging Face layout to OUT/hf")
-    p.add_argument("--allow-missing", action="store_true",
-                   help="train even if the checkpoint lacks some of the model's tensors (they keep their init)")
-    p.add_argument("--timeout-s", type=float, default=None,
-                   help="seconds a collective waits for a missing rank (default: shardpar's, 300)")
+    p.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="train even if the checkpoint lacks some of the model's tensors (they keep their init)",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        help="seconds a collective waits for a missing rank (default: shardpar's, 300)",
+    )
     add_device_flag(p)
     args = p.parse_args(argv)  # an unknown flag exits 2 with one `error:` line
 
@@ -172,28 +189,42 @@ def build(args: argparse.Namespace, env: DistEnv) -> tuple[shardpar.ShardedModul
     with config_errors(OSError, ValueError, context=where):  # unreadable config, unknown model type
         config = transformers.AutoConfig.from_pretrained(args.pretrained)
     if getattr(config, "vocab_size", 0) < VOCAB_SIZE:
-        raise RecipeError(f"{where}: vocab_size {getattr(config, 'vocab_size', None)} does not cover the "
-                          f"recipe's {VOCAB_SIZE} characters")
+        raise RecipeError(
+            f"{where}: vocab_size {getattr(config, 'vocab_size', None)} does not cover the "
+            f"recipe's {VOCAB_SIZE} characters"
+        )
     with torch.device("meta"):  # no memory: shapes only
         module = transformers.AutoModelForCausalLM.from_config(config)
     torch.manual_seed(args.seed)  # the init of anything the checkpoint lacks
     options = {} if args.timeout_s is None else {"timeout_s": args.timeout_s}
-    model = shardpar.wrap(module, stage=args.stage, init_fn=module._init_weights,
-                          wrap_policy=block_classes(module), **options)
+    model = shardpar.wrap(
+        module, stage=args.stage, init_fn=module._init_weights, wrap_policy=block_classes(module), **options
+    )
     with config_errors(shardpar.CheckpointError, context=where):  # damaged files, wrong shapes
         # strict=False: unexpected keys are reported, as transformers does; missing ones fail below.
         result = shardpar.load_pretrained(model, args.pretrained, strict=False)
-    log.info("%s from %s: %.2fM parameters, stage %d, world size %d", type(module).__name__, args.pretrained,
-             sum(p.numel() for p in model.parameters()) / 1e6, model.stage, env.world_size)
+    log.info(
+        "%s from %s: %.2fM parameters, stage %d, world size %d",
+        type(module).__name__,
+        args.pretrained,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        model.stage,
+        env.world_size,
+    )
     if env.is_main:
-        print(f"loaded {args.pretrained}: missing keys {result.missing_keys}, "
-              f"unexpected keys {result.unexpected_keys}", flush=True)
+        print(
+            f"loaded {args.pretrained}: missing keys {result.missing_keys}, unexpected keys {result.unexpected_keys}",
+            flush=True,
+        )
     if result.missing_keys and not args.allow_missing:
-        raise RecipeError(f"{where} lacks {len(result.missing_keys)} of the model's tensors "
-                          f"({', '.join(result.missing_keys[:5])}{', ...' if len(result.missing_keys) > 5 else ''}); "
-                          "pass --allow-missing to train them from their initialisation")
-    opt = shardpar.optimizer(model, torch.optim.AdamW, param_groups(model), lr=args.lr,
-                             weight_decay=args.weight_decay, betas=(0.9, 0.95))
+        raise RecipeError(
+            f"{where} lacks {len(result.missing_keys)} of the model's tensors "
+            f"({', '.join(result.missing_keys[:5])}{', ...' if len(result.missing_keys) > 5 else ''}); "
+            "pass --allow-missing to train them from their initialisation"
+        )
+    opt = shardpar.optimizer(
+        model, torch.optim.AdamW, param_groups(model), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95)
+    )
     return model, opt
 
 
@@ -204,8 +235,14 @@ def save(model: shardpar.ShardedModule, opt: shardpar.ShardedOptimizer, out: Pat
     return path
 
 
-def finetune(model: shardpar.ShardedModule, opt: shardpar.ShardedOptimizer, data: CharDataset,
-             args: argparse.Namespace, env: DistEnv, device: torch.device) -> tuple[float, float]:
+def finetune(
+    model: shardpar.ShardedModule,
+    opt: shardpar.ShardedOptimizer,
+    data: CharDataset,
+    args: argparse.Namespace,
+    env: DistEnv,
+    device: torch.device,
+) -> tuple[float, float]:
     """The optimizer-step loop; returns the (rank-averaged) loss of the first and last step."""
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
     first = last = math.nan
@@ -259,8 +296,11 @@ def main(argv: list[str] | None = None) -> None:
             shardpar.save_full(str(args.out / "hf"), model)  # every rank sends, rank 0 writes
             log.info("exported %s", args.out / "hf")
         if env.is_main:
-            print(f"done: {args.steps} steps, world {env.world_size}, stage {model.stage} | "
-                  f"train loss {first:.6f} -> {last:.6f} | wall {wall:.1f}s", flush=True)
+            print(
+                f"done: {args.steps} steps, world {env.world_size}, stage {model.stage} | "
+                f"train loss {first:.6f} -> {last:.6f} | wall {wall:.1f}s",
+                flush=True,
+            )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

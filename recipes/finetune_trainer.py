@@ -60,15 +60,30 @@ def main() -> None:
         torch.manual_seed(0)
         model = hf_llama(block_size=args.block_size).lm  # the LlamaForCausalLM inside the recipes' adapter
     training = TrainingArguments(
-        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size, learning_rate=args.lr, warmup_steps=args.steps // 10,
-        lr_scheduler_type="cosine", weight_decay=0.1, max_grad_norm=1.0, bf16=args.bf16, logging_steps=10,
-        save_strategy="steps", save_steps=args.save_steps, eval_strategy="steps", eval_steps=args.save_steps,
-        report_to=[], disable_tqdm=True, seed=0,
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        learning_rate=args.lr,
+        warmup_steps=args.steps // 10,
+        lr_scheduler_type="cosine",
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        bf16=args.bf16,
+        logging_steps=10,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        eval_strategy="steps",
+        eval_steps=args.save_steps,
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
         use_cpu=not torch.cuda.is_available(),  # accelerate takes the torchrun ranks as CPU ranks only when told
     )
     trainer = ShardparTrainer(  # shardpar: was Trainer(
-        model=model, args=training, train_dataset=blocks(data.train, args.block_size),
+        model=model,
+        args=training,
+        train_dataset=blocks(data.train, args.block_size),
         eval_dataset=blocks(data.val, args.block_size)[:64],
         shardpar_stage=args.stage,  # shardpar
     )
@@ -76,8 +91,10 @@ def main() -> None:
     metrics = trainer.evaluate()
     trainer.save_model(f"{args.output_dir}/final")  # every rank: gathers, then rank 0 writes the HF layout
     if trainer.is_world_process_zero():
-        print(f"stage {args.stage}: step {trainer.state.global_step}, eval loss {metrics['eval_loss']:.4f}, "
-              f"model in {args.output_dir}/final")
+        print(
+            f"stage {args.stage}: step {trainer.state.global_step}, eval loss {metrics['eval_loss']:.4f}, "
+            f"model in {args.output_dir}/final"
+        )
 
 
 if __name__ == "__main__":

@@ -42,9 +42,7 @@ class GPTConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
-            raise ValueError(
-                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
-            )
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
 
@@ -158,9 +156,7 @@ class GPT(nn.Module):
             return logits, None
         # Loss in fp32 even under autocast/mixed precision: the softmax over V is where
         # low precision hurts most.
-        loss = F.cross_entropy(
-            rearrange(logits.float(), "b t v -> (b t) v"), rearrange(targets, "b t -> (b t)")
-        )
+        loss = F.cross_entropy(rearrange(logits.float(), "b t v -> (b t) v"), rearrange(targets, "b t -> (b t)"))
         return logits, loss
 
     @torch.no_grad()

@@ -38,9 +38,7 @@ def hf_llama(block_size: int = 128, **overrides: Any) -> HFCausalLM:
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError as error:  # optional extra
-        raise ImportError(
-            "--model hf-llama needs Hugging Face transformers: pip install -e \".[hf]\""
-        ) from error
+        raise ImportError('--model hf-llama needs Hugging Face transformers: pip install -e ".[hf]"') from error
     config = LlamaConfig(
         **(
             dict(

@@ -17,8 +17,9 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `recipes` and `shardpar` without installing
@@ -31,7 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from recipes.common import warmup_cosine
 from recipes.data import load_dataset
-from recipes.gpt import GPT, CausalSelfAttention, MLP, param_groups, small_gpt, tiny_gpt
+from recipes.gpt import GPT, MLP, CausalSelfAttention, param_groups, small_gpt, tiny_gpt
 from shardpar.integrations.lightning import ShardparStrategy  # shardpar
 
 MODELS = {"tiny": tiny_gpt, "small": small_gpt}
@@ -49,8 +50,9 @@ class Batches(IterableDataset):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         data = load_dataset()
         for step in range(self.first, self.last):
-            yield data.get_batch(step, self.args.batch_size, self.args.block_size, self.rank, self.world_size,
-                                 self.args.seed, self.split)
+            yield data.get_batch(
+                step, self.args.batch_size, self.args.block_size, self.rank, self.world_size, self.args.seed, self.split
+            )
 
 
 class GPTModule(L.LightningModule):
@@ -81,8 +83,9 @@ class GPTModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(Batches(self.args, self.trainer, "train", self.trainer.global_step, self.args.steps),
-                          batch_size=None)
+        return DataLoader(
+            Batches(self.args, self.trainer, "train", self.trainer.global_step, self.args.steps), batch_size=None
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(Batches(self.args, self.trainer, "val", 0, self.args.eval_iters), batch_size=None)
@@ -111,8 +114,12 @@ def gpt2_init(n_layer: int):  # shardpar
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=2)
-    p.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                   help="processes on this machine (under torchrun: its --nproc_per_node)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        help="processes on this machine (under torchrun: its --nproc_per_node)",
+    )
     p.add_argument("--model", choices=MODELS, default="small")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=64, help="global sequences per step")
@@ -133,23 +140,35 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
-    checkpoints = [ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.eval_every, save_top_k=-1,
-                                   save_last=True)] if args.ckpt_dir else []
+    checkpoints = (
+        [ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.eval_every, save_top_k=-1, save_last=True)]
+        if args.ckpt_dir
+        else []
+    )
     with torch.device("meta"):
         n_layer = MODELS[args.model]().config.n_layer
     trainer = L.Trainer(
         strategy=ShardparStrategy(stage=args.stage, init_fn=gpt2_init(n_layer)),  # shardpar (was: strategy="ddp")
-        devices=args.devices, precision=args.precision, max_steps=args.steps, gradient_clip_val=args.clip or None,
-        val_check_interval=min(args.eval_every, args.steps), check_val_every_n_epoch=None, num_sanity_val_steps=0,
-        logger=False, enable_checkpointing=bool(checkpoints), callbacks=checkpoints,
+        devices=args.devices,
+        precision=args.precision,
+        max_steps=args.steps,
+        gradient_clip_val=args.clip or None,
+        val_check_interval=min(args.eval_every, args.steps),
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=bool(checkpoints),
+        callbacks=checkpoints,
     )
     module = GPTModule(args)
     trainer.fit(module, ckpt_path=args.resume)
     metrics = trainer.callback_metrics
     if trainer.is_global_zero:
-        print(f"done: {trainer.global_step} steps, world {trainer.world_size}, stage {args.stage} | "
-              f"train loss {module.first_loss:.6f} -> {metrics['train_loss'].item():.6f} | "
-              f"val loss {metrics['val_loss'].item():.6f}")
+        print(
+            f"done: {trainer.global_step} steps, world {trainer.world_size}, stage {args.stage} | "
+            f"train loss {module.first_loss:.6f} -> {metrics['train_loss'].item():.6f} | "
+            f"val loss {metrics['val_loss'].item():.6f}"
+        )
 
 
 if __name__ == "__main__":

@@ -43,10 +43,16 @@ def _stage(text: str) -> int | str:
 
 def parse_args(argv: list[str] | None, env: DistEnv) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--stage", type=_stage, default=0, metavar="{0,1,2,3,auto}",
-                   help="ZeRO stage 0-3 (0 = DDP), or 'auto': the lowest that fits --memory-budget")
-    p.add_argument("--memory-budget", default=None,
-                   help="per-rank bytes for --stage auto, e.g. 2MB (decimal) or 512MiB (binary)")
+    p.add_argument(
+        "--stage",
+        type=_stage,
+        default=0,
+        metavar="{0,1,2,3,auto}",
+        help="ZeRO stage 0-3 (0 = DDP), or 'auto': the lowest that fits --memory-budget",
+    )
+    p.add_argument(
+        "--memory-budget", default=None, help="per-rank bytes for --stage auto, e.g. 2MB (decimal) or 512MiB (binary)"
+    )
     p.add_argument("--model", choices=MODELS, default="small")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=64, help="global sequences per optimizer step")
@@ -66,15 +72,28 @@ def parse_args(argv: list[str] | None, env: DistEnv) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0 = never)")
     p.add_argument("--ckpt-dir", type=Path, default=None, help="where step-NNNNNNNN checkpoints go")
-    p.add_argument("--async-save", action="store_true",
-                   help="write checkpoints in the background: training goes on after each save's copy to host "
-                        "memory (shardpar.save_checkpoint(..., async_save=True))")
-    p.add_argument("--keep-last", type=int, default=0, metavar="K",
-                   help="once a checkpoint is complete, delete all but the newest K in --ckpt-dir (0 = keep all)")
-    p.add_argument("--resume", default=None,
-                   help="checkpoint directory, or 'latest' for the newest valid one in --ckpt-dir")
-    p.add_argument("--timeout-s", type=float, default=None,
-                   help="seconds a collective waits for a missing rank (default: shardpar's, 300)")
+    p.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write checkpoints in the background: training goes on after each save's copy to host "
+        "memory (shardpar.save_checkpoint(..., async_save=True))",
+    )
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        default=0,
+        metavar="K",
+        help="once a checkpoint is complete, delete all but the newest K in --ckpt-dir (0 = keep all)",
+    )
+    p.add_argument(
+        "--resume", default=None, help="checkpoint directory, or 'latest' for the newest valid one in --ckpt-dir"
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        help="seconds a collective waits for a missing rank (default: shardpar's, 300)",
+    )
     add_device_flag(p)
     args = p.parse_args(argv)  # an unknown flag exits 2 with one `error:` line
 
@@ -82,8 +101,10 @@ def parse_args(argv: list[str] | None, env: DistEnv) -> argparse.Namespace:
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.batch_size % (env.world_size * args.grad_accum):
-        p.error(f"--batch-size {args.batch_size} must be divisible by world size {env.world_size} "
-                f"x --grad-accum {args.grad_accum}")
+        p.error(
+            f"--batch-size {args.batch_size} must be divisible by world size {env.world_size} "
+            f"x --grad-accum {args.grad_accum}"
+        )
     if args.timeout_s is not None and not args.timeout_s > 0:
         p.error("--timeout-s must be positive")
     if args.save_every and args.ckpt_dir is None:

@@ -67,20 +67,33 @@ def build(args: argparse.Namespace, env: DistEnv, device: torch.device) -> Run:
     resume = resolve_resume(args.resume, args.ckpt_dir)  # before any work: fail fast
     torch.manual_seed(args.seed)  # identical init everywhere; wrap() also broadcasts rank 0's
     module = FACTORIES[args.model](block_size=args.block_size).to(device)
-    log.info("%s model: %.2fM parameters, world size %d",
-             args.model, sum(p.numel() for p in module.parameters()) / 1e6, env.world_size)
+    log.info(
+        "%s model: %.2fM parameters, world size %d",
+        args.model,
+        sum(p.numel() for p in module.parameters()) / 1e6,
+        env.world_size,
+    )
     options, context = {}, ""
     if args.stage == "auto":
         options, context = {"memory_budget": args.memory_budget}, f"--memory-budget {args.memory_budget}"
     if args.timeout_s is not None:
         options["timeout_s"] = args.timeout_s
     with config_errors(ValueError, context=context):  # e.g. a budget no stage fits
-        model = shardpar.wrap(module, stage=args.stage, bucket_cap_mb=args.bucket_cap_mb,
-                              mixed_precision=MIXED_PRECISION[args.mixed_precision], **options)
-    log.info("stage %d%s", model.stage,
-             f" (--stage auto: the lowest that fits {args.memory_budget} per rank)" if context else "")
-    opt = shardpar.optimizer(model, torch.optim.AdamW, param_groups(model), lr=args.lr,
-                             weight_decay=args.weight_decay, betas=(0.9, 0.95))
+        model = shardpar.wrap(
+            module,
+            stage=args.stage,
+            bucket_cap_mb=args.bucket_cap_mb,
+            mixed_precision=MIXED_PRECISION[args.mixed_precision],
+            **options,
+        )
+    log.info(
+        "stage %d%s",
+        model.stage,
+        f" (--stage auto: the lowest that fits {args.memory_budget} per rank)" if context else "",
+    )
+    opt = shardpar.optimizer(
+        model, torch.optim.AdamW, param_groups(model), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95)
+    )
 
     start_step = 0
     if resume is not None:
@@ -109,8 +122,9 @@ def evaluate(run: Run, args: argparse.Namespace, env: DistEnv, device: torch.dev
     total = 0.0
     with torch.no_grad():
         for i in range(args.eval_iters):
-            x, y = run.data.get_batch(i, args.batch_size, args.block_size, env.rank,
-                                      env.world_size, args.seed, split="val")
+            x, y = run.data.get_batch(
+                i, args.batch_size, args.block_size, env.rank, env.world_size, args.seed, split="val"
+            )
             total += run.model(x.to(device), y.to(device))[1].item()
     run.model.train()
     return all_reduce_mean(total / args.eval_iters, device)
@@ -124,13 +138,18 @@ def train(run: Run, args: argparse.Namespace, env: DistEnv, device: torch.device
     # Throughput counts only the step itself, not logging reductions, evals or checkpoints.
     train_time = interval_time = 0.0
     interval_steps = 0
-    bar = tqdm(range(run.start_step, args.steps), initial=run.start_step, total=args.steps,
-               desc="train", disable=env.rank != 0, dynamic_ncols=True)
+    bar = tqdm(
+        range(run.start_step, args.steps),
+        initial=run.start_step,
+        total=args.steps,
+        desc="train",
+        disable=env.rank != 0,
+        dynamic_ncols=True,
+    )
     checkpoints = Checkpoints(args.ckpt_dir, args.async_save, args.keep_last, env) if args.save_every else None
     for step in bar:
         t0 = time.perf_counter()
-        x, y = run.data.get_batch(step, args.batch_size, args.block_size, env.rank,
-                                  env.world_size, args.seed)
+        x, y = run.data.get_batch(step, args.batch_size, args.block_size, env.rank, env.world_size, args.seed)
         step_loss = torch.zeros((), device=device)  # stays on device: no sync per micro-step
         for micro, (mx, my) in enumerate(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum))):
             # Only the last micro-batch's backward reduces; earlier ones just accumulate.
@@ -154,8 +173,13 @@ def train(run: Run, args: argparse.Namespace, env: DistEnv, device: torch.device
             last_loss = all_reduce_mean(step_loss.item(), device)  # every rank joins the reduction
             if step == run.start_step:
                 first_loss = last_loss
-            bar.set_postfix({"loss": f"{last_loss:.3f}", "lr": f"{run.sched.get_last_lr()[0]:.2e}",
-                             "tok/s": f"{interval_steps * tokens_per_step / interval_time:,.0f}"})
+            bar.set_postfix(
+                {
+                    "loss": f"{last_loss:.3f}",
+                    "lr": f"{run.sched.get_last_lr()[0]:.2e}",
+                    "tok/s": f"{interval_steps * tokens_per_step / interval_time:,.0f}",
+                }
+            )
             interval_time, interval_steps = 0.0, 0
         # Save before evaluating, so that a failure during the eval loses no training. The last
         # step always saves, so the final parameters are on disk for comparing runs.
@@ -165,9 +189,12 @@ def train(run: Run, args: argparse.Namespace, env: DistEnv, device: torch.device
             log.info("step %d: val loss %.4f", done, evaluate(run, args, env, device))
     bar.close()
     steps_run = args.steps - run.start_step
-    result = {"first_loss": first_loss, "train_loss": last_loss,
-              "val_loss": evaluate(run, args, env, device),  # while the last checkpoint may still be written
-              "tokens_per_s": steps_run * tokens_per_step / train_time if train_time else float("nan")}
+    result = {
+        "first_loss": first_loss,
+        "train_loss": last_loss,
+        "val_loss": evaluate(run, args, env, device),  # while the last checkpoint may still be written
+        "tokens_per_s": steps_run * tokens_per_step / train_time if train_time else float("nan"),
+    }
     if checkpoints is not None:
         checkpoints.finish()  # the summary line means the last checkpoint is complete
     return result
@@ -186,8 +213,7 @@ def memory_report(model: shardpar.ShardedModule) -> str:
     def fmt(s: Any) -> str:
         # memory_stats() reports bytes; the recipe's model is small, so show MiB with decimals.
         if isinstance(s, dict):
-            return " ".join(f"{k}={v / 2**20:.2f}MiB" if isinstance(v, int) else f"{k}={v}"
-                            for k, v in s.items())
+            return " ".join(f"{k}={v / 2**20:.2f}MiB" if isinstance(v, int) else f"{k}={v}" for k, v in s.items())
         return str(s)
 
     return " | mem " + "; ".join(f"rank{r}: {fmt(s)}" for r, s in enumerate(per_rank))
@@ -214,10 +240,13 @@ def main(args: argparse.Namespace, env: DistEnv) -> None:
         mem = memory_report(run.model)
         if env.is_main:
             # Six decimals: enough to compare runs (a resumed one, another world size) closely.
-            print(f"done: {args.steps} steps, world {env.world_size}, stage {run.model.stage} | "
-                  f"train loss {result['first_loss']:.6f} -> {result['train_loss']:.6f} | "
-                  f"val loss {result['val_loss']:.6f} | {result['tokens_per_s']:,.0f} tok/s | "
-                  f"wall {wall:.1f}s{mem}", flush=True)
+            print(
+                f"done: {args.steps} steps, world {env.world_size}, stage {run.model.stage} | "
+                f"train loss {result['first_loss']:.6f} -> {result['train_loss']:.6f} | "
+                f"val loss {result['val_loss']:.6f} | {result['tokens_per_s']:,.0f} tok/s | "
+                f"wall {wall:.1f}s{mem}",
+                flush=True,
+            )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

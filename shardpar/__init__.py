@@ -4,16 +4,15 @@
 job: stage 0 is DDP, stages 1-3 are ZeRO (optimizer state, gradients, parameters sharded).
 """
 
-from .optim import GradScaler
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_full
+from .checkpoint.pretrained import load_pretrained
 from .config import MixedPrecision, ShardConfig
 from .errors import CheckpointError, RanksOutOfStep, ShardedGradError, UnitOrderMismatch
 from .facade import ShardedModule, register_forward_method
-from .optim import ShardedOptimizer, optimizer
+from .optim import GradScaler, ShardedOptimizer, optimizer
 from .planner import CommEstimate, MemoryEstimate, choose_stage, estimate_communication, estimate_memory
-from .wrap import wrap
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_full
-from .checkpoint.pretrained import load_pretrained
 from .version import __version__
+from .wrap import wrap
 
 __all__ = [
     "GradScaler",

@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -64,7 +65,7 @@ class MixedPrecision:
             )
 
     @classmethod
-    def from_option(cls, option: "MixedPrecisionOption") -> "MixedPrecision | None":
+    def from_option(cls, option: MixedPrecisionOption) -> MixedPrecision | None:
         """Accept ``None``, ``"bf16"``/``"fp16"`` shorthands or a ``MixedPrecision``."""
         if option is None or isinstance(option, MixedPrecision):
             return option
@@ -81,8 +82,7 @@ class MixedPrecision:
             # gradients in fp32 for accuracy.
             return cls(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
         raise TypeError(
-            f"mixed_precision must be None, 'bf16', 'fp16' or shardpar.MixedPrecision, "
-            f"got {type(option).__name__}"
+            f"mixed_precision must be None, 'bf16', 'fp16' or shardpar.MixedPrecision, got {type(option).__name__}"
         )
 
 
@@ -172,7 +172,9 @@ class ShardConfig:
         # The per-direction counts may be None (prefetch_units applies); prefetch_units may not.
         prefetch_counts = {"prefetch_units": self.prefetch_units}
         prefetch_counts.update(
-            (option, getattr(self, option)) for option in _DIRECTED_PREFETCH_OPTIONS if getattr(self, option) is not None
+            (option, getattr(self, option))
+            for option in _DIRECTED_PREFETCH_OPTIONS
+            if getattr(self, option) is not None
         )
         for option, value in {**prefetch_counts, "min_unit_params": self.min_unit_params}.items():
             _check_number(option, value, integer=True)
@@ -193,7 +195,8 @@ class ShardConfig:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s!r}")
         if self.shard_group_size is not None and (
-            isinstance(self.shard_group_size, bool) or not isinstance(self.shard_group_size, (int, str))
+            isinstance(self.shard_group_size, bool)
+            or not isinstance(self.shard_group_size, (int, str))
             or (isinstance(self.shard_group_size, str) and self.shard_group_size != "node")
             or (isinstance(self.shard_group_size, int) and self.shard_group_size < 1)
         ):

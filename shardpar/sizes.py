@@ -16,9 +16,20 @@ import re
 from typing import Any
 
 BYTE_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
@@ -59,10 +70,12 @@ def parse_count(text: int | float | str, what: str = "parameter count") -> int:
 
 # --------------------------------------------------------------------------- sizes, as people read them
 
+
 def format_bytes(n: float, binary: bool = True) -> str:
     """``format_bytes(3 * 2**30)`` -> ``'3.00 GiB'``; ``binary=False`` -> decimal GB."""
-    base, units = (1024.0, ("B", "KiB", "MiB", "GiB", "TiB", "PiB")) if binary else (
-        1000.0, ("B", "kB", "MB", "GB", "TB", "PB"))
+    base, units = (
+        (1024.0, ("B", "KiB", "MiB", "GiB", "TiB", "PiB")) if binary else (1000.0, ("B", "kB", "MB", "GB", "TB", "PB"))
+    )
     value = float(n)
     for unit in units:
         if abs(value) < base or unit == units[-1]:

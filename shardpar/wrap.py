@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpoint.dtypes import is_storable
 from .comm import collectives as C
 from .comm import devices as D
 from .comm import process_group as PG
-from .checkpoint.dtypes import is_storable
 from .comm.sharding_groups import ShardingGroups, resolve_shard_group_size, sharding_groups
 from .config import ShardConfig
 from .core.deferred_init import DeferredInit, InitFn, materialise_whole
@@ -19,7 +19,6 @@ from .core.inventory import check_initialized, first_difference, model_signature
 from .engines import WRAPPED_MARK, build_engine
 from .facade import ShardedModule
 from .planner import choose_plan
-
 
 logger = logging.getLogger("shardpar")
 
@@ -45,8 +44,9 @@ def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[Sha
             raise ValueError("stage='auto' needs memory_budget= (bytes per rank, or a string such as '24GB')")
         # The optimizer is not known yet: the planner assumes AdamW (8 bytes of state per element).
         planner_options = {
-            k: options[k] for k in ("mixed_precision", "bucket_cap_mb", "wrap_policy", "min_unit_params",
-                                    "align_for_bandwidth") if k in options
+            k: options[k]
+            for k in ("mixed_precision", "bucket_cap_mb", "wrap_policy", "min_unit_params", "align_for_bandwidth")
+            if k in options
         }
         world_size = C.get_world_size() if C.is_initialized() else PG.launched_world_size()
         if planner_options.get("align_for_bandwidth") is None and not C.is_initialized():
@@ -55,8 +55,13 @@ def _build_config(module: Any, stage: Any, options: dict[str, Any]) -> tuple[Sha
             device = module_device(module)
             device = D.rank_device().device if device.type == "meta" else device  # its type picks the backend
             planner_options["align_for_bandwidth"] = world_size > 1 and PG.backend_for(device) == "nccl"
-        plan = choose_plan(module, world_size, budget, shard_group_sizes=_fixed_shard_group_size(options, world_size),
-                           **planner_options)
+        plan = choose_plan(
+            module,
+            world_size,
+            budget,
+            shard_group_sizes=_fixed_shard_group_size(options, world_size),
+            **planner_options,
+        )
         stage = plan.stage
         if plan.shard_group_size not in (None, world_size) and options.get("mesh") is None:
             options.setdefault("shard_group_size", plan.shard_group_size)
@@ -152,8 +157,9 @@ def _sharding(config: ShardConfig, group: Any) -> ShardingGroups | None:
     return sharding
 
 
-def wrap(module: nn.Module, stage: int = 0, *, process_group: Any = None, init_fn: InitFn | None = None,
-         **options: Any) -> ShardedModule:
+def wrap(
+    module: nn.Module, stage: int = 0, *, process_group: Any = None, init_fn: InitFn | None = None, **options: Any
+) -> ShardedModule:
     """Train ``module`` data-parallel at ZeRO ``stage`` (0-3) on every rank of the job.
 
     Works without torchrun (world size 1); under torchrun it creates the default process
@@ -185,8 +191,10 @@ def wrap(module: nn.Module, stage: int = 0, *, process_group: Any = None, init_f
         problem = error
     # The backend of a group wrap creates follows the device type; the device itself is
     # chosen after, once the group exists.
-    PG.init_default_group(D.rank_device().device if deferred else device,
-                         config.timeout_s if config is not None else ShardConfig.timeout_s)
+    PG.init_default_group(
+        D.rank_device().device if deferred else device,
+        config.timeout_s if config is not None else ShardConfig.timeout_s,
+    )
     if problem is None:
         try:
             device = _place(device, deferred, process_group)

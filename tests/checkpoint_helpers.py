@@ -32,8 +32,13 @@ WRAP_OPTIONS: dict[int, dict[str, Any]] = {
 }
 
 
-def build(stage: int, seed: int = 0, optimizer: str | None = None, recipe: Recipe = RECIPE,
-          options: dict[str, Any] | None = None):
+def build(
+    stage: int,
+    seed: int = 0,
+    optimizer: str | None = None,
+    recipe: Recipe = RECIPE,
+    options: dict[str, Any] | None = None,
+):
     """A fresh wrapped KitchenSink and its shardpar optimizer (``seed`` changes the init;
     ``options`` are wrap options on top of the stage's ``WRAP_OPTIONS``)."""
     module = dataclasses.replace(recipe.model, seed=seed).build()
@@ -81,13 +86,15 @@ def full_optimizer_state(opt: Any) -> dict[str, Any]:
     return full
 
 
-def save_run(stage: int, path: str, steps: int = K, options: dict[str, Any] | None = None,
-             async_save: bool = False) -> dict[str, Any]:
+def save_run(
+    stage: int, path: str, steps: int = K, options: dict[str, Any] | None = None, async_save: bool = False
+) -> dict[str, Any]:
     """Train ``steps`` steps, save; return what was saved (model and optimizer, in full)."""
     module, model, opt = build(stage, options=options)
     train(module, model, opt, 0, steps)
-    handle = shardpar.save_checkpoint(path, model, opt, extra={"step": steps, "note": "resume me"},
-                                      async_save=async_save)
+    handle = shardpar.save_checkpoint(
+        path, model, opt, extra={"step": steps, "note": "resume me"}, async_save=async_save
+    )
     saved = {"model": model.full_state_dict(), "optimizer": full_optimizer_state(opt)}  # collectives, while it writes
     handle.wait()
     return saved

@@ -27,8 +27,8 @@ from safetensors.torch import save_file  # noqa: E402
 from torch import nn  # noqa: E402
 
 import shardpar  # noqa: E402
-from shardpar.comm import collectives as C  # noqa: E402
 from shardpar.checkpoint.save import TEST_CRASH_ENV  # noqa: E402
+from shardpar.comm import collectives as C  # noqa: E402
 from tests.models import KITCHEN, MLPStack  # noqa: E402
 
 

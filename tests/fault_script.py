@@ -119,10 +119,11 @@ def _fail_inside_step(optimizer: torch.optim.Optimizer, injector: _Injector) -> 
 
 
 def train(args: argparse.Namespace) -> None:
-    import shardpar
     from safetensors.torch import save_file
-    from shardpar.comm import collectives as C
+
+    import shardpar
     from shardpar.checkpoint.save import TEST_CRASH_ENV
+    from shardpar.comm import collectives as C
     from tests.models import MLPStack
 
     out: Path = args.out
@@ -168,8 +169,9 @@ def train(args: argparse.Namespace) -> None:
             if args.fault == "kill-save" and done == args.fault_step and rank == args.rank:
                 _mark_fault(out, "kill-save", done)
                 os.environ[TEST_CRASH_ENV] = f"{rank}:write"
-            saving = shardpar.save_checkpoint(out / "ckpt" / f"step-{done}", model, opt, extra={"step": done},
-                                              async_save=args.async_save)
+            saving = shardpar.save_checkpoint(
+                out / "ckpt" / f"step-{done}", model, opt, extra={"step": done}, async_save=args.async_save
+            )
             state = model.full_state_dict()  # a collective: every rank takes part (while an async save writes)
             if rank == 0:
                 save_file({k: v.clone() for k, v in state.items()}, str(out / f"expected-step-{done}.safetensors"))
@@ -200,11 +202,17 @@ def _init_group_per_attempt(timeout_s: float = 300.0) -> None:
     if world_size <= 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
         return
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"shardpar/attempt-{attempt}", store),
-                            rank=_rank(), world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"shardpar/attempt-{attempt}", store),
+        rank=_rank(),
+        world_size=world_size,
+        timeout=timeout,
+    )
 
 
 def run_recipe(args: argparse.Namespace) -> None:
@@ -218,7 +226,12 @@ def run_recipe(args: argparse.Namespace) -> None:
         _mark_pid(args.out)
 
     def get_batch_or_die(self, step, *rest, **kwargs):
-        if attempt == 0 and _rank() == args.rank and step == args.fault_step and kwargs.get("split", "train") == "train":
+        if (
+            attempt == 0
+            and _rank() == args.rank
+            and step == args.fault_step
+            and kwargs.get("split", "train") == "train"
+        ):
             if args.out is not None:
                 _mark_fault(args.out, "kill-recipe", step)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -250,11 +263,17 @@ def main() -> None:
     parser.add_argument("--stage", type=int, choices=range(4), default=0)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--save-every", type=int, default=0)
-    parser.add_argument("--async-save", action="store_true", help="save with async_save=True (killed in the background)")
+    parser.add_argument(
+        "--async-save", action="store_true", help="save with async_save=True (killed in the background)"
+    )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="shardpar's collective timeout")
     parser.add_argument("--file-barrier", action="store_true")
-    parser.add_argument("--late-rank0-on-restart", type=float, default=0.0,
-                        help="seconds rank 0 of a restarted attempt waits before shardpar.wrap creates the group")
+    parser.add_argument(
+        "--late-rank0-on-restart",
+        type=float,
+        default=0.0,
+        help="seconds rank 0 of a restarted attempt waits before shardpar.wrap creates the group",
+    )
     train(parser.parse_args())
 
 

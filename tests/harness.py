@@ -61,10 +61,11 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable, Iterator
+from typing import Any
 
 __all__ = [
     "CPU_ONLY_ENV",
@@ -237,9 +238,7 @@ def _join_process_group(rank: int, world_size: int, conn: Connection) -> None:
         if rank == 0:
             # Port 0 lets the OS pick a free port while binding it, so there is no race
             # with other test sessions between choosing a port and listening on it.
-            store = dist.TCPStore(
-                "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
-            )
+            store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
             port = store.port
             _send(conn, _Reply.PORT, port)
         else:
@@ -247,9 +246,7 @@ def _join_process_group(rank: int, world_size: int, conn: Connection) -> None:
             assert command is _Command.INIT, f"expected INIT, got {command}"
             store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
         os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
-        )
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     except Exception:
         _send(conn, _Reply.ERROR, traceback.format_exc())
         raise
@@ -522,9 +519,7 @@ def _start_context() -> mp.context.BaseContext:
     return context
 
 
-def _format_failures(
-    headline: str, failures: dict[int, str], states: dict[int, _RankState]
-) -> str:
+def _format_failures(headline: str, failures: dict[int, str], states: dict[int, _RankState]) -> str:
     """Headline, then each failing rank's report, then what the other ranks were doing."""
     parts = [headline]
     for rank in sorted(failures):
@@ -544,9 +539,7 @@ _pools: dict[int, _Pool] = {}
 _pools_lock = threading.Lock()  # one call at a time: a pool serves a single task
 
 
-def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any
-) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
 
     Each rank already has the default process group initialised (rank r of

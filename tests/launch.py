@@ -72,8 +72,10 @@ class NodesRun:
 
     def output(self) -> str:
         """Every agent's output, for an assertion message."""
-        return "\n".join(f"--- agent {i} (exit {a.returncode}) ---\n{a.stdout[-_TAIL_CHARS:]}{a.stderr[-_TAIL_CHARS:]}"
-                         for i, a in enumerate(self.agents))
+        return "\n".join(
+            f"--- agent {i} (exit {a.returncode}) ---\n{a.stdout[-_TAIL_CHARS:]}{a.stderr[-_TAIL_CHARS:]}"
+            for i, a in enumerate(self.agents)
+        )
 
 
 class NodesTimeout(TimeoutError):
@@ -88,27 +90,63 @@ def report(record: Any) -> None:
     os.replace(partial, path)  # a report is whole or absent
 
 
-def run_nodes(script: str | os.PathLike[str], *args: str, nodes: int = 2, nproc_per_node: int = 2,
-              timeout: float = 90.0, env: dict[str, str] | None = None) -> NodesRun:
+def run_nodes(
+    script: str | os.PathLike[str],
+    *args: str,
+    nodes: int = 2,
+    nproc_per_node: int = 2,
+    timeout: float = 90.0,
+    env: dict[str, str] | None = None,
+) -> NodesRun:
     """Run ``script args`` under ``nodes`` torchrun agents on loopback; see the module's doc."""
     with tempfile.TemporaryDirectory(prefix="shardpar-nodes-") as tmp:
         out = Path(tmp)
         port, job = free_port(), f"shardpar-test-{uuid.uuid4().hex[:8]}"
-        full_env = {**os.environ, **CPU_ONLY_ENV, "OMP_NUM_THREADS": "1", REPORT_DIR_ENV: str(out),
-                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-                    **(env or {})}
+        full_env = {
+            **os.environ,
+            **CPU_ONLY_ENV,
+            "OMP_NUM_THREADS": "1",
+            REPORT_DIR_ENV: str(out),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            **(env or {}),
+        }
         for name in [n for n in full_env if n.startswith("TORCHELASTIC_")]:
             del full_env[name]  # stale if the test itself runs under torchrun
         agents = []
         for node in range(nodes):
-            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
-                       "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
-                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job,
-                       "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1",
-                       "--max-restarts", "0", str(script), *args]
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(nodes),
+                "--nproc-per-node",
+                str(nproc_per_node),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                job,
+                "--rdzv-conf",
+                f"is_host={int(node == 0)}",
+                "--local-addr",
+                "127.0.0.1",
+                "--max-restarts",
+                "0",
+                str(script),
+                *args,
+            ]
             stdout, stderr = open(out / f"agent-{node}.out", "w+"), open(out / f"agent-{node}.err", "w+")
-            agents.append((subprocess.Popen(command, stdout=stdout, stderr=stderr, env=full_env, cwd=ROOT,
-                                            start_new_session=True), stdout, stderr))
+            agents.append(
+                (
+                    subprocess.Popen(
+                        command, stdout=stdout, stderr=stderr, env=full_env, cwd=ROOT, start_new_session=True
+                    ),
+                    stdout,
+                    stderr,
+                )
+            )
         try:
             timed_out = _wait(agents, timeout)
         finally:
@@ -121,8 +159,10 @@ def run_nodes(script: str | os.PathLike[str], *args: str, nodes: int = 2, nproc_
             runs.append(AgentRun(process.returncode, stdout.read(), stderr.read()))
             stdout.close(), stderr.close()
         if timed_out:
-            raise NodesTimeout(f"{nodes} torchrun agents running {script} did not finish in {timeout:g} s; killed\n"
-                               + NodesRun(runs, {}).output())
+            raise NodesTimeout(
+                f"{nodes} torchrun agents running {script} did not finish in {timeout:g} s; killed\n"
+                + NodesRun(runs, {}).output()
+            )
         ranks = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob("rank-*.json")}
         return NodesRun(runs, ranks)
 

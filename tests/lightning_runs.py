@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import lightning as L
 import torch
@@ -59,8 +60,7 @@ def optimizer_and_scheduler(module: nn.Module) -> tuple[torch.optim.Optimizer, A
     """AdamW with two param groups (no decay on biases) and a per-step decay of the rate."""
     decay = [p for p in module.parameters() if p.ndim >= 2]
     no_decay = [p for p in module.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=0.02,
-                            weight_decay=0.1)
+    opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=0.02, weight_decay=0.1)
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
 
 
@@ -69,8 +69,13 @@ class Regression(L.LightningModule):
     device under shardpar); ``autocast``: the step computes under bf16 autocast itself, what
     ``precision="bf16-mixed"`` should amount to."""
 
-    def __init__(self, build_in_configure_model: bool = False, autocast: bool = False,
-                 hyperparameter: Any = None, two_optimizers: bool = False) -> None:
+    def __init__(
+        self,
+        build_in_configure_model: bool = False,
+        autocast: bool = False,
+        hyperparameter: Any = None,
+        two_optimizers: bool = False,
+    ) -> None:
         super().__init__()
         self.two_optimizers = two_optimizers
         self.automatic_optimization = not two_optimizers  # Lightning's rule for several optimizers
@@ -112,7 +117,10 @@ class Regression(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         if self.two_optimizers:
-            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+            return [
+                torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+                torch.optim.SGD(self.net[2].parameters(), lr=0.1),
+            ]
         opt, scheduler = optimizer_and_scheduler(self)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -138,9 +146,18 @@ def full_params(trainer: L.Trainer, module: nn.Module) -> dict[str, torch.Tensor
     return {name: tensor.detach().clone() for name, tensor in state.items()}
 
 
-def fit(name: str, *, devices: int = 2, batch: int = BATCH, module_options: dict[str, Any] | None = None,
-        ckpt_path: str | None = None, checkpoint_dir: str | None = None, test: bool = True,
-        strategy_options: dict[str, Any] | None = None, **trainer_options: Any) -> dict[str, Any]:
+def fit(
+    name: str,
+    *,
+    devices: int = 2,
+    batch: int = BATCH,
+    module_options: dict[str, Any] | None = None,
+    ckpt_path: str | None = None,
+    checkpoint_dir: str | None = None,
+    test: bool = True,
+    strategy_options: dict[str, Any] | None = None,
+    **trainer_options: Any,
+) -> dict[str, Any]:
     """``trainer.fit`` (then ``trainer.test``) of ``Regression(**module_options)``, built
     after seeding; what the parent compares."""
     with torchelastic_launched():
@@ -150,9 +167,16 @@ def fit(name: str, *, devices: int = 2, batch: int = BATCH, module_options: dict
         if checkpoint_dir is not None:
             callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, save_top_k=-1, every_n_epochs=1))
         trainer = L.Trainer(
-            strategy=strategy(name, **(strategy_options or {})), accelerator="cpu", devices=devices, logger=False,
-            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=checkpoint_dir is not None,
-            num_sanity_val_steps=0, callbacks=callbacks, **{"max_epochs": 2, **trainer_options},
+            strategy=strategy(name, **(strategy_options or {})),
+            accelerator="cpu",
+            devices=devices,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=checkpoint_dir is not None,
+            num_sanity_val_steps=0,
+            callbacks=callbacks,
+            **{"max_epochs": 2, **trainer_options},
         )
         trainer.fit(module, train_dataloaders=loader(batch), val_dataloaders=loader(batch), ckpt_path=ckpt_path)
         syncs = synchronising_backwards(trainer.strategy.model)
@@ -176,8 +200,14 @@ def test_only(name: str, ckpt_path: str, module_options: dict[str, Any] | None =
     with torchelastic_launched():
         torch.manual_seed(1)  # other values than the checkpoint's, were it not loaded
         module = Regression(**(module_options or {}))
-        trainer = L.Trainer(strategy=strategy(name), accelerator="cpu", devices=2, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False)
+        trainer = L.Trainer(
+            strategy=strategy(name),
+            accelerator="cpu",
+            devices=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.test(module, dataloaders=loader(), ckpt_path=ckpt_path, verbose=False)
         return module.losses["test"]
 
@@ -193,8 +223,11 @@ def fabric_train(name: str, *, save_to: str | None = None, resume_from: str | No
     ``save_to``: ``fabric.save`` after step 2; ``resume_from``: ``fabric.load`` first, then the
     remaining steps."""
     with torchelastic_launched():
-        chosen = "ddp" if name == "ddp" else ShardparFabricStrategy(stage=int(name.removeprefix("stage")),
-                                                                     min_unit_params=UNIT_PARAMS)
+        chosen = (
+            "ddp"
+            if name == "ddp"
+            else ShardparFabricStrategy(stage=int(name.removeprefix("stage")), min_unit_params=UNIT_PARAMS)
+        )
         fabric = L.Fabric(strategy=chosen, accelerator="cpu", devices=2)
         fabric.launch()
         torch.manual_seed(0)
@@ -220,11 +253,17 @@ def fabric_train(name: str, *, save_to: str | None = None, resume_from: str | No
             if save_to is not None and state["step"] == 2:
                 fabric.save(save_to, state)
         params = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-        return {"train": losses, "params": params, "remainder": remainder, "lr": scheduler.get_last_lr(),
-                "synchronising_backwards": synchronising_backwards(model._forward_module)}
+        return {
+            "train": losses,
+            "params": params,
+            "remainder": remainder,
+            "lr": scheduler.get_last_lr(),
+            "synchronising_backwards": synchronising_backwards(model._forward_module),
+        }
 
 
 # --------------------------------------------------------------------------- refusals
+
 
 def error_of(run: Any, *args: Any, **kwargs: Any) -> str:
     """``type: message`` of what ``run`` raised (it must raise)."""
@@ -240,8 +279,14 @@ def refusals(directory: str, pickle_file: str) -> dict[str, Any]:
     unstorable = os.path.join(directory, "unstorable")
     return {
         # A hyperparameter JSON cannot hold: ModelCheckpoint's save fails before writing anything.
-        "unstorable": error_of(fit, "stage2", module_options={"hyperparameter": object()}, max_epochs=1,
-                               checkpoint_dir=unstorable, test=False),
+        "unstorable": error_of(
+            fit,
+            "stage2",
+            module_options={"hyperparameter": object()},
+            max_epochs=1,
+            checkpoint_dir=unstorable,
+            test=False,
+        ),
         "unstorable_left": sorted(os.listdir(unstorable)) if os.path.isdir(unstorable) else [],
         # A Lightning checkpoint file (a pickle) is never unpickled.
         "pickle": error_of(fit, "stage2", ckpt_path=pickle_file, test=False),

@@ -14,8 +14,9 @@ bit-identical weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -116,7 +117,9 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)  # a key bias gets a zero gradient (softmax shift): Adam would amplify its noise
+        self.qkv = nn.Linear(
+            dim, 3 * dim, bias=False
+        )  # a key bias gets a zero gradient (softmax shift): Adam would amplify its noise
         self.proj = nn.Linear(dim, dim)
         self.ln2 = nn.LayerNorm(dim)
         self.fc = nn.Linear(dim, 2 * dim)
@@ -187,8 +190,9 @@ class ShuffledBlocks(nn.Module):
 
     dim = 6
 
-    def __init__(self, order: tuple[int, ...] = (2, 0, 3, 1), skip: tuple[int, ...] = (),
-                 checkpoint: bool = False) -> None:
+    def __init__(
+        self, order: tuple[int, ...] = (2, 0, 3, 1), skip: tuple[int, ...] = (), checkpoint: bool = False
+    ) -> None:
         super().__init__()
         self.order = tuple(i for i in order if i not in skip)
         self.checkpoint = checkpoint

@@ -30,8 +30,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,7 +43,6 @@ from tests.harness import run_ranks
 from tests.models import ModelSpec, param_groups
 
 TOLERANCE = 1e-5
-
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Recipe:
     wrapped model itself)."""
     data_seed: int = 1234
 
-    def with_(self, **changes: Any) -> "Recipe":
+    def with_(self, **changes: Any) -> Recipe:
         return Recipe(**{**self.__dict__, **changes})
 
 
@@ -108,9 +108,7 @@ def rank_slice(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
 # --------------------------------------------------------------------------- optimizers
 
 
-def build_optimizer(
-    recipe: Recipe, model: nn.Module, make: Callable[..., torch.optim.Optimizer]
-) -> tuple[Any, Any]:
+def build_optimizer(recipe: Recipe, model: nn.Module, make: Callable[..., torch.optim.Optimizer]) -> tuple[Any, Any]:
     """``make(optimizer_class, params, **defaults)`` builds the optimizer (plain or shardpar);
     returns it and its scheduler (or None)."""
     cls = getattr(torch.optim, recipe.optimizer)
@@ -170,7 +168,7 @@ def train_reference(recipe: Recipe, world_size: int = 1) -> Result:
     return result
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(recipe: Recipe, world_size: int = 1) -> Result:
     """Cached :func:`train_reference`; the world size only matters for chunked references."""
     return train_reference(recipe, world_size if recipe.chunked_reference else 1)
@@ -191,7 +189,9 @@ def train_sharded(
     module = recipe.model.build()
     model = shardpar.wrap(module, stage=stage, **dict(wrap_options))
     model.train()
-    opt, scheduler = build_optimizer(recipe, model, lambda cls, params, **kw: shardpar.optimizer(model, cls, params, **kw))
+    opt, scheduler = build_optimizer(
+        recipe, model, lambda cls, params, **kw: shardpar.optimizer(model, cls, params, **kw)
+    )
     result = Result(state={})
     result.extra["at_wrap"] = describe(model)  # the layout before the first backward rebuilds the buckets
     result.extra["memory_after_backward"] = []
@@ -279,8 +279,10 @@ def padding_magnitude(model: Any) -> tuple[float, int]:
     for space in engine.storage.spaces:  # stage 0-2 buffers, stage-3 trainable flat groups
         full_mask, local_mask = _padding_masks(space.layout, engine.rank)
         tensors = [getattr(space, name, None) for name in ("data", "full_master", "master_shard", "full", "shard")]
-        tensors += [(getattr(engine.strategy, name, None) or {}).get(space)
-                    for name in ("data", "master_grads", "master_grad_shards", "grad_shards", "_accumulated", "_carry")]
+        tensors += [
+            (getattr(engine.strategy, name, None) or {}).get(space)
+            for name in ("data", "master_grads", "master_grad_shards", "grad_shards", "_accumulated", "_carry")
+        ]
         for tensor in tensors:
             if tensor is None or tensor.untyped_storage().nbytes() == 0:  # a freed stage-3 full buffer
                 continue
@@ -345,7 +347,9 @@ def assert_states_close(
     assert list(actual) == list(expected), f"{what}: keys differ: {list(actual)} vs {list(expected)}"
     errors = {}
     for name, tensor in expected.items():
-        assert actual[name].shape == tensor.shape, f"{what}: {name} has shape {actual[name].shape}, expected {tensor.shape}"
+        assert actual[name].shape == tensor.shape, (
+            f"{what}: {name} has shape {actual[name].shape}, expected {tensor.shape}"
+        )
         errors[name] = rel_error(actual[name], tensor)
     bad = {name: err for name, err in errors.items() if not err <= tol}
     assert not bad, f"{what}: relative error above {tol:g}: " + ", ".join(f"{n}={e:.3g}" for n, e in bad.items())
@@ -373,8 +377,10 @@ def check_parity(results: list[Result], recipe: Recipe, world_size: int, what: s
         assert_close_values(result.norms, expected.norms, what=f"{what}: clip norms on rank {rank}")
 
 
-@functools.lru_cache(maxsize=None)
-def sharded(recipe: Recipe, stage: int, world_size: int, wrap_options: tuple[tuple[str, Any], ...] = ()) -> list[Result]:
+@functools.cache
+def sharded(
+    recipe: Recipe, stage: int, world_size: int, wrap_options: tuple[tuple[str, Any], ...] = ()
+) -> list[Result]:
     """Cached per-rank results of :func:`train_sharded`, so several tests can check
     different properties of one run without paying for it again."""
     return run(train_sharded, world_size, recipe, stage, wrap_options)

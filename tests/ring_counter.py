@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,9 +70,23 @@ _SIZES: dict[str, tuple[str, Callable[[tuple, dict], int]]] = {
     "broadcast": ("broadcast", lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))),
     "barrier": ("barrier", lambda a, k: 0),
 }
-_WRAPPED = (*_SIZES, "all_gather_object", "broadcast_object_list", "all_reduce_coalesced", "all_gather_coalesced",
-            "all_to_all", "gather", "scatter", "reduce", "send", "recv", "isend", "irecv", "batch_isend_irecv",
-            "monitored_barrier")
+_WRAPPED = (
+    *_SIZES,
+    "all_gather_object",
+    "broadcast_object_list",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "reduce",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "monitored_barrier",
+)
 """Everything wrapped: the calls priced above, and the rest, which a test expects none of
 (they raise from :meth:`RingCounter.resolve`) or which count through the calls inside them."""
 
@@ -97,7 +112,7 @@ class RingCounter:
     _depth: threading.local = field(default_factory=threading.local)
 
     @contextlib.contextmanager
-    def counting(self) -> Iterator["RingCounter"]:
+    def counting(self) -> Iterator[RingCounter]:
         patched: list[tuple[Any, str, Any]] = []
 
         def patch(owner: Any, name: str, replacement: Any) -> None:
@@ -163,7 +178,7 @@ class RingCounter:
             call.is_source = dist.get_rank(group) == call.source
         return call
 
-    def resolve(self, world_size: int) -> "RingBytes":
+    def resolve(self, world_size: int) -> RingBytes:
         """Every rank's calls exchanged (a collective: call on every rank, outside
         :meth:`counting`), each priced by the ring model; broadcasts by their source's size."""
         logs: list[list[Call] | None] = [None] * world_size

@@ -19,8 +19,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -76,8 +76,9 @@ def save_now_and_after_training(stage: int, mixed_precision: str | None, root: s
 
 
 @pytest.mark.parametrize("stage, mixed_precision", [(0, None), (1, None), (2, "bf16"), (3, None)])
-def test_an_async_save_holds_the_values_of_the_call_bit_for_bit(tmp_path: Path, stage: int,
-                                                                 mixed_precision: str | None) -> None:
+def test_an_async_save_holds_the_values_of_the_call_bit_for_bit(
+    tmp_path: Path, stage: int, mixed_precision: str | None
+) -> None:
     still_writing = run(save_now_and_after_training, 2, stage, mixed_precision, str(tmp_path))
     assert all(still_writing), "the save finished before training went on: nothing was tested"
     sync, done = tmp_path / "sync", tmp_path / "async"
@@ -145,7 +146,9 @@ def exchanges(prefix: str) -> dict[str, object]:
     gathered = [complete.all_gather(f"{step} from {rank}", f"step {step}") for step in range(2)]
     complete.close("the end")
     C.barrier()  # both ranks closed theirs
-    left = [key for key in (f"{prefix}/complete/{s}/rank-{r}" for s in range(2) for r in range(2)) if store.check([key])]
+    left = [
+        key for key in (f"{prefix}/complete/{s}/rank-{r}" for s in range(2) for r in range(2)) if store.check([key])
+    ]
     silent_after, store_exchange.SILENT_AFTER_S = store_exchange.SILENT_AFTER_S, 2.0
     try:
         exchange = store_exchange.StoreExchange(store, f"{prefix}/silent", rank, 2, timeout_s=60)
@@ -178,15 +181,18 @@ def exits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, sub
     root = tmp_path_factory.mktemp("exit")
     env = {"OMP_NUM_THREADS": "1", **CPU_ONLY_ENV}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    commands = {"complete": [*torchrun, str(EXIT_SCRIPT), str(root / "complete")],
-                "fails": [sys.executable, str(EXIT_SCRIPT), str(root / "fails"), "--full-disk"]}
+    commands = {
+        "complete": [*torchrun, str(EXIT_SCRIPT), str(root / "complete")],
+        "fails": [sys.executable, str(EXIT_SCRIPT), str(root / "fails"), "--full-disk"],
+    }
     results = {}
     with contextlib.ExitStack() as stack:
         from concurrent.futures import ThreadPoolExecutor
 
         pool = stack.enter_context(ThreadPoolExecutor(len(commands)))
-        futures = {name: pool.submit(run_script, command, timeout=180, env=env, cwd=ROOT)
-                   for name, command in commands.items()}
+        futures = {
+            name: pool.submit(run_script, command, timeout=180, env=env, cwd=ROOT) for name, command in commands.items()
+        }
         results = {name: (root / name, future.result()) for name, future in futures.items()}
     return results
 

@@ -47,22 +47,45 @@ def test_unknown_option_is_named() -> None:
         shardpar.wrap(_mlp(), stage=0, bucket_cap_gb=1)
 
 
-@pytest.mark.parametrize("option, value", [
-    ("bucket_cap_mb", 0), ("bucket_cap_mb", -1.0), ("timeout_s", 0), ("prefetch_units", -1),
-    ("forward_prefetch_units", -1), ("backward_prefetch_units", -1),
-])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("bucket_cap_mb", 0),
+        ("bucket_cap_mb", -1.0),
+        ("timeout_s", 0),
+        ("prefetch_units", -1),
+        ("forward_prefetch_units", -1),
+        ("backward_prefetch_units", -1),
+    ],
+)
 def test_invalid_option_value_is_named(option: str, value: object) -> None:
     with pytest.raises(ValueError, match=option):
         shardpar.wrap(_mlp(), stage=0, **{option: value})
 
 
-@pytest.mark.parametrize("option, value", [
-    ("bucket_cap_mb", "25"), ("timeout_s", "10"), ("timeout_s", None), ("prefetch_units", 1.5),
-    ("min_unit_params", "1000"), ("prefetch_units", True), ("broadcast_buffers", "no"),
-    ("reshard_after_forward", 0), ("prefetch_units", None), ("align_for_bandwidth", "yes"),
-    ("align_for_bandwidth", 1), ("rebuild_buckets", "yes"), ("rebuild_buckets", 1),
-    *[(option, value) for option in ("forward_prefetch_units", "backward_prefetch_units") for value in (1.5, True, "2")],
-])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("bucket_cap_mb", "25"),
+        ("timeout_s", "10"),
+        ("timeout_s", None),
+        ("prefetch_units", 1.5),
+        ("min_unit_params", "1000"),
+        ("prefetch_units", True),
+        ("broadcast_buffers", "no"),
+        ("reshard_after_forward", 0),
+        ("prefetch_units", None),
+        ("align_for_bandwidth", "yes"),
+        ("align_for_bandwidth", 1),
+        ("rebuild_buckets", "yes"),
+        ("rebuild_buckets", 1),
+        *[
+            (option, value)
+            for option in ("forward_prefetch_units", "backward_prefetch_units")
+            for value in (1.5, True, "2")
+        ],
+    ],
+)
 def test_option_of_the_wrong_type_is_named(option: str, value: object) -> None:
     """A string from argparse or a config file must not end in "'>' not supported between
     'str' and 'int'": the error names the option and the value."""
@@ -73,8 +96,9 @@ def test_option_of_the_wrong_type_is_named(option: str, value: object) -> None:
 def test_numpy_numbers_are_accepted_as_options() -> None:
     import numpy as np
 
-    config = shardpar.ShardConfig(bucket_cap_mb=np.float64(1.5), prefetch_units=np.int64(2),
-                                  backward_prefetch_units=np.int64(0))
+    config = shardpar.ShardConfig(
+        bucket_cap_mb=np.float64(1.5), prefetch_units=np.int64(2), backward_prefetch_units=np.int64(0)
+    )
     assert config.bucket_cap_mb == 1.5 and config.prefetch_units == 2
     assert config.units_to_prefetch_in_forward == 2 and config.units_to_prefetch_in_backward == 0
 
@@ -146,13 +170,21 @@ def test_moving_or_casting_after_wrap_is_refused_and_no_ops_pass(stage: int) -> 
     nothing changed. ``.to(device)`` to where the model is, ``.cpu()`` and ``.float()`` of an
     fp32 model change nothing and are allowed (scripts call them after wrapping DDP)."""
     torch.manual_seed(0)
-    model = shardpar.wrap(nn.Sequential(nn.Conv2d(2, 4, 3), nn.Flatten(), nn.Linear(4 * 2 * 2, 1)), stage=stage,
-                          **({"min_unit_params": 1} if stage == 3 else {}))
+    model = shardpar.wrap(
+        nn.Sequential(nn.Conv2d(2, 4, 3), nn.Flatten(), nn.Linear(4 * 2 * 2, 1)),
+        stage=stage,
+        **({"min_unit_params": 1} if stage == 3 else {}),
+    )
     opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.1)
     before = model.full_state_dict()
     for target in (model, model.module):  # the wrapped module's own .to()/.half() too
-        for call in (lambda m: m.double(), lambda m: m.half(), lambda m: m.to(torch.bfloat16),
-                     lambda m: m.to(memory_format=torch.channels_last), lambda m: m.to("meta")):
+        for call in (
+            lambda m: m.double(),
+            lambda m: m.half(),
+            lambda m: m.to(torch.bfloat16),
+            lambda m: m.to(memory_format=torch.channels_last),
+            lambda m: m.to("meta"),
+        ):
             with pytest.raises(ValueError, match="would move or cast '0.weight'.*before shardpar.wrap"):
                 call(target)
         for call in (lambda m: m.to("cpu"), lambda m: m.cpu(), lambda m: m.float(), lambda m: m.to(torch.float32)):
@@ -165,7 +197,9 @@ def test_moving_or_casting_after_wrap_is_refused_and_no_ops_pass(stage: int) -> 
     model.engine.close()
 
 
-@pytest.mark.parametrize("cls", [object, torch.nn.Linear, "AdamW", torch.optim.AdamW([torch.zeros(1, requires_grad=True)])])
+@pytest.mark.parametrize(
+    "cls", [object, torch.nn.Linear, "AdamW", torch.optim.AdamW([torch.zeros(1, requires_grad=True)])]
+)
 def test_optimizer_class_must_be_an_optimizer(cls: object) -> None:
     model = shardpar.wrap(_mlp(), stage=0)
     with pytest.raises(TypeError, match="Optimizer"):
@@ -200,7 +234,9 @@ def test_tied_parameter_twice_through_its_alias_is_named() -> None:
     module = model.module
     # head.weight is emb.weight: naming it through both attributes lists one parameter twice
     with pytest.raises(ValueError, match=r"'emb\.weight'"):
-        shardpar.optimizer(model, torch.optim.AdamW, [{"params": [module.emb.weight]}, {"params": [module.head.weight]}])
+        shardpar.optimizer(
+            model, torch.optim.AdamW, [{"params": [module.emb.weight]}, {"params": [module.head.weight]}]
+        )
 
 
 def test_mixed_params_and_groups() -> None:
@@ -299,9 +335,14 @@ _ELEMENTWISE = [
     (torch.optim.Adam, {"lr": 1e-3, "amsgrad": True, "foreach": False}),
     (torch.optim.Adam, {"lr": 1e-3, "fused": True}),
     (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1, "maximize": True}),
-    (torch.optim.Adamax, {}), (torch.optim.NAdam, {"decoupled_weight_decay": True, "weight_decay": 0.1}),
-    (torch.optim.RAdam, {}), (torch.optim.Adagrad, {}), (torch.optim.Adadelta, {}),
-    (torch.optim.RMSprop, {"centered": True, "momentum": 0.5}), (torch.optim.Rprop, {}), (torch.optim.ASGD, {}),
+    (torch.optim.Adamax, {}),
+    (torch.optim.NAdam, {"decoupled_weight_decay": True, "weight_decay": 0.1}),
+    (torch.optim.RAdam, {}),
+    (torch.optim.Adagrad, {}),
+    (torch.optim.Adadelta, {}),
+    (torch.optim.RMSprop, {"centered": True, "momentum": 0.5}),
+    (torch.optim.Rprop, {}),
+    (torch.optim.ASGD, {}),
 ]
 
 
@@ -316,11 +357,14 @@ def test_elementwise_torch_optimizers_are_accepted_at_every_stage(optimizer_clas
         model.engine.close()
 
 
-@pytest.mark.parametrize("optimizer_class, why", [
-    (torch.optim.Adafactor, "differs from its update of the same 128 values as a 1-D tensor"),
-    (torch.optim.Muon, "it refuses a 1-D tensor"),
-    (torch.optim.LBFGS, "LBFGS's history and step sizes over the vector of all parameters"),
-])
+@pytest.mark.parametrize(
+    "optimizer_class, why",
+    [
+        (torch.optim.Adafactor, "differs from its update of the same 128 values as a 1-D tensor"),
+        (torch.optim.Muon, "it refuses a 1-D tensor"),
+        (torch.optim.LBFGS, "LBFGS's history and step sizes over the vector of all parameters"),
+    ],
+)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_optimizers_that_need_whole_parameters_are_refused_at_stages_1_to_3(
     optimizer_class: type, why: str, stage: int
@@ -332,8 +376,11 @@ def test_optimizers_that_need_whole_parameters_are_refused_at_stages_1_to_3(
     and the stage; at stage 0 (whole parameters) Adafactor trains exactly as torch's."""
     model = shardpar.wrap(nn.Linear(4, 3, bias=False), stage=stage)
     name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
-    with pytest.raises(ValueError, match=rf"{re.escape(name)} does not update parameters element by element "
-                                         rf"\(.*{re.escape(why)}.*at stage {stage} each rank updates 1-D slices"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{re.escape(name)} does not update parameters element by element "
+        rf"\(.*{re.escape(why)}.*at stage {stage} each rank updates 1-D slices",
+    ):
         shardpar.optimizer(model, optimizer_class, lr=1e-2)
     model.engine.close()
 
@@ -343,7 +390,10 @@ def test_adafactor_at_stage_0_trains_as_torch() -> None:
     plain = nn.Linear(4, 3, bias=False)
     model = shardpar.wrap(nn.Linear(4, 3, bias=False), stage=0)
     model.load_state_dict(plain.state_dict())
-    opts = [torch.optim.Adafactor(plain.parameters(), lr=1e-2), shardpar.optimizer(model, torch.optim.Adafactor, lr=1e-2)]
+    opts = [
+        torch.optim.Adafactor(plain.parameters(), lr=1e-2),
+        shardpar.optimizer(model, torch.optim.Adafactor, lr=1e-2),
+    ]
     for step in range(3):
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
         for net, opt in zip((plain, model), opts):
@@ -357,8 +407,11 @@ def test_adafactor_at_stage_0_trains_as_torch() -> None:
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_lazy_module_not_run_yet_is_named_at_wrap(stage: int) -> None:
     """nn.LazyLinear has no shape before its first forward; after one it wraps and trains."""
-    with pytest.raises(ValueError, match=r"parameter '0.weight' is not initialized yet .* run one forward with a "
-                                         r"sample batch before shardpar.wrap"):
+    with pytest.raises(
+        ValueError,
+        match=r"parameter '0.weight' is not initialized yet .* run one forward with a "
+        r"sample batch before shardpar.wrap",
+    ):
         shardpar.wrap(nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 1)), stage=stage)
     module = nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 1))
     module(torch.randn(2, 3))

@@ -22,16 +22,42 @@ CONFIGS = ["stage0", "stage1", "stage2", "stage3", "ddp", "ddp+zero", "fsdp2"]
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
     out = tmp_path_factory.mktemp("bench")
-    (out / "bench.md").write_text("old table\n<!-- everything below this line is written by hand; "
-                                  "tools/bench.py keeps it -->\nhand-written analysis\n")
+    (out / "bench.md").write_text(
+        "old table\n<!-- everything below this line is written by hand; "
+        "tools/bench.py keeps it -->\nhand-written analysis\n"
+    )
     result = run_script(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "tools" / "bench.py"),
-         "--models", "mlp:tiny,gpt:tiny", "--warmup", "1", "--rounds", "1", "--steps-per-round", "2",
-         "--comm-reps", "1", "--candidate-option", "bucket_cap_mb=0.01",
-         "--candidate-option", "prefetch_units=0", "--candidate-option", "align_for_bandwidth=True",
-         "--out", str(out / "bench.md"), "--png", str(out / "bench.png"),
-         "--json", str(out / "bench.json")],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "tools" / "bench.py"),
+            "--models",
+            "mlp:tiny,gpt:tiny",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--steps-per-round",
+            "2",
+            "--comm-reps",
+            "1",
+            "--candidate-option",
+            "bucket_cap_mb=0.01",
+            "--candidate-option",
+            "prefetch_units=0",
+            "--candidate-option",
+            "align_for_bandwidth=True",
+            "--out",
+            str(out / "bench.md"),
+            "--png",
+            str(out / "bench.png"),
+            "--json",
+            str(out / "bench.json"),
+        ],
         timeout=240,
         env={"OMP_NUM_THREADS": "1"},
         cwd=ROOT,
@@ -140,17 +166,41 @@ def test_step_profile_prints_each_figure_per_step() -> None:
 
     timed = "engines.engine:Engine._on_grad_ready"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "step_profile.py"), "--model", "mlp:tiny", "--steps", "2",
-         "--warmup", "1", "--calls", "--cycles", "--time", timed],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            str(ROOT / "tools" / "step_profile.py"),
+            "--model",
+            "mlp:tiny",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--calls",
+            "--cycles",
+            "--time",
+            timed,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
     figures = dict(line.strip().rsplit(": ", 1) for line in result.stdout.splitlines()[1:] if ": " in line)
-    assert set(figures) == {"wall ms", "process CPU ms", "main-thread CPU ms", "main-thread CPU ms, forward",
-                            "main-thread CPU ms, backward", "main-thread CPU ms, step", "Python calls",
-                            "garbage collections (any generation)",
-                            "objects in reference cycles", f"{timed}: calls", f"{timed}: CPU ms",
-                            f"{timed}: page faults"}, figures
+    assert set(figures) == {
+        "wall ms",
+        "process CPU ms",
+        "main-thread CPU ms",
+        "main-thread CPU ms, forward",
+        "main-thread CPU ms, backward",
+        "main-thread CPU ms, step",
+        "Python calls",
+        "garbage collections (any generation)",
+        "objects in reference cycles",
+        f"{timed}: calls",
+        f"{timed}: CPU ms",
+        f"{timed}: page faults",
+    }, figures
     assert "mlp:tiny stage 3, shardpar of" in result.stdout.splitlines()[0]
     assert float(figures["Python calls"]) > 100 and float(figures["objects in reference cycles"]) == 0.0
     sys.path.insert(0, str(ROOT / "tools"))
@@ -166,10 +216,29 @@ def test_plain_torch_is_every_stages_peer_at_world_size_1(tmp_path: Path) -> Non
     compared with plain torch, no time target is claimed against it, and it trains the same
     model. Run here on the CPU, where the same code path picks the peer."""
     result = run_script(
-        [sys.executable, str(ROOT / "tools" / "bench.py"), "--models", "mlp:tiny", "--configs", "stage0,stage3,torch",
-         "--warmup", "1", "--rounds", "1", "--steps-per-round", "2", "--comm-reps", "1",
-         "--out", str(tmp_path / "b.md"), "--json", str(tmp_path / "b.json")],
-        timeout=180, env={"OMP_NUM_THREADS": "1"}, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "tools" / "bench.py"),
+            "--models",
+            "mlp:tiny",
+            "--configs",
+            "stage0,stage3,torch",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--steps-per-round",
+            "2",
+            "--comm-reps",
+            "1",
+            "--out",
+            str(tmp_path / "b.md"),
+            "--json",
+            str(tmp_path / "b.json"),
+        ],
+        timeout=180,
+        env={"OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     configs = json.loads((tmp_path / "b.json").read_text())["results"][0]["configs"]
@@ -187,15 +256,18 @@ def test_device_and_config_errors_are_one_line() -> None:
     bench = [sys.executable, str(ROOT / "tools" / "bench.py"), "--models", "mlp:tiny"]
     no_gpu = run_script([*bench, "--device", "cuda"], timeout=120, cwd=ROOT)
     assert no_gpu.returncode != 0 and no_gpu.stderr.strip().splitlines() == [
-        "error: --device cuda: no CUDA device is visible (torch.cuda.is_available() is False)"], no_gpu.stderr
+        "error: --device cuda: no CUDA device is visible (torch.cuda.is_available() is False)"
+    ], no_gpu.stderr
     plain_n = run_script([*bench, "--configs", "stage0,torch"], timeout=120, cwd=ROOT, env={"WORLD_SIZE": "2"})
     assert plain_n.returncode != 0 and "runs at world size 1 only" in plain_n.stderr, plain_n.stderr
-    bad_g = run_script([*bench, "--configs", "stage0-g2,stage3-g3,stage3-g2"], timeout=120, cwd=ROOT,
-                       env={"WORLD_SIZE": "4"})
+    bad_g = run_script(
+        [*bench, "--configs", "stage0-g2,stage3-g3,stage3-g2"], timeout=120, cwd=ROOT, env={"WORLD_SIZE": "4"}
+    )
     assert bad_g.returncode != 0 and bad_g.stderr.strip().splitlines() == [
         "error: --configs: stage0-g2: stage 0 ignores shard_group_size (every rank holds everything); name stage1-3; "
         "stage3-g3: G = 3 must divide the world size 4 and lie strictly between 1 and it (G = 4 is full sharding, "
-        "G = 1 shards nothing)"], bad_g.stderr
+        "G = 1 shards nothing)"
+    ], bad_g.stderr
 
 
 def test_hybrid_sharding_at_world_size_4_bytes_per_group_equal_the_closed_forms(tmp_path: Path) -> None:
@@ -205,11 +277,34 @@ def test_hybrid_sharding_at_world_size_4_bytes_per_group_equal_the_closed_forms(
     across replicas) and the planner's ``by_group``, to the byte; the HSDP peer holds FSDP2's
     shards of G and trains the same model; the report has the hybrid and bytes-per-group tables."""
     result = run_script(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(ROOT / "tools" / "bench.py"), "--models", "mlp:tiny", "--configs", "stage2-g2,stage3,stage3-g2,hsdp-g2",
-         "--warmup", "1", "--rounds", "1", "--steps-per-round", "1", "--comm-reps", "1",
-         "--out", str(tmp_path / "b.md"), "--json", str(tmp_path / "b.json")],
-        timeout=240, env={"OMP_NUM_THREADS": "1"}, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            str(ROOT / "tools" / "bench.py"),
+            "--models",
+            "mlp:tiny",
+            "--configs",
+            "stage2-g2,stage3,stage3-g2,hsdp-g2",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--steps-per-round",
+            "1",
+            "--comm-reps",
+            "1",
+            "--out",
+            str(tmp_path / "b.md"),
+            "--json",
+            str(tmp_path / "b.json"),
+        ],
+        timeout=240,
+        env={"OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     configs = json.loads((tmp_path / "b.json").read_text())["results"][0]["configs"]
@@ -225,8 +320,9 @@ def test_hybrid_sharding_at_world_size_4_bytes_per_group_equal_the_closed_forms(
     assert stage2["replica_group"]["sent_bytes"] == [2 * (psi / 2) * 4 * (1 / 2)] * 4  # the owned slice across R
     for config, stage in (("stage2-g2", 2), ("stage3-g2", 3)):
         row = configs[config]
-        closed = shardpar.estimate_communication(spec.build(), 4, stage, shard_group_size=2,
-                                                 wrap_policy=[spec.unit_class] if stage == 3 else None).by_group
+        closed = shardpar.estimate_communication(
+            spec.build(), 4, stage, shard_group_size=2, wrap_policy=[spec.unit_class] if stage == 3 else None
+        ).by_group
         assert set(row["by_group"]) == set(closed) == {"shard_group", "replica_group", "all_ranks"}, config
         for group, measured in row["by_group"].items():
             expected = closed[group]["total"]

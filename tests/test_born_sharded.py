@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -45,16 +46,24 @@ def _init_tiny(module: nn.Module) -> None:
 def _llama_config() -> Any:
     import transformers
 
-    return transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                    tie_word_embeddings=True)
+    return transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
 
 
 def _gpt2_config() -> Any:
     import transformers
 
-    return transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
-                                   bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
 
 
 def _build(kind: str) -> tuple[nn.Module, Callable[[nn.Module], Any] | None, dict[str, Any]]:
@@ -117,7 +126,8 @@ def test_a_parameter_no_init_sets_is_named_on_every_rank() -> None:
     """TinyTransformer's position table is a bare Parameter of the root: no reset_parameters."""
     for rank, message in enumerate(run_ranks(_meta_default_init, 2, timeout=60)):
         assert "reset_parameters() (no init_fn was given) left parameter(s) pos without values" in message, (
-            f"rank {rank}: {message}")
+            f"rank {rank}: {message}"
+        )
 
 
 class WithComputedBuffer(nn.Module):
@@ -150,7 +160,7 @@ def test_init_fn_on_a_model_that_is_not_on_meta_is_refused() -> None:
 
 # --------------------------------------------------------------------------- wrap-time peak
 
-PEAK_SCRIPT = r'''
+PEAK_SCRIPT = r"""
 import json, sys, torch
 from torch import nn
 import shardpar
@@ -188,7 +198,7 @@ with open(f"{sys.argv[4]}-{rank}.json", "w") as out:
     json.dump({"rank": rank, "peak_increase": (peak - before) * 1024, "params": stats["params"],
                "state": stats["total"]}, out)
 torch.distributed.destroy_process_group()
-'''
+"""
 
 
 def test_the_wrap_time_peak_of_a_meta_model_is_its_shards_plus_one_unit(tmp_path: Path) -> None:
@@ -203,9 +213,23 @@ def test_the_wrap_time_peak_of_a_meta_model_is_its_shards_plus_one_unit(tmp_path
     for how in ("meta", "full"):
         # Large blocks always mmapped, so a freed one leaves the resident set at once (glibc's
         # adaptive threshold would otherwise keep freed 16 MiB blocks in the heap).
-        run = run_script([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(script), "8", "2048", how, str(tmp_path / how)], timeout=120,
-                         env={"MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_NUM_THREADS": "1"})
+        run = run_script(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                str(script),
+                "8",
+                "2048",
+                how,
+                str(tmp_path / how),
+            ],
+            timeout=120,
+            env={"MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_NUM_THREADS": "1"},
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         results[how] = [json.loads((tmp_path / f"{how}-{rank}.json").read_text()) for rank in range(2)]
     slack = 8 * 2**20  # the allocator, bookkeeping
@@ -216,7 +240,8 @@ def test_the_wrap_time_peak_of_a_meta_model_is_its_shards_plus_one_unit(tmp_path
     for rank in results["meta"]:
         assert rank["params"] == 4 * unit and rank["state"] == 8 * unit, rank
         assert rank["peak_increase"] <= rank["state"] + unit + slack, (
-            f"rank {rank['rank']}: peak grew by {rank['peak_increase'] / 2**20:.1f} MiB")
+            f"rank {rank['rank']}: peak grew by {rank['peak_increase'] / 2**20:.1f} MiB"
+        )
     for rank in results["full"]:
         assert rank["peak_increase"] >= 8 * unit, "the comparison run did not hold the full model"
 
@@ -252,8 +277,12 @@ def _meta_wrap_and_load(kind: str, stage: int, directory: str) -> dict[str, Any]
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=_tokens()).logits
-    return {"missing": result.missing_keys, "unexpected": result.unexpected_keys,
-            "state": model.full_state_dict(), "logits": logits}
+    return {
+        "missing": result.missing_keys,
+        "unexpected": result.unexpected_keys,
+        "state": model.full_state_dict(),
+        "logits": logits,
+    }
 
 
 @pytest.mark.parametrize("sharded_files", [False, True])
@@ -293,8 +322,9 @@ def test_consolidate_then_load_pretrained_round_trips(tmp_path: Path) -> None:
     trained = run_ranks(_train_save, 2, str(tmp_path / "ckpt"), timeout=120)[0]
     consolidate(tmp_path / "ckpt", tmp_path / "hf", max_shard_size="30KB")
     for stage, world_size in ((1, 3), (3, 1)):
-        for rank, state in enumerate(run_ranks(_load_consolidated, world_size, stage, str(tmp_path / "hf"),
-                                               timeout=120)):
+        for rank, state in enumerate(
+            run_ranks(_load_consolidated, world_size, stage, str(tmp_path / "hf"), timeout=120)
+        ):
             differ = [k for k, v in trained.items() if not torch.equal(state[k], v)]
             assert not differ, f"stage {stage}, N={world_size}, rank {rank}: {differ}"
 
@@ -336,20 +366,27 @@ def _break(directory: Path, how: str) -> None:
         index_path.write_text(json.dumps(index))
 
 
-@pytest.mark.parametrize("how, expected", [
-    ("shape", r"model\.layers\.0\.mlp\.up_proj\.weight' has shape \[3, 3\] in .*model-000\d\d-of-000\d\d\.safetensors, "
-              r"the model expects \[64, 32\]"),
-    ("missing file", r"CheckpointError: .*model-000\d\d-of-000\d\d\.safetensors"),
-    ("traversal", r"CheckpointError: .*\.\./outside\.safetensors"),
-    ("missing key", r"CheckpointError: .*missing keys \['model\.layers\.1\.post_attention_layernorm\.weight'\]"),
-])
+@pytest.mark.parametrize(
+    "how, expected",
+    [
+        (
+            "shape",
+            r"model\.layers\.0\.mlp\.up_proj\.weight' has shape \[3, 3\] in .*model-000\d\d-of-000\d\d\.safetensors, "
+            r"the model expects \[64, 32\]",
+        ),
+        ("missing file", r"CheckpointError: .*model-000\d\d-of-000\d\d\.safetensors"),
+        ("traversal", r"CheckpointError: .*\.\./outside\.safetensors"),
+        ("missing key", r"CheckpointError: .*missing keys \['model\.layers\.1\.post_attention_layernorm\.weight'\]"),
+    ],
+)
 def test_a_bad_hugging_face_directory_is_named_on_every_rank(how: str, expected: str, tmp_path: Path) -> None:
     directory = tmp_path / "hf"
     _save_pretrained("llama", directory, max_shard_size="20KB")
     _break(directory, how)
     for rank, message in enumerate(run_ranks(_load_bad, 2, str(directory), True, timeout=120)):
         assert message.startswith("CheckpointError") and __import__("re").search(expected, message), (
-            f"rank {rank}: {message}")
+            f"rank {rank}: {message}"
+        )
 
 
 def test_missing_keys_are_returned_without_strict(tmp_path: Path) -> None:

@@ -53,8 +53,9 @@ MODEL = spec("shuffled")
 STEPS = 4
 TOLERANCE = 1e-5
 RECIPES = {
-    "sgd-momentum": Recipe(MODEL, steps=STEPS, optimizer="SGD", lr=0.1, optimizer_options=(("momentum", 0.9),),
-                           groups=False, clip=None),
+    "sgd-momentum": Recipe(
+        MODEL, steps=STEPS, optimizer="SGD", lr=0.1, optimizer_options=(("momentum", 0.9),), groups=False, clip=None
+    ),
     "adamw": Recipe(MODEL, steps=STEPS, clip=0.5),  # two param groups, lr/2 on the second
 }
 FP16_REDUCE = shardpar.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16)
@@ -91,8 +92,14 @@ def _back_to_back(timeline: list[tuple[str, Any]], buckets: list[list[str]], unu
     return None
 
 
-def train(recipe: Recipe, stage: int, options: tuple = (), load: str | None = None, save: str | None = None,
-          first_step: int = 0) -> dict[str, Any]:
+def train(
+    recipe: Recipe,
+    stage: int,
+    options: tuple = (),
+    load: str | None = None,
+    save: str | None = None,
+    first_step: int = 0,
+) -> dict[str, Any]:
     """Train ``recipe`` on this rank (steps ``first_step`` on, optionally after loading the
     checkpoint ``load``); record what the tests check, per step."""
     rank, world_size = C.get_rank(), C.get_world_size()
@@ -100,8 +107,17 @@ def train(recipe: Recipe, stage: int, options: tuple = (), load: str | None = No
     model = shardpar.wrap(module, stage=stage, **dict(CAP + tuple(options)))
     opt, _ = build_optimizer(recipe, model, lambda cls, params, **kw: shardpar.optimizer(model, cls, params, **kw))
     engine = model.engine
-    out: dict[str, Any] = {"at_wrap": [list(b.names) for b in engine.reducer.buckets], "timelines": [], "losses": [],
-                           "states": [], "comm": [], "memory": [], "buckets": [], "launch_order": [], "unused": []}
+    out: dict[str, Any] = {
+        "at_wrap": [list(b.names) for b in engine.reducer.buckets],
+        "timelines": [],
+        "losses": [],
+        "states": [],
+        "comm": [],
+        "memory": [],
+        "buckets": [],
+        "launch_order": [],
+        "unused": [],
+    }
     rebuild = engine._rebuild_buckets
 
     def around_rebuild() -> None:
@@ -172,9 +188,13 @@ def reference(recipe: Recipe, first_step: int = 0) -> dict[str, Any]:
 
 
 def _jobs() -> tuple:
-    return tuple((recipe, stage, (("mixed_precision", policy), ("rebuild_buckets", rebuild)))
-                 for recipe in RECIPES.values() for stage in (0, 1, 2) for policy in POLICIES.values()
-                 for rebuild in (True, False))
+    return tuple(
+        (recipe, stage, (("mixed_precision", policy), ("rebuild_buckets", rebuild)))
+        for recipe in RECIPES.values()
+        for stage in (0, 1, 2)
+        for policy in POLICIES.values()
+        for rebuild in (True, False)
+    )
 
 
 @functools.cache
@@ -182,8 +202,13 @@ def runs(world_size: int) -> dict[tuple, list[dict[str, Any]]]:
     """``(optimizer, stage, policy, rebuild) -> per-rank records``; one harness call."""
     jobs = _jobs()
     per_rank = run_ranks(train_many, world_size, jobs, timeout=600)
-    keys = [(opt, stage, policy, rebuild) for opt in RECIPES for stage in (0, 1, 2) for policy in POLICIES
-            for rebuild in (True, False)]
+    keys = [
+        (opt, stage, policy, rebuild)
+        for opt in RECIPES
+        for stage in (0, 1, 2)
+        for policy in POLICIES
+        for rebuild in (True, False)
+    ]
     return {key: [per_rank[r][i] for r in range(world_size)] for i, key in enumerate(keys)}
 
 
@@ -199,7 +224,9 @@ def _ready_order(timeline: list[tuple[str, Any]]) -> list[str]:
 
 
 @pytest.mark.parametrize("optimizer, stage, policy, world_size", CASES, ids=CASE_IDS)
-def test_buckets_follow_the_first_backwards_ready_order(optimizer: str, stage: int, policy: str, world_size: int) -> None:
+def test_buckets_follow_the_first_backwards_ready_order(
+    optimizer: str, stage: int, policy: str, world_size: int
+) -> None:
     records = runs(world_size)[(optimizer, stage, policy, True)]
     first = records[0]
     ready = _ready_order(first["timelines"][0])  # rank 0's record is the one every rank adopts
@@ -247,8 +274,9 @@ def _assert_same_steps(got: dict[str, Any], want: dict[str, Any], tolerance: flo
 
 
 @pytest.mark.parametrize("optimizer, stage, policy, world_size", CASES, ids=CASE_IDS)
-def test_training_matches_plain_torch_and_the_run_without_rebuild(optimizer: str, stage: int, policy: str,
-                                                                  world_size: int) -> None:
+def test_training_matches_plain_torch_and_the_run_without_rebuild(
+    optimizer: str, stage: int, policy: str, world_size: int
+) -> None:
     records = runs(world_size)[(optimizer, stage, policy, True)]
     without = runs(world_size)[(optimizer, stage, policy, False)]
     for rank, record in enumerate(records):
@@ -285,8 +313,9 @@ def _moved_tensors(stage: int, policy: str) -> int:
 
 
 @pytest.mark.parametrize("optimizer, stage, policy, world_size", CASES, ids=CASE_IDS)
-def test_memory_and_traffic_are_those_of_the_run_without_rebuild(optimizer: str, stage: int, policy: str,
-                                                                 world_size: int) -> None:
+def test_memory_and_traffic_are_those_of_the_run_without_rebuild(
+    optimizer: str, stage: int, policy: str, world_size: int
+) -> None:
     records = runs(world_size)[(optimizer, stage, policy, True)]
     without = runs(world_size)[(optimizer, stage, policy, False)]
     psi = 14 * NUMEL
@@ -347,14 +376,23 @@ def test_checkpoints_cross_between_rebuilt_and_plain_layouts_and_world_sizes(tmp
     recipe = RECIPES["adamw"]
     expected = reference(recipe.with_(steps=2), first_step=2)
     for (save_n, save_stage, save_rebuild), (load_n, load_stage, load_rebuild) in [
-        ((2, 2, True), (3, 1, False)), ((3, 1, False), (2, 2, True))
+        ((2, 2, True), (3, 1, False)),
+        ((3, 1, False), (2, 2, True)),
     ]:
         path = str(tmp_path / f"from-{save_n}")
-        saved = run_ranks(train, save_n, recipe.with_(steps=2), save_stage, (("rebuild_buckets", save_rebuild),),
-                          save=path)
+        saved = run_ranks(
+            train, save_n, recipe.with_(steps=2), save_stage, (("rebuild_buckets", save_rebuild),), save=path
+        )
         assert saved[0]["layout_generation"] == int(save_rebuild)
-        loaded = run_ranks(train, load_n, recipe.with_(steps=2), load_stage, (("rebuild_buckets", load_rebuild),),
-                           load=path, first_step=2)
+        loaded = run_ranks(
+            train,
+            load_n,
+            recipe.with_(steps=2),
+            load_stage,
+            (("rebuild_buckets", load_rebuild),),
+            load=path,
+            first_step=2,
+        )
         assert loaded[0]["layout_generation"] == int(load_rebuild)
         _assert_same_steps(loaded[0], expected, TOLERANCE, f"saved at N={save_n}, loaded at N={load_n}")
 

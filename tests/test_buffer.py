@@ -21,8 +21,12 @@ WORLD_SIZES = [1, 2, 3, 4]
 
 
 def _layout(numels: list[int], world_size: int, cap: int | None, aligned: bool = False) -> BufferLayout:
-    return BufferLayout([(f"t{i}", torch.Size([n])) for i, n in enumerate(numels)], world_size, cap,
-                        **alignment_for(aligned, None, world_size)._asdict())
+    return BufferLayout(
+        [(f"t{i}", torch.Size([n])) for i, n in enumerate(numels)],
+        world_size,
+        cap,
+        **alignment_for(aligned, None, world_size)._asdict(),
+    )
 
 
 def check_invariants(layout: BufferLayout, numels: dict[str, int]) -> None:
@@ -83,7 +87,9 @@ def check_pieces(layout: BufferLayout, numels: dict[str, int]) -> None:
             assert piece.bucket == slot.bucket
             assert piece.param_range.size == piece.buffer_range.size == piece.local_range.size > 0
             assert piece.buffer_range == piece.param_range.shift(slot.range.start)
-            assert piece.buffer_range.intersect(bucket.shard(rank)) == piece.buffer_range, "piece outside the rank's slice"
+            assert piece.buffer_range.intersect(bucket.shard(rank)) == piece.buffer_range, (
+                "piece outside the rank's slice"
+            )
             assert piece.buffer_range.start >= previous_end, "pieces come in buffer order"
             previous_end = piece.buffer_range.end
             tensor = slot.range.of(flat)  # the tensor flattened, param space
@@ -235,15 +241,21 @@ def test_aligned_layout_by_hand() -> None:
 
     numel 384 = 168 payload + 216 padding (61 + 28 + 127); each rank holds 128."""
     layout = _layout([3, 100, 64, 1], 3, None, aligned=True)
-    assert [layout.slots[f"t{i}"].range for i in range(4)] == [Range(0, 3), Range(64, 164), Range(192, 256),
-                                                                Range(256, 257)]
+    assert [layout.slots[f"t{i}"].range for i in range(4)] == [
+        Range(0, 3),
+        Range(64, 164),
+        Range(192, 256),
+        Range(256, 257),
+    ]
     (bucket,) = layout.buckets
     assert bucket.gaps == (Range(3, 64), Range(164, 192), Range(257, 384))
     assert (layout.numel, layout.padding, layout.shard_numel) == (384, 216, 128)
     assert 61 + 28 + 127 == 216 and 384 - (3 + 100 + 64 + 1) == 216
     # Rank 1 owns [128, 256): the end of t1 and all of t2, with the gap between them.
     assert [(p.name, p.param_range, p.local_range) for p in layout.pieces(1)] == [
-        ("t1", Range(64, 100), Range(0, 36)), ("t2", Range(0, 64), Range(64, 128))]
+        ("t1", Range(64, 100), Range(0, 36)),
+        ("t2", Range(0, 64), Range(64, 128)),
+    ]
     check_invariants(layout, {f"t{i}": n for i, n in enumerate([3, 100, 64, 1])})
 
 
@@ -285,8 +297,9 @@ def test_aligned_layouts(shapes: str, cap: int | None, world_size: int) -> None:
     layout = _layout(numels, world_size, cap, aligned=True)
     multiple = math.lcm(world_size, 128)
     assert all(slot.range.start % 64 == 0 for slot in layout.slots.values())
-    assert all(b.range.size % multiple == 0 and b.shard(0).start % (multiple // world_size) == 0
-               for b in layout.buckets)
+    assert all(
+        b.range.size % multiple == 0 and b.shard(0).start % (multiple // world_size) == 0 for b in layout.buckets
+    )
     check_invariants(layout, {f"t{i}": n for i, n in enumerate(numels)})
     dense = _layout(numels, world_size, cap)
     assert layout.padding >= dense.padding
@@ -306,14 +319,25 @@ def test_random_aligned_layouts() -> None:
         cap = rng.choice([None, 1, 64, 100, 200, 1000])
         align = rng.choice([1, 2, 8, 64])
         multiple = math.lcm(world_size, align) * rng.choice([1, 2, 3])
-        layout = BufferLayout([(f"t{i}", torch.Size([n])) for i, n in enumerate(numels)], world_size, cap,
-                              param_align=align, bucket_multiple=multiple)
+        layout = BufferLayout(
+            [(f"t{i}", torch.Size([n])) for i, n in enumerate(numels)],
+            world_size,
+            cap,
+            param_align=align,
+            bucket_multiple=multiple,
+        )
         check_invariants(layout, {f"t{i}": n for i, n in enumerate(numels)})
 
 
-@pytest.mark.parametrize("param_align, bucket_multiple, match", [
-    (0, None, "param_align"), (1, 3, "bucket_multiple"), (64, 2, "bucket_multiple"), (64, 96, "bucket_multiple"),
-])
+@pytest.mark.parametrize(
+    "param_align, bucket_multiple, match",
+    [
+        (0, None, "param_align"),
+        (1, 3, "bucket_multiple"),
+        (64, 2, "bucket_multiple"),
+        (64, 96, "bucket_multiple"),
+    ],
+)
 def test_invalid_alignment(param_align: int, bucket_multiple: int | None, match: str) -> None:
     """bucket_multiple must split into N equal slices (N = 2 here) and keep buckets aligned."""
     with pytest.raises(ValueError, match=match):
@@ -358,4 +382,5 @@ def test_the_engine_tests_closed_form_agrees_with_the_hand_arithmetic() -> None:
         for aligned in (False, True):
             layout = _layout(numels, n, cap, aligned)
             assert closed_form_buckets(numels, n, cap, aligned) == [
-                (b.range.size, b.range.size - b.padding) for b in layout.buckets]
+                (b.range.size, b.range.size - b.padding) for b in layout.buckets
+            ]

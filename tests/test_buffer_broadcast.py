@@ -110,8 +110,12 @@ def _train(scenario: str, model: Any, module: nn.Module, opt: Any, no_sync: Any)
         opt.zero_grad()
         if scenario == "load, then evaluate":
             module.load_state_dict(initial)  # on every rank, between the backward and the next forward
-        if scenario in ("evaluate", "accumulate, evaluate between micro-batches", "load, then evaluate",
-                        "evaluate, BatchNorm checkpointed"):
+        if scenario in (
+            "evaluate",
+            "accumulate, evaluate between micro-batches",
+            "load, then evaluate",
+            "evaluate, BatchNorm checkpointed",
+        ):
             evaluate()
         elif scenario == "evaluate on rank 0 only":
             if rank == 0:
@@ -121,8 +125,14 @@ def _train(scenario: str, model: Any, module: nn.Module, opt: Any, no_sync: Any)
     return seen
 
 
-SCENARIOS = ("evaluate", "accumulate (no_sync)", "accumulate (require_backward_grad_sync)",
-             "accumulate, evaluate between micro-batches", "load, then evaluate", "evaluate, BatchNorm checkpointed")
+SCENARIOS = (
+    "evaluate",
+    "accumulate (no_sync)",
+    "accumulate (require_backward_grad_sync)",
+    "accumulate, evaluate between micro-batches",
+    "load, then evaluate",
+    "evaluate, BatchNorm checkpointed",
+)
 
 
 def _ddp(scenario: str) -> dict[str, list]:
@@ -196,6 +206,9 @@ def test_evaluation_on_rank_0_only_completes_with_ddp_values(stage: int, world_s
     for rank, result in enumerate(_results(world_size)):
         ours, ddp = result[(stage, "evaluate on rank 0 only")], result[("ddp", "evaluate")]
         after_training = [b for i, b in enumerate(ddp["buffers"]) if i % 2 == 0]  # (train, eval) per step
-        expected = {"eval": ddp["eval"] if rank == 0 else [], "final": ddp["final"] if rank == 0 else after_training[-1:],
-                    "buffers": ddp["buffers"] if rank == 0 else after_training}
+        expected = {
+            "eval": ddp["eval"] if rank == 0 else [],
+            "final": ddp["final"] if rank == 0 else after_training[-1:],
+            "buffers": ddp["buffers"] if rank == 0 else after_training,
+        }
         _assert_close(ours, expected, f"stage {stage}, rank {rank}, evaluating on rank 0 only")

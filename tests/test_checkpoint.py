@@ -14,16 +14,16 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import shardpar
 from tests.checkpoint_helpers import (
-    K,
     RECIPE,
+    K,
     assert_equal_states,
     build,
     load_run,
@@ -78,9 +78,11 @@ ALIGNMENT_PAIRS = [
 ]
 
 
-@pytest.mark.parametrize("saved, loaded", ALIGNMENT_PAIRS,
-                         ids=[f"s{a}n{b}{'a' if c else 'd'}-to-s{d}n{e}{'a' if f else 'd'}" for (a, b, c), (d, e, f)
-                              in ALIGNMENT_PAIRS])
+@pytest.mark.parametrize(
+    "saved, loaded",
+    ALIGNMENT_PAIRS,
+    ids=[f"s{a}n{b}{'a' if c else 'd'}-to-s{d}n{e}{'a' if f else 'd'}" for (a, b, c), (d, e, f) in ALIGNMENT_PAIRS],
+)
 def test_resume_across_aligned_and_dense_layouts(
     tmp_path: Path, saved: tuple[int, int, bool], loaded: tuple[int, int, bool]
 ) -> None:
@@ -134,7 +136,7 @@ def test_files_are_plain_safetensors_and_the_manifest_says_where_everything_is(t
         with safe_open(str(path / name), "pt") as f:  # readable by the reference implementation
             assert f.metadata()["format"] == "pt"
         stored[name] = load_file(str(path / name))
-    for name, entry in manifest["tensors"].items():  # the pieces really hold the tensor
+    for entry in manifest["tensors"].values():  # the pieces really hold the tensor
         if entry["kind"] == "buffer":
             piece = entry["pieces"][0]
             assert torch.equal(stored[piece["file"]][piece["key"]], KITCHEN.build().scale)

@@ -30,8 +30,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -85,8 +86,11 @@ def damaged_late(source: Path, destination: Path) -> Path:
 
 def snapshot(directory: Path) -> dict[str, str]:
     """Every file under ``directory`` -> sha256 of its bytes."""
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def hidden_names(directory: Path) -> list[str]:
@@ -200,8 +204,11 @@ def test_a_manifest_symlinked_to_dev_zero_is_refused_without_reading_it(ckpt: Pa
 def test_a_latest_pointer_symlinked_to_dev_zero_is_ignored_with_a_warning(ckpt: Path) -> None:
     (ckpt.parent / "latest").symlink_to("/dev/zero")
     with address_space_grows_at_most(512 * 2**20):
-        with pytest.warns(UserWarning, match=r"latest pointer .*latest is not a regular file \(a character device\); refusing to read it; "
-                                         r"latest_checkpoint takes the newest valid checkpoint instead"):
+        with pytest.warns(
+            UserWarning,
+            match=r"latest pointer .*latest is not a regular file \(a character device\); refusing to read it; "
+            r"latest_checkpoint takes the newest valid checkpoint instead",
+        ):
             assert latest_checkpoint(ckpt.parent) == ckpt  # the newest valid one, as for a damaged latest
     _, model, opt = build(0)
     shardpar.save_checkpoint(ckpt.parent / "step-3", model, opt)  # the next save repairs it
@@ -215,26 +222,35 @@ def test_an_oversized_manifest_or_latest_is_refused_by_its_size(ckpt: Path) -> N
     with open(ckpt / MANIFEST, "r+b") as f:  # sparse: no disk used, nothing worth reading
         f.truncate(MAX_MANIFEST_BYTES + 1)
     with address_space_grows_at_most(512 * 2**20):
-        with pytest.raises(CheckpointError, match=rf"shardpar.json is {MAX_MANIFEST_BYTES + 1} bytes, more than "
-                                                   rf"the {MAX_MANIFEST_BYTES} bytes"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"shardpar.json is {MAX_MANIFEST_BYTES + 1} bytes, more than "
+            rf"the {MAX_MANIFEST_BYTES} bytes",
+        ):
             read_manifest(ckpt)
     latest = ckpt.parent / "latest"
     latest.write_text("step-2\n")
     with open(latest, "r+b") as f:
         f.truncate(MAX_LATEST_BYTES + 1)
-    with pytest.warns(UserWarning, match=rf"latest pointer .*latest is {MAX_LATEST_BYTES + 1} bytes, more than the "
-                                           rf"{MAX_LATEST_BYTES} bytes a latest pointer may have"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"latest pointer .*latest is {MAX_LATEST_BYTES + 1} bytes, more than the "
+        rf"{MAX_LATEST_BYTES} bytes a latest pointer may have",
+    ):
         assert latest_checkpoint(ckpt.parent) is None
 
 
-def test_a_save_refuses_to_write_a_manifest_it_would_refuse_to_read(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_save_refuses_to_write_a_manifest_it_would_refuse_to_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from shardpar.checkpoint import format as checkpoint_format
 
     _, model, opt = build(0)
     shardpar.save_checkpoint(tmp_path / "step-1", model, opt)
     monkeypatch.setattr(checkpoint_format, "MAX_MANIFEST_BYTES", 4000)
-    with pytest.raises(CheckpointError, match=r"the manifest of .*step-2.* would be \d+ bytes, more than the 4000 bytes"):
+    with pytest.raises(
+        CheckpointError, match=r"the manifest of .*step-2.* would be \d+ bytes, more than the 4000 bytes"
+    ):
         shardpar.save_checkpoint(tmp_path / "step-2", model, opt, extra={"big": "x" * 4000})
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-1"]
     assert (tmp_path / "latest").read_text() == "step-1\n"
@@ -288,8 +304,11 @@ def test_a_save_sweeps_abandoned_temporaries_of_other_checkpoints_and_only_those
     in_use = root / ".step-3.tmp-abcdef012345"  # another saver's, being written right now
     in_use.mkdir()
     (in_use / FILE).write_bytes(b"being written")
-    not_ours = [abandoned(root / ".step-2.tmp-backup"), abandoned(root / "step-2.tmp-0123456789ab"),
-                abandoned(root / ".notes.tmp-0123456789AB", directory=False)]
+    not_ours = [
+        abandoned(root / ".step-2.tmp-backup"),
+        abandoned(root / "step-2.tmp-0123456789ab"),
+        abandoned(root / ".notes.tmp-0123456789AB", directory=False),
+    ]
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "keep.txt").write_text("keep")
@@ -398,8 +417,9 @@ def save_with_a_full_disk_on_rank_0(path: str, async_save: bool) -> str:
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_a_full_disk_on_rank_0_is_a_checkpoint_error_naming_the_file_on_every_rank(tmp_path: Path,
-                                                                                     async_save: bool) -> None:
+def test_a_full_disk_on_rank_0_is_a_checkpoint_error_naming_the_file_on_every_rank(
+    tmp_path: Path, async_save: bool
+) -> None:
     path = tmp_path / "ckpt" / "step-1"
     outcomes = run(save_with_a_full_disk_on_rank_0, 2, str(path), async_save)
     kind, cause, message = outcomes[0].split("|", 2)
@@ -413,8 +433,9 @@ def test_a_full_disk_on_rank_0_is_a_checkpoint_error_naming_the_file_on_every_ra
 
 
 @pytest.mark.parametrize("victim", [MANIFEST, "latest"])
-def test_a_full_disk_while_committing_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     victim: str) -> None:
+def test_a_full_disk_while_committing_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, victim: str
+) -> None:
     _, model, opt = build(0)
     fill_the_disk(monkeypatch, victim, capacity=0)
     with pytest.raises(CheckpointError) as info:
@@ -464,9 +485,17 @@ def tool_runs(saved, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
         "reshard-into-file": ["reshard.py", saved["A"], a_file, "--world-size", "2"],
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = {name: subprocess.Popen([sys.executable, str(TOOLS / args[0]), *map(str, args[1:])], cwd=ROOT, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, args in commands.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, str(TOOLS / args[0]), *map(str, args[1:])],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in commands.items()
+    }
     results: dict[str, Any] = {}
     deadline = time.monotonic() + 150
     for name, proc in procs.items():
@@ -480,14 +509,17 @@ def tool_runs(saved, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
     return {"tmp": tmp, "results": results}
 
 
-@pytest.mark.parametrize("name, message", [
-    ("inspect-fifo", rf"error: shard file .*{FILE} is not a regular file \(a FIFO\)"),
-    ("consolidate-fifo", rf"error: shard file .*{FILE} is not a regular file \(a FIFO\)"),
-    ("reshard-fifo", rf"error: shard file .*{FILE} is not a regular file \(a FIFO\)"),
-    ("inspect-file", r"error: checkpoint directory .*notes.txt is not a directory"),
-    ("consolidate-into-file", r"error: .*notes.txt is not a directory"),
-    ("reshard-into-file", r"error: .*notes.txt is not a directory"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("inspect-fifo", rf"error: shard file .*{FILE} is not a regular file \(a FIFO\)"),
+        ("consolidate-fifo", rf"error: shard file .*{FILE} is not a regular file \(a FIFO\)"),
+        ("reshard-fifo", rf"error: shard file .*{FILE} is not a regular file \(a FIFO\)"),
+        ("inspect-file", r"error: checkpoint directory .*notes.txt is not a directory"),
+        ("consolidate-into-file", r"error: .*notes.txt is not a directory"),
+        ("reshard-into-file", r"error: .*notes.txt is not a directory"),
+    ],
+)
 def test_tools_refuse_bad_paths_with_one_line_and_leave_nothing_behind(tool_runs, name: str, message: str) -> None:
     result = tool_runs["results"][name]
     lines = [line for line in result.stderr.split("\n") if line.strip()]
@@ -504,9 +536,18 @@ def tiny_llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return LlamaForCausalLM(config)
 
 

@@ -18,8 +18,8 @@ import pytest
 from safetensors.torch import load_file
 
 import shardpar
-from shardpar.checkpoint.save import TEST_CRASH_ENV
 from shardpar.checkpoint.io import CHUNK_BYTES
+from shardpar.checkpoint.save import TEST_CRASH_ENV
 from tests.checkpoint_helpers import assert_equal_states, build, train
 from tests.harness import run_script
 
@@ -32,8 +32,17 @@ def script_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     out = tmp_path_factory.mktemp("torchrun")
     result = run_script(
         # torchrun's module form: present wherever torch is, whatever PATH says
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT), str(out),
-         *(["--async-save"] if request.param else [])],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPT),
+            str(out),
+            *(["--async-save"] if request.param else []),
+        ],
         timeout=240,
         # See [Note: measuring peak memory] in the script.
         env={"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", TEST_CRASH_ENV: ""},
@@ -53,7 +62,9 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint(script_run) -> None
     # Rank 0 removes the temporary directory if gloo reports the dead peer before torchrun
     # stops it; either way nothing but step-1 is visible.
     assert [p.name for p in root.iterdir() if not p.name.startswith(".step-2.tmp-")] in (
-        ["latest", "step-1"], ["step-1", "latest"])
+        ["latest", "step-1"],
+        ["step-1", "latest"],
+    )
     assert (root / "latest").read_text().strip() == "step-1"
     assert shardpar.latest_checkpoint(root) == root / "step-1"
 
@@ -101,7 +112,6 @@ def test_crash_after_the_manifest_before_the_rename_keeps_the_old_checkpoint(
 BOUND = CHUNK_BYTES + 4 * 2**20
 """The bounded buffer: one copy chunk (or the 8 MiB hashing buffer), plus slack for Python
 objects and the manifest."""
-
 
 
 def test_save_and_load_hold_one_shard_plus_a_bounded_buffer(script_run) -> None:

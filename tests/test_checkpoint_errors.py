@@ -104,8 +104,11 @@ def test_truncated_file_caught_by_the_header_check_alone(ckpt: Path) -> None:
 
     data = (ckpt / FILE).read_bytes()
     (ckpt / FILE).write_bytes(data[: len(data) - 100])
-    with pytest.raises(CheckpointError, match=rf"{FILE}: tensor .* has data_offsets .* outside the file's \d+ data "
-                                              r"bytes \(truncated or corrupted file\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{FILE}: tensor .* has data_offsets .* outside the file's \d+ data "
+        r"bytes \(truncated or corrupted file\)",
+    ):
         SafetensorsReader(ckpt / FILE)
 
 
@@ -119,12 +122,18 @@ def test_one_header_limit_for_writing_and_reading(ckpt: Path, tmp_path: Path, mo
     assert checkpoint_io.MAX_HEADER_BYTES == 100_000_000
     header_bytes = int.from_bytes((ckpt / FILE).read_bytes()[:8], "little")
     monkeypatch.setattr(checkpoint_io, "MAX_HEADER_BYTES", header_bytes - 1)
-    with pytest.raises(CheckpointError, match=rf"shard file .*{FILE} has a header length of {header_bytes} bytes, "
-                                              rf"over the {header_bytes - 1} bytes limit"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"shard file .*{FILE} has a header length of {header_bytes} bytes, "
+        rf"over the {header_bytes - 1} bytes limit",
+    ):
         load(ckpt)
     entries = [(f"t{i}", torch.float32, (1,)) for i in range(header_bytes // 20)]
-    with pytest.raises(CheckpointError, match=r"cannot write .*big\.safetensors: its safetensors header would be "
-                                              rf"\d+ bytes, more than the {header_bytes - 1} bytes a reader accepts"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"cannot write .*big\.safetensors: its safetensors header would be "
+        rf"\d+ bytes, more than the {header_bytes - 1} bytes a reader accepts",
+    ):
         checkpoint_io.SafetensorsWriter(tmp_path / "big.safetensors", entries)
     assert not (tmp_path / "big.safetensors").exists()
 
@@ -257,8 +266,9 @@ def test_a_corrupted_file_fails_every_rank_without_a_hang(tmp_path: Path, async_
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_a_failed_save_leaves_the_previous_checkpoint_and_no_leftovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                        async_save: bool) -> None:
+def test_a_failed_save_leaves_the_previous_checkpoint_and_no_leftovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
     from shardpar.checkpoint import io as checkpoint_io
 
     path = tmp_path / "ckpt" / "run"
@@ -287,7 +297,9 @@ def test_the_pinned_bounce_moves_every_byte_across_chunk_edges(tmp_path, numel: 
 
     values = torch.arange(numel, dtype=torch.float32) * 1.5 - 3
     written = bytearray()
-    PinnedBounce(torch.float32, torch.device("cpu"), numel, chunk_bytes=32).to_host(values, lambda view: written.extend(view))
+    PinnedBounce(torch.float32, torch.device("cpu"), numel, chunk_bytes=32).to_host(
+        values, lambda view: written.extend(view)
+    )
     assert bytes(written) == values.numpy().tobytes()
     data = b"\0" * 12 + bytes(written)
 

@@ -18,8 +18,9 @@ import json
 import pickle
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -88,8 +89,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         expected = {stage: _loaded(root / "a", stage) for stage in LOAD_STAGES}
     manifest = read_manifest(root / "a")
     names = set(FILES) | set(manifest.tensors) | set(manifest.aliases) | {str(root / "a")}
-    return Checkpoints(a=root / "a", b=root / "b", expected=expected, names=names,
-                       manifest=json.loads((root / "a" / MANIFEST).read_text()))
+    return Checkpoints(
+        a=root / "a",
+        b=root / "b",
+        expected=expected,
+        names=names,
+        manifest=json.loads((root / "a" / MANIFEST).read_text()),
+    )
 
 
 class Checkpoints(dict):
@@ -104,11 +110,17 @@ class Checkpoints(dict):
 
 def _equal(actual: Any, expected: Any) -> bool:
     if isinstance(expected, dict):
-        return isinstance(actual, dict) and actual.keys() == expected.keys() and all(
-            _equal(actual[k], v) for k, v in expected.items())
+        return (
+            isinstance(actual, dict)
+            and actual.keys() == expected.keys()
+            and all(_equal(actual[k], v) for k, v in expected.items())
+        )
     if isinstance(expected, (list, tuple)):
-        return isinstance(actual, (list, tuple)) and len(actual) == len(expected) and all(
-            _equal(a, e) for a, e in zip(actual, expected))
+        return (
+            isinstance(actual, (list, tuple))
+            and len(actual) == len(expected)
+            and all(_equal(a, e) for a, e in zip(actual, expected))
+        )
     if isinstance(expected, torch.Tensor):
         return isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype and torch.equal(actual, expected)
     return type(actual) is type(expected) and actual == expected
@@ -124,7 +136,8 @@ def check_outcome(ckpt: dict[str, Any], directory: Path, stage: int, what: str, 
         message = str(error)
         names = blamed or tuple(ckpt["names"] | {str(directory)})
         assert any(name in message for name in names), (
-            f"{what}: the CheckpointError names none of {sorted(names)}: {message}")
+            f"{what}: the CheckpointError names none of {sorted(names)}: {message}"
+        )
         return "refused"
     except Unpickled:
         raise
@@ -132,7 +145,8 @@ def check_outcome(ckpt: dict[str, Any], directory: Path, stage: int, what: str, 
         raise AssertionError(f"{what}: load raised {type(error).__name__}, not CheckpointError: {error}") from error
     for part in ("model", "optimizer", "extra"):
         assert _equal(loaded[part], ckpt["expected"][stage][part]), (
-            f"{what}: loaded without error but the {part} differs from the saved checkpoint")
+            f"{what}: loaded without error but the {part} differs from the saved checkpoint"
+        )
     return "loaded"
 
 
@@ -258,10 +272,18 @@ def _get(value: Any, path: tuple) -> Any:
     return value
 
 
-json_scalars = st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats(allow_nan=False, allow_infinity=False) \
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 2**40)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=12)
-json_values = st.recursive(json_scalars, lambda children: st.lists(children, max_size=3)
-                           | st.dictionaries(st.text(max_size=6), children, max_size=3), max_leaves=6)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    max_leaves=6,
+)
 
 
 @st.composite

@@ -119,14 +119,17 @@ def _train(stage: int | None, steps: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     if steps > 1:
-        out["state"] = {k: v.detach().clone() for k, v in module.state_dict().items()} if stage is None \
+        out["state"] = (
+            {k: v.detach().clone() for k, v in module.state_dict().items()}
+            if stage is None
             else model.full_state_dict()
+        )
     if stage is not None:
         model.engine.close()
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ddp(world_size: int, steps: int) -> list[dict[str, Any]]:
     return run_ranks(_train, world_size, None, steps, timeout=300)
 
@@ -140,7 +143,8 @@ def _assert_as_accurate_as_torch(reference: dict[str, Any], out: dict[str, Any],
     error = abs(out["norms"][0] - exact)
     assert error <= 1.5 * torch_error + 1e-7 * exact, (
         f"rank {rank}: norm {out['norms'][0]!r} is {error / exact:.2e} off the fp64 norm {exact!r}; "
-        f"torch's per-parameter norm is {torch_error / exact:.2e} off")
+        f"torch's per-parameter norm is {torch_error / exact:.2e} off"
+    )
     assert all(calls == out["clip_collectives"][0] for calls in out["clip_collectives"])
     assert out["clip_collectives"][0] in ([], ["all_reduce"]), out["clip_collectives"]
 
@@ -182,8 +186,9 @@ def test_norm_at_world_size_3_is_as_accurate_as_torchs(stage: int) -> None:
 
 # --------------------------------------------------------------------------- norm types, foreach, dtypes
 
-_COMBINATIONS = [(p, None) for p in (1.0, 1.5, 2.0, 3.0, math.inf)] + \
-    [(p, f) for p in (2.0, math.inf) for f in (True, False)]
+_COMBINATIONS = [(p, None) for p in (1.0, 1.5, 2.0, 3.0, math.inf)] + [
+    (p, f) for p in (2.0, math.inf) for f in (True, False)
+]
 """Every norm type with torch's default ``foreach``; both explicit choices where it matters most."""
 
 
@@ -192,12 +197,16 @@ def _small(dtype: torch.dtype = torch.float32) -> _ResNet:
     return _ResNet(width=16, blocks=2).to(dtype)
 
 
-def _clip_once(model: Any, module: nn.Module, x: torch.Tensor, y: torch.Tensor, norm_type: float,
-               foreach: Any, clip: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _clip_once(
+    model: Any, module: nn.Module, x: torch.Tensor, y: torch.Tensor, norm_type: float, foreach: Any, clip: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One backward, one clip at a tenth of the norm (so it scales), one SGD step with lr 1:
     the parameters move by exactly the clipped gradients."""
-    opt = torch.optim.SGD(module.parameters(), lr=1.0) if model is module else \
-        shardpar.optimizer(model, torch.optim.SGD, lr=1.0)
+    opt = (
+        torch.optim.SGD(module.parameters(), lr=1.0)
+        if model is module
+        else shardpar.optimizer(model, torch.optim.SGD, lr=1.0)
+    )
     nn.functional.cross_entropy(model(x).float(), y).backward()
     norm = clip(norm_type, foreach)
     opt.step()
@@ -212,8 +221,15 @@ def _norm_types_on_ranks(stage: int, dtype: torch.dtype) -> list[tuple[float, An
         module = _small(dtype)
         model = shardpar.wrap(module, stage=stage, **({"min_unit_params": 1} if stage == 3 else {}))
         x, y = _batch(0, rank, world_size)
-        norm, state = _clip_once(model, module, x.to(dtype), y, norm_type, foreach,
-                                 lambda p, f: model.clip_grad_norm_(_MAX_NORM[p], p, foreach=f))
+        norm, state = _clip_once(
+            model,
+            module,
+            x.to(dtype),
+            y,
+            norm_type,
+            foreach,
+            lambda p, f, model=model: model.clip_grad_norm_(_MAX_NORM[p], p, foreach=f),
+        )
         out.append((norm_type, foreach, norm, state))
         model.engine.close()
     return out
@@ -234,16 +250,29 @@ def test_every_norm_type_and_foreach_choice_clips_as_torch(stage: int, dtype: to
         for norm_type, foreach, norm, state in results:
             plain = _small(dtype)
             x, y = _global_batch(0, 2)
-            want, want_state = _clip_once(plain, plain, x.to(dtype), y, norm_type, foreach,
-                                          lambda p, f: torch.nn.utils.clip_grad_norm_(plain.parameters(), _MAX_NORM[p],
-                                                                                      p, foreach=f))
+            want, want_state = _clip_once(
+                plain,
+                plain,
+                x.to(dtype),
+                y,
+                norm_type,
+                foreach,
+                lambda p, f, plain=plain: torch.nn.utils.clip_grad_norm_(
+                    plain.parameters(),
+                    _MAX_NORM[p],
+                    p,
+                    foreach=f,
+                ),
+            )
             what = (rank, norm_type, foreach)
             assert norm.dtype == want.dtype == dtype, what
             assert float(want) > 2 * _MAX_NORM[norm_type], what  # the clip scaled
             assert float(norm) == pytest.approx(float(want), **tol), what
             for name, value in want_state.items():
-                assert torch.allclose(state[name].float(), value.float(), rtol=tol["rel"], atol=tol["rel"] * 1e-2), \
-                    (*what, name)
+                assert torch.allclose(state[name].float(), value.float(), rtol=tol["rel"], atol=tol["rel"] * 1e-2), (
+                    *what,
+                    name,
+                )
 
 
 def _refusals(stage: int) -> list[str]:

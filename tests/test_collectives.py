@@ -72,7 +72,9 @@ def _check_all(async_op: bool) -> list[str]:
     inp = _value(rank, size * n)
     own = inp[rank * size : (rank + 1) * size]
     finish(C.reduce_scatter(own, inp, async_op=async_op))
-    torch.testing.assert_close(own, full_sum[rank * size : (rank + 1) * size], rtol=0, atol=0, msg="reduce_scatter in place")
+    torch.testing.assert_close(
+        own, full_sum[rank * size : (rank + 1) * size], rtol=0, atol=0, msg="reduce_scatter in place"
+    )
     checked += ["reduce_scatter", "reduce_scatter in place"]
 
     # all_gather: slice r of the output is rank r's input
@@ -148,8 +150,13 @@ def test_world_size_1_without_process_group(async_op: bool) -> None:
     assert (C.get_world_size(), C.get_rank()) == (1, 0)
     # The same checks as on many ranks: with N = 1 every closed form is the identity.
     assert _check_all(async_op) == [
-        "all_reduce sum", "all_reduce max", "reduce_scatter", "reduce_scatter in place",
-        "all_gather", "all_gather in place", "broadcast",
+        "all_reduce sum",
+        "all_reduce max",
+        "reduce_scatter",
+        "reduce_scatter in place",
+        "all_gather",
+        "all_gather in place",
+        "broadcast",
     ]
 
 
@@ -274,14 +281,21 @@ def _tagged_gathers() -> list[dict]:
     rank, n = C.get_rank(), C.get_world_size()
     results = []
     for numel, max_numel, in_place in [(5, 5, True), (5, 5, False), (3, 5, True), (1, 1, True)]:
-        windows = in_place_windows(C.gather_target(n * numel, torch.float32, torch.device("cpu")), rank, n,
-                                   4 * numel, 4 * max_numel)
+        windows = in_place_windows(
+            C.gather_target(n * numel, torch.float32, torch.device("cpu")), rank, n, 4 * numel, 4 * max_numel
+        )
         tags, full = _tagged_gather(numel, max_numel, [7, 11], in_place)
         expected = torch.cat([_value(r, numel) for r in range(n)])
         # The 16 bytes in front of the full buffer: peer 0's tag, if it was received in place.
         front = torch.empty(0, dtype=torch.int64).set_(full.untyped_storage(), 0, (2,)).tolist() if in_place else []
-        results.append({"tags": tags, "exact": torch.equal(full, expected),
-                        "in_place": sorted(windows) if in_place else [], "front": front})
+        results.append(
+            {
+                "tags": tags,
+                "exact": torch.equal(full, expected),
+                "in_place": sorted(windows) if in_place else [],
+                "front": front,
+            }
+        )
     # Mismatched tags, same sizes: every rank sees every rank's tag.
     tags, _ = _tagged_gather(5, 5, [3, rank], True)
     results.append({"tags": tags})

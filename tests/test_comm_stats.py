@@ -57,9 +57,14 @@ def _compare(step: Any, model: Any, counted_steps: tuple[int, ...], steps: int) 
         if index in counted_steps:
             ring = counter.resolve(C.get_world_size())
             stats = model.comm_stats()
-            out.append({"ring": ring.total_weighted, "ring_calls": ring.calls,
-                        "stats": _counted_bytes(stats, C.get_world_size()),
-                        "kinds": sorted(k for k in stats if k != "total")})
+            out.append(
+                {
+                    "ring": ring.total_weighted,
+                    "ring_calls": ring.calls,
+                    "stats": _counted_bytes(stats, C.get_world_size()),
+                    "kinds": sorted(k for k in stats if k != "total"),
+                }
+            )
     return out
 
 
@@ -92,9 +97,16 @@ def _kitchen(stage: int, native: bool) -> list[dict[str, Any]]:
     sizes besides the root (the branches a rank picks stay in the root)."""
     with backend_traits.forcing_native_paths() if native else contextlib.nullcontext():
         module = KITCHEN_BATCHNORM.build()
-        model = shardpar.wrap(module, stage=stage, mixed_precision="fp16",
-                              **({"wrap_policy": lambda name, _: name in ("body", "out")} if stage == 3
-                                 else {"bucket_cap_mb": cap_mb(100)}))
+        model = shardpar.wrap(
+            module,
+            stage=stage,
+            mixed_precision="fp16",
+            **(
+                {"wrap_policy": lambda name, _: name in ("body", "out")}
+                if stage == 3
+                else {"bucket_cap_mb": cap_mb(100)}
+            ),
+        )
         opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2)
         scaler = shardpar.GradScaler(model, init_scale=2.0**8)
         g = torch.Generator().manual_seed(7 + C.get_rank())
@@ -121,7 +133,8 @@ def _assert_agree(results: list[list[dict[str, Any]]], stage: int) -> None:
         for step, got in zip(COUNTED_STEPS, steps):
             assert got["stats"] == got["ring"], (
                 f"rank {rank}, step {step}: comm_stats() counts {got['stats']} factor-weighted bytes of kinds "
-                f"{got['kinds']}, the ring counter {got['ring']} in {got['ring_calls']}")
+                f"{got['kinds']}, the ring counter {got['ring']} in {got['ring_calls']}"
+            )
         if stage > 0:
             assert "clip_norm" in steps[-1]["kinds"], steps[-1]["kinds"]
 

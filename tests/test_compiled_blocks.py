@@ -36,7 +36,8 @@ few ulps); a missed gather, a stale shard or a wrong average shows at 1e-3 or mo
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -63,8 +64,11 @@ around each compiled block in the parent's forward (non-reentrant, reentrant).""
 MIXED_PRECISION_STAGES = (0, 3)
 """Where bf16 runs check that the input casts move out of blocks compiled after wrapping too."""
 CASES = [(compile_, "none") for compile_ in COMPILES] + [
-    ("in-place", "inside"), ("in-place-after-wrap", "around-reentrant"), ("wrapper", "around"),
-    ("in-place-after-wrap", "inside"), ("torchtitan", "none"),
+    ("in-place", "inside"),
+    ("in-place-after-wrap", "around-reentrant"),
+    ("wrapper", "around"),
+    ("in-place-after-wrap", "inside"),
+    ("torchtitan", "none"),
 ]
 
 
@@ -181,15 +185,18 @@ def _loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 def _canonical(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Names without the wrappers' ``_orig_mod.`` and ``checkpointed.`` (a wrapper is
     registered in the block's place)."""
-    return {name.replace("_orig_mod.", "").replace("checkpointed.", ""): tensor.detach().clone()
-            for name, tensor in state.items()}
+    return {
+        name.replace("_orig_mod.", "").replace("checkpointed.", ""): tensor.detach().clone()
+        for name, tensor in state.items()
+    }
 
 
 # --------------------------------------------------------------------------- runs
 
 
-def _train_sharded(stage: int, compile_: str | None, checkpointing: str,
-                   mixed_precision: str | None = None) -> dict[str, Any]:
+def _train_sharded(
+    stage: int, compile_: str | None, checkpointing: str, mixed_precision: str | None = None
+) -> dict[str, Any]:
     """STEPS AdamW steps on this rank: losses, collectives per step, final state, compiled calls."""
     options = {"wrap_policy": [Block]} if stage == 3 else {"bucket_cap_mb": 200 * 4 / 2**20}
     model = shardpar.wrap(build(compile_, checkpointing), stage=stage, mixed_precision=mixed_precision, **options)
@@ -215,8 +222,9 @@ def _train_sharded(stage: int, compile_: str | None, checkpointing: str,
 def _train_fsdp2() -> dict[str, Any]:
     """FSDP2 oracle with the same compiled blocks: ``block.compile(fullgraph=True)``, then
     ``fully_shard`` on every block and the root, as torchtitan does."""
-    from shardpar.comm.compat import fully_shard
     from torch.distributed.tensor import DTensor
+
+    from shardpar.comm.compat import fully_shard
 
     model = build("in-place", "none")
     for block in model.blocks:
@@ -232,8 +240,9 @@ def _train_fsdp2() -> dict[str, Any]:
         opt.zero_grad()
         out["losses"].append(float(loss.detach()))
     out["compiled_calls"] = COMPILED_CALLS[0]
-    out["state"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                    for k, v in model.state_dict().items()}
+    out["state"] = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
+    }
     return out
 
 
@@ -252,7 +261,7 @@ def _rank_runs() -> dict[Any, dict[str, Any]]:
     return runs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rank_runs_or_failure() -> tuple[list[dict[Any, dict[str, Any]]], str]:
     try:
         return run_ranks(_rank_runs, WORLD, timeout=600), ""
@@ -269,7 +278,7 @@ def rank_runs() -> list[dict[Any, dict[str, Any]]]:
     return runs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plain_torch(compile_: str | None, checkpointing: str) -> dict[str, Any]:
     """One process on both ranks' batches, the loss averaged over them; ``compile_`` other
     than None compiles the same blocks (after wrapping means nothing here: in place)."""
@@ -390,7 +399,7 @@ def _error_runs() -> dict[Any, str]:
     return {(stage, how): _first_forward_error(stage, how) for stage in STAGES for how in ("replaced", "in-place")}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def error_runs() -> list[dict[Any, str]]:
     return run_ranks(_error_runs, WORLD, timeout=300)
 

@@ -94,8 +94,13 @@ def _run(tmp: str) -> dict[int, dict[str, Any]]:
         shardpar.save_full(export, resumed)
         fresh = _compiled(stage, seed=2)
         report = shardpar.load_pretrained(fresh, export)
-        out[stage] = {"extra": extra, "final": final, "exported": fresh._orig_mod.full_state_dict(),
-                      "missing": report.missing_keys, "unexpected": report.unexpected_keys}
+        out[stage] = {
+            "extra": extra,
+            "final": final,
+            "exported": fresh._orig_mod.full_state_dict(),
+            "missing": report.missing_keys,
+            "unexpected": report.unexpected_keys,
+        }
     return out
 
 

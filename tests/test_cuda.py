@@ -149,8 +149,9 @@ def one_rank_group(device: torch.device) -> Iterator[None]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1, **kwargs)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1, **kwargs
+    )
     try:
         yield
     finally:
@@ -160,8 +161,9 @@ def one_rank_group(device: torch.device) -> Iterator[None]:
 # --------------------------------------------------------------------------- training
 
 
-def batch(model: nn.Module, recipe: Recipe, step: int, device: torch.device, rank: int = 0,
-          world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    model: nn.Module, recipe: Recipe, step: int, device: torch.device, rank: int = 0, world_size: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows of step ``step``'s global batch (tests/parity.py's), on ``device``."""
     x, y = global_batch(model, recipe, step)
     return rank_slice(x, rank, world_size).to(device), rank_slice(y, rank, world_size).to(device)
@@ -185,7 +187,9 @@ def train_plain(recipe: Recipe, device: torch.device) -> dict[str, Any]:
     return {"state": on_cpu(module.state_dict()), "norms": norms}
 
 
-def wrapped(spec: ModelSpec, recipe: Recipe, stage: int, device: torch.device, **options: Any) -> tuple[Any, Any, nn.Module]:
+def wrapped(
+    spec: ModelSpec, recipe: Recipe, stage: int, device: torch.device, **options: Any
+) -> tuple[Any, Any, nn.Module]:
     """``shardpar.wrap`` of ``spec`` built on ``device``, its optimizer, and the inner module."""
     module = spec.build().to(device)
     model = shardpar.wrap(module, stage=stage, **stage_options(stage), **options)
@@ -193,8 +197,9 @@ def wrapped(spec: ModelSpec, recipe: Recipe, stage: int, device: torch.device, *
     return model, opt, module
 
 
-def sharded_step(model: Any, opt: Any, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                 clip: float | None) -> torch.Tensor | None:
+def sharded_step(
+    model: Any, opt: Any, module: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float | None
+) -> torch.Tensor | None:
     """One training step as a user writes it; returns the clipping norm (a tensor: no sync)."""
     module.loss(model(x), y).backward()
     norm = model.clip_grad_norm_(clip) if clip is not None else None
@@ -203,8 +208,9 @@ def sharded_step(model: Any, opt: Any, module: nn.Module, x: torch.Tensor, y: to
     return norm
 
 
-def train_sharded(recipe: Recipe, stage: int, device: torch.device, rank: int = 0, world_size: int = 1,
-                  **options: Any) -> dict[str, Any]:
+def train_sharded(
+    recipe: Recipe, stage: int, device: torch.device, rank: int = 0, world_size: int = 1, **options: Any
+) -> dict[str, Any]:
     model, opt, module = wrapped(recipe.model, recipe, stage, device, **options)
     assert {p.device for p in model.parameters()} == {device}, "wrap moved the parameters off the device"
     norms = []
@@ -277,7 +283,9 @@ def train_traced(recipe: Recipe, stage: int, device: torch.device) -> dict[str, 
     return {"states": states, "compute": compute, "norms": norms}
 
 
-def mixed_reference(recipe: Recipe, device: torch.device, states: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
+def mixed_reference(
+    recipe: Recipe, device: torch.device, states: list[dict[str, torch.Tensor]]
+) -> list[dict[str, Any]]:
     """Plain torch by hand: from ``states[s]``, a bf16 copy of the fp32 master runs forward and
     backward, the gradients are cast to fp32, clipped and applied by AdamW to the master (its
     state carried from step to step). Returns the master after each step and the norms."""
@@ -303,8 +311,9 @@ def mixed_reference(recipe: Recipe, device: torch.device, states: list[dict[str,
 
 @pytest.mark.parametrize("stage", STAGES, ids=STAGE_IDS)
 @pytest.mark.parametrize("kind", DEVICES)
-def test_bf16_at_world_size_1_matches_hand_written_mixed_precision(kind: str, stage: int,
-                                                                   record_property: Callable) -> None:
+def test_bf16_at_world_size_1_matches_hand_written_mixed_precision(
+    kind: str, stage: int, record_property: Callable
+) -> None:
     """``mixed_precision="bf16"`` over a one-rank NCCL group: every step forward runs on
     exactly bf16(master), and from the same master the step lands where the plain-torch
     reference's does, within 1e-5 (teacher forcing: see [Note: CUDA tolerances])."""
@@ -320,7 +329,8 @@ def test_bf16_at_world_size_1_matches_hand_written_mixed_precision(kind: str, st
         for name, value in used.items():
             assert value.dtype == BF16, f"{what}: step {step} computed with {name} in {value.dtype}"
             assert torch.equal(value, trace["states"][step][name].to(BF16)), (
-                f"{what}: step {step} computed with a '{name}' that is not bf16(master)")
+                f"{what}: step {step} computed with a '{name}' that is not bf16(master)"
+            )
         errors.append(max_error(trace["states"][step + 1], expected[step]["master"]))
         assert_states_close(trace["states"][step + 1], expected[step]["master"], TOLERANCE, f"{what}: step {step}")
     record_property("max_rel_error", max(errors))
@@ -439,7 +449,8 @@ def test_peak_memory_of_a_step_is_the_planners_within_10_percent(stage: int, rec
     record_property("ratio", peak / planned)
     assert abs(peak / planned - 1) <= 0.10, (
         f"stage {stage}: a steady step allocated {peak / 2**20:.1f} MiB above the baseline, the planner says "
-        f"{planned / 2**20:.1f} MiB ({peak / planned:.3f}x)")
+        f"{planned / 2**20:.1f} MiB ({peak / planned:.3f}x)"
+    )
 
 
 # --------------------------------------------------------------------------- 4. checkpoints
@@ -474,7 +485,9 @@ def checkpoint_round_trip(stage: int, device: torch.device, precision: str, dire
 
     other = ModelSpec(RECIPE.model.name, RECIPE.model.options, seed=RECIPE.model.seed + 1)  # other weights
     fresh, fresh_opt, fresh_module = wrapped(other, RECIPE, stage, device, **options)
-    assert max_error(on_cpu(fresh.full_state_dict()), saved_params) > 1e-2, "the fresh model starts where the saved one is"
+    assert max_error(on_cpu(fresh.full_state_dict()), saved_params) > 1e-2, (
+        "the fresh model starts where the saved one is"
+    )
     assert shardpar.load_checkpoint(directory, fresh, fresh_opt) == {"step": 2}
     assert {p.device for p in fresh.parameters()} == {device}, f"{what}: loaded parameters left the device"
     _assert_bitwise(on_cpu(fresh.full_state_dict()), saved_params, f"{what}: parameters after load")
@@ -494,7 +507,8 @@ def checkpoint_round_trip(stage: int, device: torch.device, precision: str, dire
     handle.wait()
     for file in sorted(directory.with_name("sync-3").glob("*.safetensors")):
         assert (directory.with_name("async-3") / file.name).read_bytes() == file.read_bytes(), (
-            f"{what}: {file.name} of the asynchronous save differs")
+            f"{what}: {file.name} of the asynchronous save differs"
+        )
     model.engine.close()
     fresh.engine.close()
 
@@ -502,8 +516,9 @@ def checkpoint_round_trip(stage: int, device: torch.device, precision: str, dire
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", STAGES, ids=STAGE_IDS)
 @pytest.mark.parametrize("kind", DEVICES)
-def test_checkpoint_round_trip_from_device_memory_is_bit_exact(kind: str, stage: int, precision: str,
-                                                               tmp_path: Path) -> None:
+def test_checkpoint_round_trip_from_device_memory_is_bit_exact(
+    kind: str, stage: int, precision: str, tmp_path: Path
+) -> None:
     device = device_of(kind)
     with one_rank_group(device):
         checkpoint_round_trip(stage, device, precision, tmp_path / "ckpt")
@@ -515,8 +530,9 @@ def test_checkpoint_round_trip_from_device_memory_is_bit_exact(kind: str, stage:
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, kind: str, out: str, args: tuple) -> None:
     """Entry point of a spawned rank: join the group (NCCL on ``cuda:rank``, gloo on the CPU)
     through a FileStore in ``out``, run ``fn(*args)``, save its result or its traceback."""
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_WORLD_SIZE": str(world_size)})
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
+    )
     folder = Path(out)
     try:
         device = device_of(kind, rank)
@@ -527,8 +543,9 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, kind: str, ou
         else:
             torch.set_num_threads(1)  # the ranks share the machine's cores
         store = dist.FileStore(str(folder / "store"), world_size)
-        dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=world_size, **kwargs)
+        dist.init_process_group(
+            "nccl" if kind == "cuda" else "gloo", store=store, rank=rank, world_size=world_size, **kwargs
+        )
         try:
             result = fn(device, *args)
         finally:
@@ -539,8 +556,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, kind: str, ou
         sys.exit(1)
 
 
-def spawn_ranks(fn: Callable[..., Any], world_size: int, kind: str, out: Path, *args: Any,
-                timeout: float) -> list[Any]:
+def spawn_ranks(fn: Callable[..., Any], world_size: int, kind: str, out: Path, *args: Any, timeout: float) -> list[Any]:
     """``fn(device, *args)`` on ``world_size`` spawned ranks; their results by rank.
 
     Fails (killing every rank) when a rank fails, naming it with its traceback, and when the
@@ -548,8 +564,12 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, kind: str, out: Path, *
     the test instead of stalling it.
     """
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked; nothing inherited
-    processes = [context.Process(target=_rank_main, args=(fn, rank, world_size, kind, str(out), args),
-                                 name=f"cuda-test-rank{rank}") for rank in range(world_size)]
+    processes = [
+        context.Process(
+            target=_rank_main, args=(fn, rank, world_size, kind, str(out), args), name=f"cuda-test-rank{rank}"
+        )
+        for rank in range(world_size)
+    ]
     for process in processes:
         process.start()
     deadline = time.monotonic() + timeout
@@ -559,8 +579,10 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, kind: str, out: Path, *
             now = time.monotonic()
             if now > deadline:
                 running = [r for r, p in enumerate(processes) if p.is_alive()]
-                pytest.fail(f"{fn.__name__} on {world_size} {kind} ranks timed out after {timeout:g} s; "
-                            f"ranks {running} were still running\n{_rank_errors(out, world_size)}")
+                pytest.fail(
+                    f"{fn.__name__} on {world_size} {kind} ranks timed out after {timeout:g} s; "
+                    f"ranks {running} were still running\n{_rank_errors(out, world_size)}"
+                )
             if failed_at is None and any(p.exitcode not in (None, 0) for p in processes):
                 failed_at = now  # the others may be stuck in a collective with it: a short grace
             if failed_at is not None and now > failed_at + 10.0:
@@ -573,14 +595,18 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, kind: str, out: Path, *
             process.join(timeout=10.0)
     codes = [p.exitcode for p in processes]
     if any(code != 0 for code in codes):
-        pytest.fail(f"{fn.__name__} on {world_size} {kind} ranks failed, exit codes {codes}\n"
-                    f"{_rank_errors(out, world_size)}")
+        pytest.fail(
+            f"{fn.__name__} on {world_size} {kind} ranks failed, exit codes {codes}\n{_rank_errors(out, world_size)}"
+        )
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
 
 
 def _rank_errors(out: Path, world_size: int) -> str:
-    return "\n".join(f"--- rank {r} ---\n{(out / f'rank{r}.err').read_text()}" for r in range(world_size)
-                     if (out / f"rank{r}.err").exists())
+    return "\n".join(
+        f"--- rank {r} ---\n{(out / f'rank{r}.err').read_text()}"
+        for r in range(world_size)
+        if (out / f"rank{r}.err").exists()
+    )
 
 
 def train_ddp(recipe: Recipe, device: torch.device) -> dict[str, Any]:
@@ -602,8 +628,9 @@ def train_fsdp2(recipe: Recipe, device: torch.device) -> dict[str, Any]:
     """``fully_shard`` on every block, then on the root (which holds the tied embedding and
     head), the same blocks shardpar's stage 3 takes as units."""
     from torch.distributed.device_mesh import init_device_mesh
-    from shardpar.comm.compat import fully_shard
     from torch.distributed.tensor import DTensor
+
+    from shardpar.comm.compat import fully_shard
 
     def full(t: torch.Tensor) -> torch.Tensor:
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().to("cpu", copy=True)
@@ -644,22 +671,24 @@ def parity_world_size(kind: str) -> int | None:
 
 @pytest.mark.timeout(max(SPAWN_TIMEOUT_S.values()) + 60)
 @pytest.mark.parametrize("kind", DEVICES)
-def test_every_stage_matches_ddp_and_fsdp2_on_several_devices(kind: str, tmp_path: Path,
-                                                              record_property: Callable) -> None:
+def test_every_stage_matches_ddp_and_fsdp2_on_several_devices(
+    kind: str, tmp_path: Path, record_property: Callable
+) -> None:
     """Every stage, DDP and FSDP2 train the same model on the same per-rank batches (fp32,
     AdamW, clipping): shardpar's parameters and clipping norms are within 1e-5 of both, on
     every rank. See [Note: CUDA tolerances]."""
     world_size = parity_world_size(kind)
     if world_size is None:
         pytest.skip(f"needs 2 or more GPUs, {torch.cuda.device_count()} visible")
-    per_rank = spawn_ranks(ddp_fsdp2_and_every_stage, world_size, kind, tmp_path, RECIPE,
-                           timeout=SPAWN_TIMEOUT_S[kind])
+    per_rank = spawn_ranks(ddp_fsdp2_and_every_stage, world_size, kind, tmp_path, RECIPE, timeout=SPAWN_TIMEOUT_S[kind])
     record_property("world_size", world_size)
     for rank, result in enumerate(per_rank):
         for peer in ("ddp", "fsdp2"):
             for stage in STAGES:
                 what = f"stage {stage} vs {peer}, {world_size} {kind} ranks, rank {rank}"
                 mine, theirs = result[f"stage{stage}"], result[peer]
-                record_property(f"stage{stage}_vs_{peer}_max_rel_error_rank{rank}", max_error(mine["state"], theirs["state"]))
+                record_property(
+                    f"stage{stage}_vs_{peer}_max_rel_error_rank{rank}", max_error(mine["state"], theirs["state"])
+                )
                 assert_states_close(mine["state"], theirs["state"], TOLERANCE, what)
                 assert_close_values(mine["norms"], theirs["norms"], TOLERANCE, f"{what}: clip norms")

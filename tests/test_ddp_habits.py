@@ -21,8 +21,8 @@ first use -- never a silent no-op.
 
 from __future__ import annotations
 
-import copy
 import contextlib
+import copy
 import re
 from typing import Any
 
@@ -33,8 +33,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import shardpar
-from shardpar.comm import collectives as C
 from shardpar import ShardedGradError
+from shardpar.comm import collectives as C
 from tests.harness import RankFailure, run_ranks
 
 STAGES = [0, 1, 2, 3]
@@ -69,8 +69,10 @@ def _wrap(module: nn.Module, stage: int, **options: Any) -> shardpar.ShardedModu
 def _nanogpt_groups(module: nn.Module) -> list[dict[str, Any]]:
     """nanoGPT's configure_optimizers: weight decay on 2-D parameters only."""
     params = [p for p in module.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 # --------------------------------------------------------------------------- torch optimizers
@@ -89,8 +91,11 @@ def _torch_optimizer(stage: int, when: str) -> dict[str, Any]:
     except ShardedGradError as caught:
         error = str(caught)
     after = model.full_state_dict()
-    return {"error": error, "unchanged": all(torch.equal(after[k], v) for k, v in before.items()),
-            "state": len(opt.state)}
+    return {
+        "error": error,
+        "unchanged": all(torch.equal(after[k], v) for k, v in before.items()),
+        "state": len(opt.state),
+    }
 
 
 @pytest.mark.parametrize("when", ["after backward", "before any backward"])
@@ -98,8 +103,11 @@ def _torch_optimizer(stage: int, when: str) -> dict[str, Any]:
 def test_a_torch_optimizer_over_model_parameters_refuses_to_step_at_stages_1_to_3(stage: int, when: str) -> None:
     for rank, result in enumerate(run_ranks(_torch_optimizer, 2, stage, when, timeout=60)):
         assert result["error"] is not None, f"stage {stage}, rank {rank}: the torch optimizer stepped"
-        assert re.search(r"torch\.optim\.adamw\.AdamW holds parameter 'blocks\.0\.weight' of a model wrapped by "
-                         rf"shardpar, whose gradient it cannot see: at stage {stage} it exists only as shards", result["error"]), result["error"]
+        assert re.search(
+            r"torch\.optim\.adamw\.AdamW holds parameter 'blocks\.0\.weight' of a model wrapped by "
+            rf"shardpar, whose gradient it cannot see: at stage {stage} it exists only as shards",
+            result["error"],
+        ), result["error"]
         assert "shardpar.optimizer(model, torch.optim.adamw.AdamW" in result["error"]
         assert result["unchanged"] and result["state"] == 0, f"stage {stage}, rank {rank}: something changed"
 
@@ -228,8 +236,10 @@ def _accumulate_like_nanogpt(stage: int, micro_steps: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
     theirs_state = ddp.module.state_dict()
-    return {"reductions_while_off": reductions_while_off,
-            "pairs": {k: (v, theirs_state[k]) for k, v in model.full_state_dict().items()}}
+    return {
+        "reductions_while_off": reductions_while_off,
+        "pairs": {k: (v, theirs_state[k]) for k, v in model.full_state_dict().items()},
+    }
 
 
 def _reduce_calls(model: shardpar.ShardedModule) -> int:
@@ -317,8 +327,11 @@ def test_evaluation_on_rank_0_only_at_stage_3_names_the_missing_rank_and_the_uni
     message = failure.value.failures[0]
     assert "RanksOutOfStep missing=[1]" in message, message[-3000:]
     # (rank 0's report may also describe models of earlier tests that this worker still holds)
-    assert re.search(r"rank 0: .*in a forward pass after 1 backward passes and 1 optimizer steps.*; waiting in "
-                     r"tagged all_gather of unit 'blocks\.0'", message), message[-3000:]
+    assert re.search(
+        r"rank 0: .*in a forward pass after 1 backward passes and 1 optimizer steps.*; waiting in "
+        r"tagged all_gather of unit 'blocks\.0'",
+        message,
+    ), message[-3000:]
     assert "rank 1: no report" in message
 
 
@@ -329,8 +342,9 @@ def _generate_different_lengths(synced_gpus: bool) -> dict[str, Any]:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
-                                     bos_token_id=0, eos_token_id=63)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=63
+    )
     plain = transformers.GPT2LMHeadModel(config).eval()
     torch.manual_seed(0)
     module = transformers.GPT2LMHeadModel(config)
@@ -418,8 +432,16 @@ def test_load_state_dict_strict_false_loads_the_keys_present_like_torch(stage: i
 
 # --------------------------------------------------------------------------- copies of the module
 
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 
 
 _CALLS: list[int] = []
@@ -438,8 +460,9 @@ def _copies_of_the_module(stage: int, mixed_precision: Any) -> dict[str, Any]:
     module = _TiedFrozenBuffered()
     calls = _CALLS
     module.body.register_forward_hook(_record_call)  # the user's own hook: copied
-    model = shardpar.wrap(module, stage=stage, mixed_precision=mixed_precision,
-                          **({"min_unit_params": 1} if stage == 3 else {}))
+    model = shardpar.wrap(
+        module, stage=stage, mixed_precision=mixed_precision, **({"min_unit_params": 1} if stage == 3 else {})
+    )
     opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2)
     tokens = torch.tensor([[1, 2, 3], [4, 5, 6]]) + C.get_rank()
     model(tokens).float().sum().backward()
@@ -461,8 +484,11 @@ def _copies_of_the_module(stage: int, mixed_precision: Any) -> dict[str, Any]:
             "frozen": [n for n, p in copied.named_parameters() if not p.requires_grad],
             "plain": all(type(p) is nn.Parameter for p in copied.parameters()),
             "hooks": sum(len(getattr(m, d)) for m in copied.modules() for d in _HOOK_DICTS),
-            "marks": sorted(k for k in copied.__dict__
-                            if "shardpar" in k or k in ("zero_grad", "_apply", "load_state_dict", "__deepcopy__")),
+            "marks": sorted(
+                k
+                for k in copied.__dict__
+                if "shardpar" in k or k in ("zero_grad", "_apply", "load_state_dict", "__deepcopy__")
+            ),
         }
     comm_before = model.comm_stats()
     calls.clear()
@@ -481,8 +507,9 @@ def _copies_of_the_module(stage: int, mixed_precision: Any) -> dict[str, Any]:
     opt.step()
     out["trains_on"] = not torch.equal(model.full_state_dict()["body.weight"], full["body.weight"])
     model.engine.close()
-    out["after_close"] = sorted(k for k in module.__dict__
-                                if k in ("__deepcopy__", "__reduce_ex__", "zero_grad", "_apply", "load_state_dict"))
+    out["after_close"] = sorted(
+        k for k in module.__dict__ if k in ("__deepcopy__", "__reduce_ex__", "zero_grad", "_apply", "load_state_dict")
+    )
     return out
 
 
@@ -515,12 +542,15 @@ def test_deepcopy_and_torch_save_of_the_module_give_a_plain_module_with_the_weig
 def _clip_by_value(stage: int) -> dict[str, torch.Tensor]:
     rank, world = C.get_rank(), C.get_world_size()
     torch.manual_seed(0)
-    model = shardpar.wrap(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)), stage=stage,
-                          **({"min_unit_params": 1} if stage == 3 else {}))
+    model = shardpar.wrap(
+        nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)),
+        stage=stage,
+        **({"min_unit_params": 1} if stage == 3 else {}),
+    )
     opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.5)
     for step in range(3):
         x = torch.randn(8 * world, 6, generator=torch.Generator().manual_seed(step)) * 5
-        model(x[8 * rank: 8 * (rank + 1)]).square().mean().backward()
+        model(x[8 * rank : 8 * (rank + 1)]).square().mean().backward()
         model.clip_grad_value_(0.05)
         opt.step()
         opt.zero_grad()
@@ -562,8 +592,12 @@ def test_clip_grad_value_refuses_a_negative_value() -> None:
 
 def _evaluate_under_inference_mode(stage: int, mixed_precision: Any) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = shardpar.wrap(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)), stage=stage,
-                          mixed_precision=mixed_precision, **({"min_unit_params": 1} if stage == 3 else {}))
+    model = shardpar.wrap(
+        nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)),
+        stage=stage,
+        mixed_precision=mixed_precision,
+        **({"min_unit_params": 1} if stage == 3 else {}),
+    )
     opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2)
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(C.get_rank()))
     out: dict[str, Any] = {"inference": [], "no_grad": []}
@@ -612,8 +646,9 @@ class _TwoParts(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _two_optimizer_loop(model: nn.Module, inner: _TwoParts, make_opt: Any, rank: int, world: int,
-                        no_sync: Any) -> list[float]:
+def _two_optimizer_loop(
+    model: nn.Module, inner: _TwoParts, make_opt: Any, rank: int, world: int, no_sync: Any
+) -> list[float]:
     """Adam over ``a``, SGD over ``b``. Each step: a micro-batch under no_sync, then a synced
     one; step and clear ``a`` first, then clip what is left (``b``'s gradients only: ``a``'s
     are None now) and step ``b``; ``b`` is cleared every other step only, so its gradients
@@ -629,8 +664,13 @@ def _two_optimizer_loop(model: nn.Module, inner: _TwoParts, make_opt: Any, rank:
                 (model(x).square().mean() / 2).backward()
         o1.step()
         o1.zero_grad()
-        norms.append(float(model.clip_grad_norm_(0.5) if hasattr(model, "engine") else
-                           torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        norms.append(
+            float(
+                model.clip_grad_norm_(0.5)
+                if hasattr(model, "engine")
+                else torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            )
+        )
         o2.step()
         if step % 2:
             o2.zero_grad()
@@ -640,10 +680,17 @@ def _two_optimizer_loop(model: nn.Module, inner: _TwoParts, make_opt: Any, rank:
 def _two_optimizers(stage: int, mixed_precision: Any = None) -> dict[str, Any]:
     torch.manual_seed(0)
     inner = _TwoParts()
-    model = shardpar.wrap(inner, stage=stage, mixed_precision=mixed_precision,
-                          **({"min_unit_params": 1} if stage == 3 else {}))
-    norms = _two_optimizer_loop(model, inner, lambda params, cls, **kw: shardpar.optimizer(model, cls, params, **kw),
-                                C.get_rank(), C.get_world_size(), model.no_sync)
+    model = shardpar.wrap(
+        inner, stage=stage, mixed_precision=mixed_precision, **({"min_unit_params": 1} if stage == 3 else {})
+    )
+    norms = _two_optimizer_loop(
+        model,
+        inner,
+        lambda params, cls, **kw: shardpar.optimizer(model, cls, params, **kw),
+        C.get_rank(),
+        C.get_world_size(),
+        model.no_sync,
+    )
     state = model.full_state_dict()
     model.engine.close()
     return {"norms": norms, "state": state}
@@ -657,8 +704,9 @@ def test_two_optimizers_over_one_model_clear_only_their_own_gradients(stage: int
     the global batch (the no_sync micro-batch included), at every stage."""
     torch.manual_seed(0)
     plain = _TwoParts()
-    want_norms = _two_optimizer_loop(plain, plain, lambda params, cls, **kw: cls(params, **kw), 0, 1,
-                                     contextlib.nullcontext)
+    want_norms = _two_optimizer_loop(
+        plain, plain, lambda params, cls, **kw: cls(params, **kw), 0, 1, contextlib.nullcontext
+    )
     for rank, out in enumerate(run_ranks(_two_optimizers, 2, stage, timeout=120)):
         assert out["norms"] == pytest.approx(want_norms, rel=1e-5), (rank, out["norms"], want_norms)
         for name, value in plain.state_dict().items():
@@ -689,8 +737,9 @@ class _Branchy(nn.Module):
         return self.b(h + self.c(h) if use_c else h)
 
 
-def _kept_zeros_loop(model: nn.Module, inner: _Branchy, opt: Any, rank: int, world: int, no_sync: Any,
-                     stage_0_grads: bool) -> dict[str, Any]:
+def _kept_zeros_loop(
+    model: nn.Module, inner: _Branchy, opt: Any, rank: int, world: int, no_sync: Any, stage_0_grads: bool
+) -> dict[str, Any]:
     """torch's zero_grad(set_to_none=False) keeps zeroed gradients, which later steps still
     apply (AdamW decays the parameter, moves its moments): a step straight after it, and steps
     after backwards that skip the branch ``c``. ``set_to_none=True`` ends that again."""
@@ -726,11 +775,13 @@ def _kept_zeros_loop(model: nn.Module, inner: _Branchy, opt: Any, rank: int, wor
 def _kept_zeros(stage: int, mixed_precision: Any = None) -> dict[str, Any]:
     torch.manual_seed(0)
     inner = _Branchy()
-    model = shardpar.wrap(inner, stage=stage, mixed_precision=mixed_precision,
-                          **({"min_unit_params": 1} if stage == 3 else {}))
+    model = shardpar.wrap(
+        inner, stage=stage, mixed_precision=mixed_precision, **({"min_unit_params": 1} if stage == 3 else {})
+    )
     opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.5)
-    out = _kept_zeros_loop(model, inner, opt, C.get_rank(), C.get_world_size(), model.no_sync,
-                           stage == 0 and mixed_precision is None)
+    out = _kept_zeros_loop(
+        model, inner, opt, C.get_rank(), C.get_world_size(), model.no_sync, stage == 0 and mixed_precision is None
+    )
     model.engine.close()
     return out
 
@@ -743,8 +794,15 @@ def test_zero_grad_without_set_to_none_keeps_zero_gradients_that_later_steps_app
     alone again. Before, shardpar treated the kept gradients as None and skipped them."""
     torch.manual_seed(0)
     plain = _Branchy()
-    want = _kept_zeros_loop(plain, plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.5), 0, 1,
-                            contextlib.nullcontext, True)
+    want = _kept_zeros_loop(
+        plain,
+        plain,
+        torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.5),
+        0,
+        1,
+        contextlib.nullcontext,
+        True,
+    )
     assert want["grads_none"] == [[False] * 6, [False, False, True, True, False, False]]
     for rank, out in enumerate(run_ranks(_kept_zeros, 2, stage, timeout=120)):
         if stage == 0:
@@ -773,12 +831,23 @@ def _module_state_under_bf16(stage: int) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
-    model = shardpar.wrap(LlamaForCausalLM(config), stage=stage, mixed_precision="bf16",
-                          **({"wrap_policy": [LlamaDecoderLayer]} if stage == 3 else {}))
+    model = shardpar.wrap(
+        LlamaForCausalLM(config),
+        stage=stage,
+        mixed_precision="bf16",
+        **({"wrap_policy": [LlamaDecoderLayer]} if stage == 3 else {}),
+    )
     opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(C.get_rank()))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -835,8 +904,12 @@ def _module_load_state_dict(stage: int, mixed_precision: Any) -> dict[str, Any]:
     """Other weights loaded through the wrapped module's own ``load_state_dict`` (all keys, then
     some with strict=False), then a step with lr=0."""
     torch.manual_seed(0)
-    model = shardpar.wrap(_TiedFrozenBuffered(), stage=stage, mixed_precision=mixed_precision,
-                          **({"min_unit_params": 1} if stage == 3 else {}))
+    model = shardpar.wrap(
+        _TiedFrozenBuffered(),
+        stage=stage,
+        mixed_precision=mixed_precision,
+        **({"min_unit_params": 1} if stage == 3 else {}),
+    )
     opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.0)
     torch.manual_seed(1)
     other = _TiedFrozenBuffered().state_dict()
@@ -849,8 +922,12 @@ def _module_load_state_dict(stage: int, mixed_precision: Any) -> dict[str, Any]:
     state = model.full_state_dict()
     model.engine.close()
     want = {**other, **partial}
-    return {"equal": sorted(k for k, v in want.items() if torch.equal(state[k], v)), "keys": sorted(want),
-            "result": tuple(result), "partial_missing": sorted(partial_result.missing_keys)}
+    return {
+        "equal": sorted(k for k, v in want.items() if torch.equal(state[k], v)),
+        "keys": sorted(want),
+        "result": tuple(result),
+        "partial_missing": sorted(partial_result.missing_keys),
+    }
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -871,8 +948,12 @@ def _submodule_load_state_dict(stage: int, mixed_precision: Any) -> dict[str, An
     key missing (strict: torch's error, after loading the key present, as torch does); then a
     step with lr=0."""
     torch.manual_seed(0)
-    model = shardpar.wrap(_TiedFrozenBuffered(), stage=stage, mixed_precision=mixed_precision,
-                          **({"min_unit_params": 1} if stage == 3 else {}))
+    model = shardpar.wrap(
+        _TiedFrozenBuffered(),
+        stage=stage,
+        mixed_precision=mixed_precision,
+        **({"min_unit_params": 1} if stage == 3 else {}),
+    )
     opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.0)
     g = torch.Generator().manual_seed(1)
     body = {"weight": torch.randn(8, 8, generator=g), "bias": torch.randn(8, generator=g)}
@@ -889,8 +970,11 @@ def _submodule_load_state_dict(stage: int, mixed_precision: Any) -> dict[str, An
     state = model.full_state_dict()
     model.engine.close()
     want = {"body.weight": last, "body.bias": body["bias"], "emb.weight": head["weight"], "head.weight": head["weight"]}
-    return {"unequal": sorted(k for k, v in want.items() if not torch.equal(state[k], v)), "results": results,
-            "error": error}
+    return {
+        "unequal": sorted(k for k, v in want.items() if not torch.equal(state[k], v)),
+        "results": results,
+        "error": error,
+    }
 
 
 @pytest.mark.parametrize("stage", STAGES)

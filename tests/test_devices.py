@@ -84,7 +84,9 @@ class Stop(Exception):
 def _stop_at_engine(mp: pytest.MonkeyPatch, seen: dict[str, Any]) -> None:
     """Record where a wrap would build the engine (and materialise a meta model), then stop."""
 
-    def build_engine(module: nn.Module, config: Any, group: Any, deferred_init: Any = None, sharding: Any = None) -> Any:
+    def build_engine(
+        module: nn.Module, config: Any, group: Any, deferred_init: Any = None, sharding: Any = None
+    ) -> Any:
         seen["engine_device"] = deferred_init.device if deferred_init is not None else None
         raise Stop
 
@@ -117,14 +119,17 @@ def _reports(mp: pytest.MonkeyPatch, config: str) -> None:
 # --------------------------------------------------------------------------- backends
 
 
-@pytest.mark.parametrize("text, served", [
-    ("cpu:gloo,cuda:nccl", {"cpu": "gloo", "cuda": "nccl"}),
-    (" CPU:Gloo , CUDA:NCCL ", {"cpu": "gloo", "cuda": "nccl"}),
-    ("cuda:nccl", {"cuda": "nccl"}),
-    ("nccl", {"cuda": "nccl"}),
-    ("gloo", {"cpu": "gloo", "cuda": "gloo"}),
-    ("undefined", {}),
-])
+@pytest.mark.parametrize(
+    "text, served",
+    [
+        ("cpu:gloo,cuda:nccl", {"cpu": "gloo", "cuda": "nccl"}),
+        (" CPU:Gloo , CUDA:NCCL ", {"cpu": "gloo", "cuda": "nccl"}),
+        ("cuda:nccl", {"cuda": "nccl"}),
+        ("nccl", {"cuda": "nccl"}),
+        ("gloo", {"cpu": "gloo", "cuda": "gloo"}),
+        ("undefined", {}),
+    ],
+)
 def test_backend_strings_are_read_per_device_type(text: str, served: dict[str, str]) -> None:
     assert D.parse_backends(text) == served
 
@@ -143,15 +148,22 @@ def test_a_mixed_group_runs_nccl_for_cuda_and_gloo_for_cpu(monkeypatch: pytest.M
 # --------------------------------------------------------------------------- a rank's device
 
 
-@pytest.mark.parametrize("count, current, local, bound, expected", [
-    (4, 0, "1", None, 1),  # torchrun, no set_device: LOCAL_RANK
-    (4, 2, "1", None, 2),  # the script's set_device wins over LOCAL_RANK
-    (4, 0, "1", torch.device("cuda", 3), 3),  # so does the group's device_id
-    (1, 0, "1", None, 0),  # one visible GPU per rank: every rank's cuda:0
-    (2, 0, None, None, 0),  # no launcher: the current device
-])
+@pytest.mark.parametrize(
+    "count, current, local, bound, expected",
+    [
+        (4, 0, "1", None, 1),  # torchrun, no set_device: LOCAL_RANK
+        (4, 2, "1", None, 2),  # the script's set_device wins over LOCAL_RANK
+        (4, 0, "1", torch.device("cuda", 3), 3),  # so does the group's device_id
+        (1, 0, "1", None, 0),  # one visible GPU per rank: every rank's cuda:0
+        (2, 0, None, None, 0),  # no launcher: the current device
+    ],
+)
 def test_the_rank_device_follows_device_id_then_set_device_then_local_rank(
-    monkeypatch: pytest.MonkeyPatch, count: int, current: int, local: str | None, bound: torch.device | None,
+    monkeypatch: pytest.MonkeyPatch,
+    count: int,
+    current: int,
+    local: str | None,
+    bound: torch.device | None,
     expected: int,
 ) -> None:
     FakeCuda(monkeypatch, count, current)
@@ -175,8 +187,13 @@ def test_without_a_gpu_the_rank_device_is_the_cpu(monkeypatch: pytest.MonkeyPatc
 def test_a_model_on_another_gpu_than_the_rank_s_is_refused_naming_both() -> None:
     expected = D.RankDevice(torch.device("cuda", 1), "LOCAL_RANK=1")
     with pytest.raises(ValueError) as error:
-        D.check_module_device(torch.device("cuda", 0), rank=1, expected=expected,
-                              backends=D.parse_backends("nccl"), backend_text="cuda:nccl")
+        D.check_module_device(
+            torch.device("cuda", 0),
+            rank=1,
+            expected=expected,
+            backends=D.parse_backends("nccl"),
+            backend_text="cuda:nccl",
+        )
     message = str(error.value)
     for fragment in ("rank 1", "cuda:0", "cuda:1", "LOCAL_RANK=1", "torch.cuda.set_device"):
         assert fragment in message, message
@@ -192,8 +209,9 @@ def test_one_visible_gpu_per_rank_is_not_refused() -> None:
 def test_a_cpu_model_with_an_nccl_group_is_refused(config: str) -> None:
     expected = D.RankDevice(torch.device("cuda", 1), "LOCAL_RANK=1")
     with pytest.raises(ValueError) as error:
-        D.check_module_device(torch.device("cpu"), rank=1, expected=expected, backends=D.parse_backends(config),
-                              backend_text=config)
+        D.check_module_device(
+            torch.device("cpu"), rank=1, expected=expected, backends=D.parse_backends(config), backend_text=config
+        )
     message = str(error.value)
     for fragment in ("rank 1", "on cpu", config, "cuda", "model.to('cuda:1')", "gloo"):
         assert fragment in message, message
@@ -202,25 +220,39 @@ def test_a_cpu_model_with_an_nccl_group_is_refused(config: str) -> None:
 def test_a_cuda_model_with_a_cpu_only_group_is_refused() -> None:
     expected = D.RankDevice(torch.device("cuda", 0), "torch.cuda.current_device()")
     with pytest.raises(ValueError, match=r"cuda:0.*'cpu:gloo' serves only cpu.*nccl"):
-        D.check_module_device(torch.device("cuda", 0), rank=0, expected=expected,
-                              backends=D.parse_backends("cpu:gloo"), backend_text="cpu:gloo")
+        D.check_module_device(
+            torch.device("cuda", 0),
+            rank=0,
+            expected=expected,
+            backends=D.parse_backends("cpu:gloo"),
+            backend_text="cpu:gloo",
+        )
 
 
-@pytest.mark.parametrize("device, config", [
-    ("cpu", "cpu:gloo,cuda:nccl"), ("cuda:1", "cpu:gloo,cuda:nccl"), ("cpu", "gloo"), ("meta", "nccl"),
-    ("cpu", "undefined"),  # nothing known to check by
-])
+@pytest.mark.parametrize(
+    "device, config",
+    [
+        ("cpu", "cpu:gloo,cuda:nccl"),
+        ("cuda:1", "cpu:gloo,cuda:nccl"),
+        ("cpu", "gloo"),
+        ("meta", "nccl"),
+        ("cpu", "undefined"),  # nothing known to check by
+    ],
+)
 def test_models_the_group_can_serve_pass(device: str, config: str) -> None:
     expected = D.RankDevice(torch.device("cuda", 1), "LOCAL_RANK=1")
     D.check_module_device(torch.device(device), rank=1, expected=expected, backends=D.parse_backends(config))
 
 
-@pytest.mark.parametrize("config, device, expected", [
-    ("cuda:nccl", torch.device("cuda", 1), torch.device("cuda", 1)),  # the engine's device
-    ("cuda:nccl", None, torch.device("cuda", 1)),  # none given: the rank's (LOCAL_RANK)
-    ("cpu:gloo,cuda:nccl", torch.device("cuda", 1), torch.device("cpu")),
-    ("cpu:gloo,cuda:gloo", torch.device("cuda", 1), torch.device("cpu")),
-])
+@pytest.mark.parametrize(
+    "config, device, expected",
+    [
+        ("cuda:nccl", torch.device("cuda", 1), torch.device("cuda", 1)),  # the engine's device
+        ("cuda:nccl", None, torch.device("cuda", 1)),  # none given: the rank's (LOCAL_RANK)
+        ("cpu:gloo,cuda:nccl", torch.device("cuda", 1), torch.device("cpu")),
+        ("cpu:gloo,cuda:gloo", torch.device("cuda", 1), torch.device("cpu")),
+    ],
+)
 def test_object_bytes_travel_on_the_cpu_or_the_engine_s_device(
     monkeypatch: pytest.MonkeyPatch, config: str, device: torch.device | None, expected: torch.device
 ) -> None:
@@ -241,8 +273,13 @@ def test_a_meta_wrap_that_creates_the_group_trains_on_local_rank(monkeypatch: py
     device was read before the group (and set_device(LOCAL_RANK)) existed: cuda:0."""
     monkeypatch.setattr(dist, "is_initialized", lambda: False)  # as in a fresh process: wrap must create it
     cuda = FakeCuda(monkeypatch, 2)
-    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": "29500"}.items():
+    for name, value in {
+        "WORLD_SIZE": "2",
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     created: dict[str, Any] = {}

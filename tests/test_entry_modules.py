@@ -136,7 +136,7 @@ def _train(mode: str) -> dict[str, Any]:
     for step in range(STEPS):
         x, y = _batch(step)
         model.reset_comm_stats()
-        F.cross_entropy(model(x[rank * share:(rank + 1) * share]), y[rank * share:(rank + 1) * share]).backward()
+        F.cross_entropy(model(x[rank * share : (rank + 1) * share]), y[rank * share : (rank + 1) * share]).backward()
         gathers.append(model.comm_stats()["all_gather"]["calls"])
         model.clip_grad_norm_(1.0)
         opt.step()

@@ -30,10 +30,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -41,11 +42,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 import shardpar
-from shardpar.comm import collectives as C
 from shardpar import ShardedGradError
-from shardpar.checkpoint.save import TEST_CRASH_ENV
 from shardpar.checkpoint.format import read_manifest
 from shardpar.checkpoint.reader import CheckpointReader
+from shardpar.checkpoint.save import TEST_CRASH_ENV
+from shardpar.comm import collectives as C
 from tests.harness import CPU_ONLY_ENV, free_port, run_ranks
 from tests.models import MLPStack
 from tests.parity import cap_mb, rank_slice
@@ -68,13 +69,37 @@ JOB_TIMEOUT_S = 400.0
 
 pytestmark = pytest.mark.timeout(900)  # the fixture's first test waits for every job
 
-JOB_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", TEST_CRASH_ENV: "", **CPU_ONLY_ENV}  # CPU/gloo even with GPUs
+JOB_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+    TEST_CRASH_ENV: "",
+    **CPU_ONLY_ENV,
+}  # CPU/gloo even with GPUs
 
 RECIPE_STEPS, RECIPE_SAVE_EVERY, RECIPE_KILL_STEP = 12, 4, 6
 RECIPE_ARGS = [
-    "--model", "tiny", "--stage", "2", "--steps", str(RECIPE_STEPS), "--save-every", str(RECIPE_SAVE_EVERY),
-    "--batch-size", "8", "--block-size", "32", "--warmup", "2", "--eval-every", "0", "--eval-iters", "1",
-    "--log-every", "4", "--resume", "latest",
+    "--model",
+    "tiny",
+    "--stage",
+    "2",
+    "--steps",
+    str(RECIPE_STEPS),
+    "--save-every",
+    str(RECIPE_SAVE_EVERY),
+    "--batch-size",
+    "8",
+    "--block-size",
+    "32",
+    "--warmup",
+    "2",
+    "--eval-every",
+    "0",
+    "--eval-iters",
+    "1",
+    "--log-every",
+    "4",
+    "--resume",
+    "latest",
 ]
 
 
@@ -131,8 +156,9 @@ def run_torchrun(name: str, out: Path, args: list[str], launcher: list[str] = TO
     out.mkdir(parents=True, exist_ok=True)
     job = Job(name, out)
     with open(out / "output.log", "w") as log:
-        process = subprocess.Popen([*launcher, *args], stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            [*launcher, *args], stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, start_new_session=True
+        )
         try:
             job.returncode = process.wait(timeout=JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -161,11 +187,26 @@ def run_plain(name: str, out: Path, args: list[str], world_size: int = 2) -> Job
     processes = []
     try:
         for rank in range(world_size):
-            env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                   "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            env = {
+                **_env(),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            }
             with open(out / f"output-rank{rank}.log", "w") as log:
-                processes.append(subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=log,
-                                                  stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True))
+                processes.append(
+                    subprocess.Popen(
+                        [sys.executable, str(SCRIPT), *args],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        cwd=ROOT,
+                        start_new_session=True,
+                    )
+                )
         try:
             job.returncode = processes[0].wait(timeout=JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -181,7 +222,18 @@ def run_plain(name: str, out: Path, args: list[str], world_size: int = 2) -> Job
 
 
 def fault_args(out: Path, fault: str, stage: int, timeout_s: float = COLLECTIVE_TIMEOUT_S, **options: Any) -> list[str]:
-    args = [str(SCRIPT), str(out), "--fault", fault, "--rank", "1", "--stage", str(stage), "--timeout-s", str(timeout_s)]
+    args = [
+        str(SCRIPT),
+        str(out),
+        "--fault",
+        fault,
+        "--rank",
+        "1",
+        "--stage",
+        str(stage),
+        "--timeout-s",
+        str(timeout_s),
+    ]
     for key, value in options.items():
         args += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     return args
@@ -215,26 +267,75 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for fault, stage in EXCEPTION_JOBS.items():
         out = root / fault
         launches[fault] = lambda fault=fault, out=out, stage=stage: run_torchrun(
-            fault, out, fault_args(out, fault, stage, steps=3, fault_step=1))
+            fault, out, fault_args(out, fault, stage, steps=3, fault_step=1)
+        )
     # Checkpoints at steps 2 and 4; kill-step dies in the third step, kill-save inside the save
     # of step 4: either way step-2 is the last complete checkpoint.
     launches["kill-step"] = lambda out=root / "kill-step": run_torchrun(
-        "kill-step", out, fault_args(out, "kill-step", KILL_JOBS["kill-step"], steps=4, save_every=2, fault_step=2))
+        "kill-step", out, fault_args(out, "kill-step", KILL_JOBS["kill-step"], steps=4, save_every=2, fault_step=2)
+    )
     for name, async_save in (("kill-save", False), ("kill-save-async", True)):
         launches[name] = lambda out=root / name, name=name, async_save=async_save: run_torchrun(
-            name, out, fault_args(out, "kill-save", KILL_JOBS[name], steps=4, save_every=2, fault_step=4,
-                                  **({"async_save": True} if async_save else {})))
+            name,
+            out,
+            fault_args(
+                out,
+                "kill-save",
+                KILL_JOBS[name],
+                steps=4,
+                save_every=2,
+                fault_step=4,
+                **({"async_save": True} if async_save else {}),
+            ),
+        )
     hang = root / "hang"
-    launches["hang"] = lambda: run_plain("hang", hang, [str(hang), "--fault", "hang", "--rank", "1", "--stage", "0",
-                                                         "--timeout-s", str(HANG_TIMEOUT_S), "--file-barrier"])
+    launches["hang"] = lambda: run_plain(
+        "hang",
+        hang,
+        [
+            str(hang),
+            "--fault",
+            "hang",
+            "--rank",
+            "1",
+            "--stage",
+            "0",
+            "--timeout-s",
+            str(HANG_TIMEOUT_S),
+            "--file-barrier",
+        ],
+    )
     restart = root / "restart"
-    launches["restart"] = lambda: run_torchrun("restart", restart, [
-        "--max-restarts", "1",
-        *fault_args(restart, "kill-step", 0, timeout_s=30, steps=3, fault_step=1, late_rank0_on_restart=3)])
+    launches["restart"] = lambda: run_torchrun(
+        "restart",
+        restart,
+        [
+            "--max-restarts",
+            "1",
+            *fault_args(restart, "kill-step", 0, timeout_s=30, steps=3, fault_step=1, late_rank0_on_restart=3),
+        ],
+    )
     elastic = root / "elastic"
-    launches["elastic"] = lambda: run_torchrun("elastic", elastic, [
-        "--max-restarts", "1", str(SCRIPT), "recipe", "--rank", "1", "--fault-step", str(RECIPE_KILL_STEP),
-        "--out", str(elastic), "--", *RECIPE_ARGS, "--ckpt-dir", str(elastic / "ckpt")])
+    launches["elastic"] = lambda: run_torchrun(
+        "elastic",
+        elastic,
+        [
+            "--max-restarts",
+            "1",
+            str(SCRIPT),
+            "recipe",
+            "--rank",
+            "1",
+            "--fault-step",
+            str(RECIPE_KILL_STEP),
+            "--out",
+            str(elastic),
+            "--",
+            *RECIPE_ARGS,
+            "--ckpt-dir",
+            str(elastic / "ckpt"),
+        ],
+    )
 
     with ThreadPoolExecutor(max_workers=len(launches)) as pool:
         futures = {name: pool.submit(launch) for name, launch in launches.items()}
@@ -249,7 +350,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def _summary(output: str) -> str:
     """torchrun's error summary (every failed rank; the root cause last)."""
     assert "Root Cause (first observed failure)" in output, output[-6000:]
-    return output[output.rfind("Failures:"):] if "Failures:" in output else output
+    return output[output.rfind("Failures:") :] if "Failures:" in output else output
+
 
 # [Note: which error is first]
 # The failing rank's traceback reaches the console first: the others fail only once its
@@ -276,10 +378,12 @@ def test_an_exception_on_one_rank_ends_the_job_soon_and_names_the_rank(jobs: dic
     first = re.search(r"^(?:\[rank\d\]: )?(\w+(?:Error|Fault|Exception)): .*$", job.output, re.MULTILINE)
     assert first is not None and message in first.group(0), (
         f"the first error printed is not the injected one (see [Note: which error is first]): "
-        f"{first and first.group(0)}\n{job.tail()}")
+        f"{first and first.group(0)}\n{job.tail()}"
+    )
     summary = _summary(job.output)
-    entry = re.search(r"rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: 1 .*?traceback\s+: (.*?)(?:\n\[\d\]:|\n=+)",
-                      summary, re.DOTALL)
+    entry = re.search(
+        r"rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: 1 .*?traceback\s+: (.*?)(?:\n\[\d\]:|\n=+)", summary, re.DOTALL
+    )
     assert entry is not None and message in entry.group(1), f"torchrun's summary has no entry for rank 1\n{job.tail()}"
 
 
@@ -311,7 +415,8 @@ def test_a_killed_rank_ends_the_job_and_the_last_checkpoint_verifies_and_loads(
     took = job.ended - job.fault["time"]
     assert took < END_BOUND_S, f"the job ended {took:.1f} s after the kill\n{job.tail()}"
     assert re.search(r"rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: -9 ", _summary(job.output)), (
-        f"torchrun's summary does not show rank 1 killed by SIGKILL\n{job.tail()}")
+        f"torchrun's summary does not show rank 1 killed by SIGKILL\n{job.tail()}"
+    )
 
     root = job.out / "ckpt"
     visible = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
@@ -361,7 +466,8 @@ def test_the_recipe_bounds_how_long_a_collective_waits(monkeypatch: pytest.Monke
     common.init_distributed(common.DistEnv(rank=0, local_rank=0, world_size=2), torch.device("cpu"))
     timeout = seen.get("timeout")
     assert timeout is not None and timeout.total_seconds() <= shardpar.ShardConfig.timeout_s, (
-        f"the recipe's process group waits {timeout or '30 minutes (gloo default)'} for a missing rank")
+        f"the recipe's process group waits {timeout or '30 minutes (gloo default)'} for a missing rank"
+    )
     assert train_gpt.parse_args(["--timeout-s", "10"], common.DistEnv()).timeout_s == 10
 
 
@@ -378,8 +484,12 @@ def _checkpoint_contents(path: Path) -> dict[str, Any]:
             tensors[entry.name] = torch.empty(entry.numel, dtype=entry.dtype)
             reader.read(entry, 0, entry.numel, tensors[entry.name])
     record = manifest.optimizer
-    return {"tensors": tensors, "scalar_state": record.scalar_state,
-            "hyperparameters": [g["hyperparameters"] for g in record.param_groups], "extra": manifest.extra}
+    return {
+        "tensors": tensors,
+        "scalar_state": record.scalar_state,
+        "hyperparameters": [g["hyperparameters"] for g in record.param_groups],
+        "extra": manifest.extra,
+    }
 
 
 @pytest.mark.slow
@@ -401,7 +511,8 @@ def test_elastic_restart_resumes_and_ends_like_an_uninterrupted_run(jobs: dict[s
         actual = resumed["tensors"][name]
         assert actual.dtype == expected.dtype
         assert torch.allclose(actual, expected, rtol=0, atol=1e-6), (
-            f"{name}: max difference {(actual.double() - expected.double()).abs().max():.3g} from the uninterrupted run")
+            f"{name}: max difference {(actual.double() - expected.double()).abs().max():.3g} from the uninterrupted run"
+        )
     for part in ("scalar_state", "hyperparameters", "extra"):
         assert resumed[part] == reference[part], part
 
@@ -469,7 +580,8 @@ def _step_without_backward(stage: int) -> None:
     opt.step()  # no backward yet: like torch when every .grad is None, nothing happens
     _assert_same(model.full_state_dict(), before, "step() before any backward")
     assert not any(opt.state_of(t) for tensors in opt.pieces() for t in tensors), (
-        "step() before any backward created optimizer state")
+        "step() before any backward created optimizer state"
+    )
     _train_step(module, model, opt, 0)
     after = model.full_state_dict()
     state = _optimizer_snapshot(opt)
@@ -527,14 +639,18 @@ def _plain_optimizer_built_before_wrap(stage: int) -> None:
     plain = torch.optim.AdamW(module.parameters(), lr=0.1)
     model = shardpar.wrap(module, stage=stage, **_options(stage))
     assert [p for group in plain.param_groups for p in group["params"]] == list(model.parameters()), (
-        "wrap replaced Parameter objects: an optimizer built before it would hold stale ones")
+        "wrap replaced Parameter objects: an optimizer built before it would hold stale ones"
+    )
     before = model.full_state_dict()
     if stage != 0:
         # Stages 1-3 hand reduced gradients only to shardpar.optimizer (the owned slices): a
         # plain optimizer's first step raises, naming what to build instead, and changes nothing.
         x, y, _, _ = _batch(module, 0)
         module.loss(model(x), y).backward()
-        with pytest.raises(ShardedGradError, match=r"holds parameter '.*' of a model wrapped by shardpar, whose gradient it cannot see: at stage"):
+        with pytest.raises(
+            ShardedGradError,
+            match=r"holds parameter '.*' of a model wrapped by shardpar, whose gradient it cannot see: at stage",
+        ):
             plain.step()
         _assert_same(model.full_state_dict(), before, f"stage {stage}: a plain torch optimizer")
         assert not plain.state, "the plain optimizer found gradients"
@@ -597,4 +713,3 @@ def test_a_torch_optimizer_built_before_wrap(stage: int) -> None:
 def test_requires_grad_changed_after_wrap_raises_at_the_next_forward(stage: int) -> None:
     for rank, message in enumerate(run_ranks(_requires_grad_changed, 2, stage)):
         assert "layers.2.weight" in message and "requires_grad" in message, f"rank {rank}: {message}"
-

@@ -38,14 +38,28 @@ ROOT = Path(__file__).resolve().parent.parent
 PYTHON = [sys.executable]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 STEPS, BATCH, BLOCK, SEED = 6, 16, 64, 1337
-FLAGS = ["--steps", str(STEPS), "--batch-size", str(BATCH), "--block-size", str(BLOCK), "--seed", str(SEED),
-         "--log-every", "1", "--export"]
+FLAGS = [
+    "--steps",
+    str(STEPS),
+    "--batch-size",
+    str(BATCH),
+    "--block-size",
+    str(BLOCK),
+    "--seed",
+    str(SEED),
+    "--log-every",
+    "1",
+    "--export",
+]
 ENV = {"OMP_NUM_THREADS": "1", **CPU_ONLY_ENV}  # the ranks share 2 cores; CPU/gloo even with GPUs
 TIMEOUT_S = 180.0  # per run; generous because all runs share a loaded machine
 
 STEP_LOSS = re.compile(r"^step (?P<step>\d+): loss (?P<loss>\S+) ", re.MULTILINE)
-SUMMARY = re.compile(r"^done: (?P<steps>\d+) steps, world (?P<world>\d+), stage (?P<stage>\d) \| "
-                     r"train loss (?P<first>\S+) -> (?P<last>\S+) \|", re.MULTILINE)
+SUMMARY = re.compile(
+    r"^done: (?P<steps>\d+) steps, world (?P<world>\d+), stage (?P<stage>\d) \| "
+    r"train loss (?P<first>\S+) -> (?P<last>\S+) \|",
+    re.MULTILINE,
+)
 
 # name -> (launcher, world size, stage, the pretrained directory's layout)
 RUNS = {"ws2-stage3": (TORCHRUN, 2, 3, "sharded"), "ws1-stage0": (PYTHON, 1, 0, "single")}
@@ -75,13 +89,23 @@ class Runs:
         self.pretrained = {"single": single, "sharded": sharded}
         self.pool = ThreadPoolExecutor(max_workers=len(RUNS) + 1, thread_name_prefix="finetune-run")
         self.futures: dict[str, Future] = {
-            name: self.pool.submit(recipe, launcher, "--pretrained", self.pretrained[layout], "--out",
-                                   self.out(name), "--stage", str(stage), *FLAGS)
+            name: self.pool.submit(
+                recipe,
+                launcher,
+                "--pretrained",
+                self.pretrained[layout],
+                "--out",
+                self.out(name),
+                "--stage",
+                str(stage),
+                *FLAGS,
+            )
             for name, (launcher, _, stage, layout) in RUNS.items()
         }
         lacking = without(single, "model.norm.weight", tmp / "lacking")
-        self.futures["missing"] = self.pool.submit(recipe, PYTHON, "--pretrained", lacking, "--out",
-                                                   self.out("missing"), "--steps", "1")
+        self.futures["missing"] = self.pool.submit(
+            recipe, PYTHON, "--pretrained", lacking, "--out", self.out("missing"), "--steps", "1"
+        )
 
     def out(self, name: str) -> Path:
         return self.tmp / f"{name}-out"
@@ -112,8 +136,10 @@ def loss_of(directory: Path, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
 
 
 def output(result: subprocess.CompletedProcess[str]) -> str:
-    return (f"$ {' '.join(map(str, result.args))}\nexit {result.returncode}\n--- stdout ---\n{result.stdout}\n"
-            f"--- stderr ---\n{result.stderr}")
+    return (
+        f"$ {' '.join(map(str, result.args))}\nexit {result.returncode}\n--- stdout ---\n{result.stdout}\n"
+        f"--- stderr ---\n{result.stderr}"
+    )
 
 
 def finetuned(result: subprocess.CompletedProcess[str], world: int, stage: int) -> dict[int, float]:
@@ -133,7 +159,8 @@ def finetuned(result: subprocess.CompletedProcess[str], world: int, stage: int) 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_finetune_starts_from_the_pretrained_weights_and_lowers_the_loss(
-        runs: Runs, first_batch: tuple[torch.Tensor, torch.Tensor], name: str) -> None:
+    runs: Runs, first_batch: tuple[torch.Tensor, torch.Tensor], name: str
+) -> None:
     _, world, stage, layout = RUNS[name]
     losses = finetuned(runs.get(name), world, stage)
     pretrained_loss = loss_of(runs.pretrained[layout], first_batch)
@@ -163,7 +190,7 @@ def test_world_sizes_and_stages_fine_tune_alike(runs: Runs) -> None:
     b = load_file(runs.out("ws1-stage0") / "hf" / "model.safetensors")
     assert sorted(a) == sorted(b)
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def test_missing_keys_are_one_error_line(runs: Runs) -> None:

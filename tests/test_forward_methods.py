@@ -103,8 +103,10 @@ def _build() -> GenLM:
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(step)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator))
+    return (
+        torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+        torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+    )
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -115,8 +117,10 @@ def _prompt() -> torch.Tensor:
     return torch.tensor([[1, 2], [3, 4]])
 
 
-OPTIMIZERS = {"features": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-              "decode": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01})}
+OPTIMIZERS = {
+    "features": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "decode": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+}
 """SGD: some elements' gradients here are ~1e-8, whose rounding Adam would divide by them
 (tests/test_entry_modules.py trains with AdamW)."""
 
@@ -279,8 +283,9 @@ def _hf_generate_declared() -> dict[str, Any]:
     Face model, ported as is: ``generate`` calls the model's forward once per token inside."""
     import transformers
 
-    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
-                                     bos_token_id=0, eos_token_id=63)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=63
+    )
     torch.manual_seed(0)
     plain = transformers.GPT2LMHeadModel(config).eval()
     torch.manual_seed(0)

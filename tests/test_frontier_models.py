@@ -55,9 +55,18 @@ def _llama() -> Any:
     """A tiny Llama from a config (seed 0), no download."""
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      bos_token_id=0, eos_token_id=VOCAB - 1, pad_token_id=0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=VOCAB - 1,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
@@ -122,7 +131,8 @@ def _lora(stage: int, load_stage: int, directory: str) -> dict[str, Any]:
     out["saved_error"], _ = _worst(saved, expected)
     lora_trained = {k: v for k, v in trained.items() if "lora_" in k}
     out["saved_exact"] = peft.get_peft_model_state_dict(plain).keys() == saved.keys() and all(
-        torch.equal(saved[k], lora_trained[k.replace(".weight", ".default.weight")]) for k in saved)
+        torch.equal(saved[k], lora_trained[k.replace(".weight", ".default.weight")]) for k in saved
+    )
     model.engine.close()
 
     # Back into fresh models at another stage: adapters of another seed, replaced by the saved ones.
@@ -166,7 +176,10 @@ def test_lora_trains_saves_and_reloads_like_plain_torch(tmp_path: Path, stage: i
         assert len(out["trainable"]) == 8 and all("lora_" in n for n in out["trainable"]), (rank, out["trainable"])
         assert out["keys_differ"] == [] and out["error"] <= TOLERANCE, (rank, out["error"], out["keys_differ"])
         assert out["base_changed"] == [], (rank, out["base_changed"])
-        assert out["saved_keys"][0] == out["saved_keys"][1] and len(out["saved_keys"][0]) == 8, (rank, out["saved_keys"])
+        assert out["saved_keys"][0] == out["saved_keys"][1] and len(out["saved_keys"][0]) == 8, (
+            rank,
+            out["saved_keys"],
+        )
         assert out["saved_error"] <= TOLERANCE, (rank, out["saved_error"])
         assert out["saved_exact"], rank
         assert out["unexpected"] == [], (rank, out["unexpected"])
@@ -268,10 +281,21 @@ def _moe_model(**config_options: Any) -> Any:
     """A tiny Mixtral (4 experts, top-2), fused 3-D expert weights as transformers builds them."""
     import transformers
 
-    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=EXPERTS,
-                                        num_experts_per_tok=2, max_position_embeddings=64, bos_token_id=0,
-                                        eos_token_id=VOCAB - 1, pad_token_id=0, **config_options)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=VOCAB - 1,
+        pad_token_id=0,
+        **config_options,
+    )
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(config)
 
@@ -279,14 +303,18 @@ def _moe_model(**config_options: Any) -> Any:
 def _stage_3_options(policy: str) -> dict[str, Any]:
     from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
-    choices: dict[str, dict[str, Any]] = {"default": {}, "layers": {"wrap_policy": [MixtralDecoderLayer]},
-                                          "every_module": {"min_unit_params": 1}}
+    choices: dict[str, dict[str, Any]] = {
+        "default": {},
+        "layers": {"wrap_policy": [MixtralDecoderLayer]},
+        "every_module": {"min_unit_params": 1},
+    }
     return choices[policy]
 
 
 def _record_routing(module: Any, into: list[list[set[int]]]) -> None:
     """Per forward, per layer: the experts this rank's tokens were routed to."""
     for index, layer in enumerate(module.model.layers):
+
         def hook(_: nn.Module, __: Any, output: Any, index: int = index) -> None:
             if index == 0:
                 into.append([])
@@ -343,14 +371,19 @@ def _assert_moe_parity(results: list[dict[str, Any]]) -> None:
             assert differ == [] and error <= TOLERANCE, (rank, name, error, differ)
     for name in ("adamw", "sgd"):  # the case this test is for: an expert unused on some ranks only
         routing = [out[f"{name}_routing"] for out in results]
-        one_rank_only = [(step, layer, expert) for step in range(STEPS) for layer in range(2)
-                         for expert in range(EXPERTS)
-                         if (expert in routing[0][step][layer]) != (expert in routing[1][step][layer])]
+        one_rank_only = [
+            (step, layer, expert)
+            for step in range(STEPS)
+            for layer in range(2)
+            for expert in range(EXPERTS)
+            if (expert in routing[0][step][layer]) != (expert in routing[1][step][layer])
+        ]
         assert one_rank_only, (name, routing)
 
 
-@pytest.mark.parametrize("stage,policy", [(0, "default"), (1, "default"), (2, "default"),
-                                          (3, "default"), (3, "layers"), (3, "every_module")])
+@pytest.mark.parametrize(
+    "stage,policy", [(0, "default"), (1, "default"), (2, "default"), (3, "default"), (3, "layers"), (3, "every_module")]
+)
 def test_moe_trains_like_plain_torch(stage: int, policy: str) -> None:
     """A tiny Mixtral, three AdamW steps and three SGD steps at world size 2, equal to plain torch
     on the concatenated batch (see [Note: MoE references]), while some expert gets tokens from

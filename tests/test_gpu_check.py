@@ -57,7 +57,7 @@ def test_the_pytest_commands_split_the_cuda_tests_between_them(tmp_path: Path) -
     assert len(everything) > 20, everything
     parts = []
     for check in checks:
-        args = check.command[check.command.index("pytest") + 1:]
+        args = check.command[check.command.index("pytest") + 1 :]
         parts.append(_collected([a for a in args if a != "-q" and not a.startswith("--junitxml")]))
         assert parts[-1], f"{check.title}: selects no test"
     assert sum(len(p) for p in parts) == len(set().union(*parts)), "a test is run twice"
@@ -71,7 +71,8 @@ def test_without_a_gpu_it_exits_with_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "gpu_check: no CUDA device is visible (torch.cuda.is_available() is False); run it on a GPU machine, "
-        "or with --dry-run to list its commands"]
+        "or with --dry-run to list its commands"
+    ]
     assert not out.exists()
 
 
@@ -80,20 +81,50 @@ def cpu_artifacts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
     """A JUnit XML of two CPU twins of the GPU tests and a bench.py JSON summary, made here."""
     tmp = tmp_path_factory.mktemp("artifacts")
     twins = [f"tests/test_cuda.py::test_fp32_at_world_size_1_matches_plain_torch[cpu-gloo-stage{s}]" for s in (0, 3)]
-    tests = run_script([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *twins,
-                        f"--junitxml={tmp / 'tests.xml'}"],
-                       timeout=240, cwd=ROOT, env={"OMP_NUM_THREADS": "1"})
+    tests = run_script(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *twins, f"--junitxml={tmp / 'tests.xml'}"],
+        timeout=240,
+        cwd=ROOT,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert tests.returncode == 0, tests.stdout[-3000:]
-    bench = run_script([sys.executable, "tools/bench.py", "--models", "mlp:tiny", "--configs", "stage0,stage3,torch",
-                        "--warmup", "1", "--rounds", "1", "--steps-per-round", "2", "--comm-reps", "1",
-                        "--out", str(tmp / "bench.md"), "--json", str(tmp / "bench.json")],
-                       timeout=240, cwd=ROOT, env={"OMP_NUM_THREADS": "1"})
+    bench = run_script(
+        [
+            sys.executable,
+            "tools/bench.py",
+            "--models",
+            "mlp:tiny",
+            "--configs",
+            "stage0,stage3,torch",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--steps-per-round",
+            "2",
+            "--comm-reps",
+            "1",
+            "--out",
+            str(tmp / "bench.md"),
+            "--json",
+            str(tmp / "bench.json"),
+        ],
+        timeout=240,
+        cwd=ROOT,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert bench.returncode == 0, bench.stderr[-3000:]
     return tmp / "tests.xml", tmp / "bench.json"
 
 
-ENV = {"device": "NVIDIA Example (1 visible)", "torch": "2.x", "cuda": "12.x", "nccl": "2.x", "python": "3.x",
-       "commit": "abc1234"}
+ENV = {
+    "device": "NVIDIA Example (1 visible)",
+    "torch": "2.x",
+    "cuda": "12.x",
+    "nccl": "2.x",
+    "python": "3.x",
+    "commit": "abc1234",
+}
 """The machine description is the only made-up input: there is no GPU here to describe."""
 
 
@@ -126,17 +157,29 @@ def test_report_from_real_artifacts_replaces_only_the_results(tmp_path: Path, cp
 
 def test_memory_and_sync_rows() -> None:
     """How the two GPU-only figures read in the report (they cannot be produced here)."""
-    memory = gpu_check.TestResult("test_peak[0]", "passed", 1.0, properties={
-        "peak_bytes": str(150 * 2**20), "planned_bytes": str(148 * 2**20), "ratio": str(150 / 148)})
-    over = gpu_check.TestResult("test_peak[2]", "failed", 1.0, "AssertionError: stage 2 ...", {
-        "peak_bytes": str(200 * 2**20), "planned_bytes": str(160 * 2**20), "ratio": "1.25"})
+    memory = gpu_check.TestResult(
+        "test_peak[0]",
+        "passed",
+        1.0,
+        properties={"peak_bytes": str(150 * 2**20), "planned_bytes": str(148 * 2**20), "ratio": str(150 / 148)},
+    )
+    over = gpu_check.TestResult(
+        "test_peak[2]",
+        "failed",
+        1.0,
+        "AssertionError: stage 2 ...",
+        {"peak_bytes": str(200 * 2**20), "planned_bytes": str(160 * 2**20), "ratio": "1.25"},
+    )
     crashed = gpu_check.TestResult("test_peak[3]", "error", 1.0, "RuntimeError: CUDA out of memory")
     rows = gpu_check.memory_section(gpu_check.Outcome(None, 1, 3.0, figures=[memory, over, crashed]))  # type: ignore[arg-type]
-    assert rows[2:] == ["| `test_peak[0]` | 150.0 | 148.0 | 1.014 | yes |",
-                        "| `test_peak[2]` | 200.0 | 160.0 | 1.250 | **no** |",
-                        "| `test_peak[3]` | — | — | — | error: RuntimeError: CUDA out of memory |"]
-    synced = gpu_check.TestResult("test_sync[1-fp32]", "failed", 1.0, "AssertionError: stage 1: 2 host syncs",
-                                  {"host_syncs": "2"})
+    assert rows[2:] == [
+        "| `test_peak[0]` | 150.0 | 148.0 | 1.014 | yes |",
+        "| `test_peak[2]` | 200.0 | 160.0 | 1.250 | **no** |",
+        "| `test_peak[3]` | — | — | — | error: RuntimeError: CUDA out of memory |",
+    ]
+    synced = gpu_check.TestResult(
+        "test_sync[1-fp32]", "failed", 1.0, "AssertionError: stage 1: 2 host syncs", {"host_syncs": "2"}
+    )
     rows = gpu_check.syncs_section(gpu_check.Outcome(None, 1, 3.0, figures=[synced]))  # type: ignore[arg-type]
     assert rows[2:] == ["| `test_sync[1-fp32]` | 2 | failed: AssertionError: stage 1: 2 host syncs |"]
 

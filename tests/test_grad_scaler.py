@@ -21,8 +21,8 @@ import torch
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.models import KITCHEN, ModelSpec
 from tests.harness import run_ranks
+from tests.models import KITCHEN, ModelSpec
 from tests.parity import Recipe, build_optimizer, cap_mb, global_batch, rank_slice, run
 
 FP16 = torch.float16
@@ -72,8 +72,9 @@ def _poison_one_element(model: shardpar.ShardedModule, owner: int) -> Any:
     return param.register_hook(poison)
 
 
-def train_fp16(stage: int, inject: str | None, skip_step: bool = False, spec: ModelSpec = KITCHEN,
-               explicit_unscale: bool = True) -> ScalerTrace:
+def train_fp16(
+    stage: int, inject: str | None, skip_step: bool = False, spec: ModelSpec = KITCHEN, explicit_unscale: bool = True
+) -> ScalerTrace:
     """Train fp16 with loss scaling on this rank. ``inject``: None, "loss" (the last rank's loss
     times inf at INJECT_STEP) or "element" (rank 0 poisons one gradient element the last rank
     owns). ``skip_step``: leave INJECT_STEP out entirely (the run a skipped step must equal)."""
@@ -122,8 +123,9 @@ def train_fp16(stage: int, inject: str | None, skip_step: bool = False, spec: Mo
 
 
 @functools.cache
-def traces(world_size: int, stage: int, inject: str | None, skip_step: bool = False,
-           explicit_unscale: bool = True) -> list[ScalerTrace]:
+def traces(
+    world_size: int, stage: int, inject: str | None, skip_step: bool = False, explicit_unscale: bool = True
+) -> list[ScalerTrace]:
     return run(train_fp16, world_size, stage, inject, skip_step, KITCHEN, explicit_unscale, timeout=120)
 
 
@@ -166,7 +168,9 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(world_size: int, stag
             assert torch.equal(trace.states[INJECT_STEP + 1][name], before), f"{what}: rank {rank} changed '{name}'"
         for step in range(STEPS):
             if step != INJECT_STEP:
-                moved = any(not torch.equal(trace.states[step + 1][n], trace.states[step][n]) for n in trace.states[step])
+                moved = any(
+                    not torch.equal(trace.states[step + 1][n], trace.states[step][n]) for n in trace.states[step]
+                )
                 assert moved, f"{what}: rank {rank} did not step at clean step {step}"
         assert trace.adam_steps == {float(STEPS - 1)}, f"{what}: rank {rank} Adam steps {trace.adam_steps}"
         assert trace.scales == torch_scales(expected_found), f"{what}: rank {rank} scales {trace.scales}"
@@ -175,7 +179,9 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(world_size: int, stag
     for rank, trace in enumerate(per_rank[1:], start=1):
         for step, state in enumerate(trace.states):
             for name, tensor in per_rank[0].states[step].items():
-                assert torch.equal(state[name], tensor), f"{what}: '{name}' differs on rank {rank} after step {step - 1}"
+                assert torch.equal(state[name], tensor), (
+                    f"{what}: '{name}' differs on rank {rank} after step {step - 1}"
+                )
 
 
 @pytest.mark.parametrize("world_size,stage", [(2, 1), (2, 2), (2, 3), (3, 3)])
@@ -351,8 +357,9 @@ def _torch_scaler_is_refused(stage: int) -> dict[str, Any]:
     """One good fp16 step with shardpar.GradScaler, then torch's own scaler (as a DDP script
     has it), with and without an explicit ``unscale_``; then shardpar's scaler again."""
     torch.manual_seed(0)
-    model = shardpar.wrap(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)), stage=stage,
-                          mixed_precision="fp16")
+    model = shardpar.wrap(
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)), stage=stage, mixed_precision="fp16"
+    )
     opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     ours = shardpar.GradScaler(model, init_scale=2.0**10)
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(C.get_rank()))
@@ -395,7 +402,8 @@ def test_torch_grad_scaler_on_a_shardpar_optimizer_is_refused_by_name(stage: int
     for rank, out in enumerate(run_ranks(_torch_scaler_is_refused, 2, stage, timeout=120)):
         plain_error, plain_unchanged, unscaled_error, unscaled_unchanged, still_steps, disabled_steps = out["results"]
         for error in (plain_error, unscaled_error):
-            assert isinstance(error, str) and "shardpar.GradScaler(model)" in error and "torch.amp.GradScaler" in error, (
-                rank, error)
+            assert (
+                isinstance(error, str) and "shardpar.GradScaler(model)" in error and "torch.amp.GradScaler" in error
+            ), (rank, error)
         assert plain_unchanged is True and unscaled_unchanged is True, rank
         assert still_steps is True and disabled_steps is True, rank

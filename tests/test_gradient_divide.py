@@ -104,8 +104,10 @@ def shardpar_and_ddp(recipe: Recipe, stage: int, options: tuple, factor: float) 
     return train_sharded(recipe, stage, with_factor(options, factor)), train_ddp(recipe, factor)
 
 
-@functools.lru_cache(maxsize=None)
-def against_ddp(recipe: Recipe, stage: int, world_size: int, options: tuple, factor: float) -> list[tuple[Result, Result]]:
+@functools.cache
+def against_ddp(
+    recipe: Recipe, stage: int, world_size: int, options: tuple, factor: float
+) -> list[tuple[Result, Result]]:
     return run(shardpar_and_ddp, world_size, recipe, stage, options, factor, timeout=180)
 
 
@@ -138,7 +140,10 @@ def test_hybrid_sharding_divides_once_over_both_collectives(stage: int) -> None:
     replicas together divide by exactly the factor (not once per group)."""
     check_against_ddp(SGD, stage, 4, HYBRID, 1.0)
     check_against_ddp(SGD, stage, 4, HYBRID, 3.0)
-    assert set(against_ddp(SGD, stage, 4, HYBRID, 1.0)[0][0].extra["comm"]["by_group"]) >= {"shard_group", "replica_group"}
+    assert set(against_ddp(SGD, stage, 4, HYBRID, 1.0)[0][0].extra["comm"]["by_group"]) >= {
+        "shard_group",
+        "replica_group",
+    }
 
 
 @pytest.mark.parametrize("factor", [1.0, 3.0])
@@ -150,12 +155,16 @@ def test_a_factor_gives_world_over_factor_times_the_mean(stage: int, factor: flo
     divided = against_ddp(SGD, stage, 2, OPTIONS, factor)
     assert_close_values([mean[0].norms[0]], reference(SGD).norms[:1], what=f"stage {stage}: default vs plain torch")
     for rank in range(2):
-        assert_close_values([divided[rank][0].norms[0]], [mean[rank].norms[0] * 2 / factor],
-                            what=f"stage {stage}, factor {factor}, rank {rank}")
+        assert_close_values(
+            [divided[rank][0].norms[0]],
+            [mean[rank].norms[0] * 2 / factor],
+            what=f"stage {stage}, factor {factor}, rank {rank}",
+        )
 
 
-@pytest.mark.parametrize("world_size,stage,options", [(2, s, OPTIONS) for s in STAGES]
-                         + [(4, s, HYBRID) for s in (1, 2, 3)])
+@pytest.mark.parametrize(
+    "world_size,stage,options", [(2, s, OPTIONS) for s in STAGES] + [(4, s, HYBRID) for s in (1, 2, 3)]
+)
 def test_comm_stats_equal_the_default_runs(world_size: int, stage: int, options: tuple) -> None:
     """Same collectives, same bytes, same counts, per group under hybrid sharding."""
     mean = sharded(SGD, stage, world_size, options)
@@ -176,20 +185,29 @@ def test_an_explicit_world_size_is_the_default() -> None:
 # --------------------------------------------------------------------------- low precision
 
 
-BF16_REDUCE = shardpar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                                      buffer_dtype=torch.bfloat16)
-FP16_REDUCE = shardpar.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16,
-                                      buffer_dtype=torch.float16)
-LOW_PRECISION = Recipe(model=KITCHEN, steps=4, optimizer="SGD", optimizer_options=(("momentum", 0.9),), lr=0.02,
-                       groups=False, clip=None, micro_batches=2)
+BF16_REDUCE = shardpar.MixedPrecision(
+    param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16
+)
+FP16_REDUCE = shardpar.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16, buffer_dtype=torch.float16)
+LOW_PRECISION = Recipe(
+    model=KITCHEN,
+    steps=4,
+    optimizer="SGD",
+    optimizer_options=(("momentum", 0.9),),
+    lr=0.02,
+    groups=False,
+    clip=None,
+    micro_batches=2,
+)
 """SGD without weight decay or clipping: the update is linear in the gradient, so summing at
 learning rate η and averaging at N·η take the same steps."""
 INIT_SCALE = 2.0**12
 """A power of two (scaling is exact) with which these gradients neither under- nor overflow."""
 
 
-def train_low_precision(stage: int, policy: shardpar.MixedPrecision, factor: float | None, lr: float,
-                        loss_scaling: bool) -> tuple[list[dict[str, torch.Tensor]], list[bool]]:
+def train_low_precision(
+    stage: int, policy: shardpar.MixedPrecision, factor: float | None, lr: float, loss_scaling: bool
+) -> tuple[list[dict[str, torch.Tensor]], list[bool]]:
     """``LOW_PRECISION`` at ``lr`` with ``no_sync`` micro-batches; the full state after every
     step and, with loss scaling, whether the scaler found an inf."""
     rank, world_size = C.get_rank(), C.get_world_size()
@@ -224,12 +242,15 @@ def train_low_precision(stage: int, policy: shardpar.MixedPrecision, factor: flo
 
 def sum_and_mean(stage: int, policy: shardpar.MixedPrecision, loss_scaling: bool) -> tuple[Any, Any]:
     lr = LOW_PRECISION.lr
-    return (train_low_precision(stage, policy, 1.0, lr, loss_scaling),
-            train_low_precision(stage, policy, None, lr * C.get_world_size(), loss_scaling))
+    return (
+        train_low_precision(stage, policy, 1.0, lr, loss_scaling),
+        train_low_precision(stage, policy, None, lr * C.get_world_size(), loss_scaling),
+    )
 
 
-@pytest.mark.parametrize("policy,loss_scaling", [(BF16_REDUCE, False), (FP16_REDUCE, True)],
-                         ids=["bf16 reduce", "fp16 reduce, GradScaler"])
+@pytest.mark.parametrize(
+    "policy,loss_scaling", [(BF16_REDUCE, False), (FP16_REDUCE, True)], ids=["bf16 reduce", "fp16 reduce, GradScaler"]
+)
 @pytest.mark.parametrize("stage", STAGES)
 def test_low_precision_sum_at_lr_equals_mean_at_world_times_lr(stage: int, policy: Any, loss_scaling: bool) -> None:
     what = f"stage {stage}, reduce {policy.reduce_dtype}"
@@ -257,10 +278,20 @@ def test_world_size_1_still_divides(stage: int) -> None:
 # --------------------------------------------------------------------------- bad values
 
 
-@pytest.mark.parametrize("value,error", [
-    (0, ValueError), (-1.0, ValueError), (math.nan, ValueError), (math.inf, ValueError), (-math.inf, ValueError),
-    (10**400, ValueError), ("1.0", TypeError), (True, TypeError), ([1.0], TypeError),
-])
+@pytest.mark.parametrize(
+    "value,error",
+    [
+        (0, ValueError),
+        (-1.0, ValueError),
+        (math.nan, ValueError),
+        (math.inf, ValueError),
+        (-math.inf, ValueError),
+        (10**400, ValueError),
+        ("1.0", TypeError),
+        (True, TypeError),
+        ([1.0], TypeError),
+    ],
+)
 def test_bad_values_name_the_option(value: Any, error: type) -> None:
     with pytest.raises(error, match="gradient_divide_factor"):
         shardpar.ShardConfig(gradient_divide_factor=value)
@@ -316,7 +347,9 @@ def test_averaging_factors_in_closed_form() -> None:
         for nccl in (True, False):
             for divide_before in (True, False):
                 for n in (1, 2, 4):
-                    assert averaging(dtype, n, nccl, divide_before, float(n)) == averaging(dtype, n, nccl, divide_before)
+                    assert averaging(dtype, n, nccl, divide_before, float(n)) == averaging(
+                        dtype, n, nccl, divide_before
+                    )
                     assert averaging(dtype, n, nccl, divide_before, 1.0) == Averaging()  # a sum: no pass
                 side = "before" if divide_before else "after"
                 assert averaging(dtype, 4, nccl, divide_before, 3.0) == Averaging(**{side: 1 / 3})  # never "avg"
@@ -332,4 +365,7 @@ def test_averaging_factors_in_closed_form() -> None:
     for dtype in (torch.float32, torch.bfloat16, fp16):
         for factor in (0.5, 1.0, 1.5, 3.0, 4.0, 8.0, 100.0):
             plan = averaging(dtype, 8, False, False, factor)
-            assert plan.op == "sum" and math.isclose(plan.before * plan.after, 1 / factor, rel_tol=1e-15), (dtype, factor)
+            assert plan.op == "sum" and math.isclose(plan.before * plan.after, 1 / factor, rel_tol=1e-15), (
+                dtype,
+                factor,
+            )

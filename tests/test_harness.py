@@ -35,8 +35,16 @@ def _pid() -> int:
 
 
 def _environment() -> dict[str, str | int]:
-    names = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-             "MASTER_PORT", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"]
+    names = [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OMP_NUM_THREADS",
+        "CUDA_VISIBLE_DEVICES",
+    ]
     return {**{n: os.environ[n] for n in names}, "threads": torch.get_num_threads()}
 
 
@@ -149,8 +157,11 @@ def _assert_fresh_pool_works(old_pids: list[int]) -> None:
 
 
 def test_run_script_captures_output() -> None:
-    done = run_script([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
-                      timeout=30, env={"HARNESS_TEST": "1"})
+    done = run_script(
+        [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
+        timeout=30,
+        env={"HARNESS_TEST": "1"},
+    )
     assert done.returncode == 0
     assert done.stdout == "out\n" and done.stderr == "err\n"
 

@@ -17,8 +17,8 @@ import re
 import shutil
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -34,12 +34,24 @@ from shardpar.checkpoint.hf import RangeRead, open_hf_checkpoint
 from shardpar.checkpoint.hf_keys import hf_ignore_patterns, match_keys
 from shardpar.checkpoint.io import MAX_HEADER_BYTES
 
-LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
+LLAMA = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 GPT2 = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0)
 SHARD_SIZE = "12KB"  # several shards per checkpoint (the fp32 Llama is about 70 KB)
-LAYOUTS = ["llama-single-fp32", "llama-sharded-fp32", "llama-single-bf16", "llama-sharded-bf16",
-           "gpt2-single-fp32", "gpt2-sharded-bf16"]
+LAYOUTS = [
+    "llama-single-fp32",
+    "llama-sharded-fp32",
+    "llama-single-bf16",
+    "llama-sharded-bf16",
+    "gpt2-single-fp32",
+    "gpt2-sharded-bf16",
+]
 DEST_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
@@ -206,8 +218,9 @@ def test_zero3_shards_of_every_rank_reassemble_the_oracle(saved, layout, world_s
     with open_hf_checkpoint(saved[layout], max_open=2) as ckpt:
         opened = []
         real = safetensors_io._read_exact
-        monkeypatch.setattr(safetensors_io, "_read_exact",
-                            lambda *args: (opened.append(ckpt.open_file_count), real(*args))[1])
+        monkeypatch.setattr(
+            safetensors_io, "_read_exact", lambda *args: (opened.append(ckpt.open_file_count), real(*args))[1]
+        )
         for rank in range(world_size):
             reads = []
             for name, dest in rebuilt.items():
@@ -323,8 +336,11 @@ def test_check_shape_names_tensor_shapes_and_file(sharded) -> None:
     with open_hf_checkpoint(sharded) as ckpt:
         ckpt.check_shape(name, (48, 32))
         ckpt.check_shapes({name: [48, 32], "not.stored": [1]})
-        with pytest.raises(CheckpointError, match=rf"'{name}' has shape \[48, 32\] in .*{file}, the model expects "
-                                                  r"\[32, 48\]"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"'{name}' has shape \[48, 32\] in .*{file}, the model expects "
+            r"\[32, 48\]",
+        ):
             ckpt.check_shape(name, (32, 48))
         with pytest.raises(CheckpointError, match=r"no tensor 'not\.stored'"):
             ckpt.check_shape("not.stored", (1,))
@@ -338,8 +354,11 @@ def test_caller_errors(single, tmp_path) -> None:
             ckpt.read_range("model.norm.weight", 30, 33, torch.empty(3))
         with pytest.raises(ValueError, match=r"needs a 1-D destination of 4 elements"):
             ckpt.read_range("model.norm.weight", 0, 4, torch.empty(2, 2))
-        with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' in .*model\.safetensors is float32; it "
-                                                  r"cannot be loaded into torch\.int64"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"'model\.norm\.weight' in .*model\.safetensors is float32; it "
+            r"cannot be loaded into torch\.int64",
+        ):
             ckpt.read_range("model.norm.weight", 0, 4, torch.empty(4, dtype=torch.long))
     with pytest.raises(ValueError, match="is closed"):
         ckpt.read_range("model.norm.weight", 0, 4, torch.empty(4))
@@ -380,8 +399,11 @@ def move_shard_outside(directory: Path, name: str, new_name: Callable[[Path], st
 
 def test_index_path_traversal_is_refused(sharded) -> None:
     move_shard_outside(sharded, "model.norm.weight", lambda moved: "../outside.safetensors")
-    with pytest.raises(CheckpointError, match=r"index .*: tensor '.*': file name '\.\./outside\.safetensors' "
-                                              r"contains '\.\.'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"index .*: tensor '.*': file name '\.\./outside\.safetensors' "
+        r"contains '\.\.'",
+    ):
         open_hf_checkpoint(sharded)
 
 
@@ -432,8 +454,11 @@ def test_truncated_file_names_the_tensor_past_the_end(sharded) -> None:
 def test_file_truncated_inside_its_header(sharded) -> None:
     file = shard_holding(sharded, "model.norm.weight")
     os.truncate(sharded / file, 40)
-    with pytest.raises(CheckpointError, match=rf"{file} is truncated or not a safetensors file: its header of "
-                                              r"\d+ bytes ends past the end of the file \(40 bytes\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{file} is truncated or not a safetensors file: its header of "
+        r"\d+ bytes ends past the end of the file \(40 bytes\)",
+    ):
         open_hf_checkpoint(sharded)
     os.truncate(sharded / file, 5)
     with pytest.raises(CheckpointError, match=rf"{file} is truncated or not a safetensors file \(5 bytes\)"):
@@ -446,8 +471,11 @@ def test_absurd_header_length_is_refused_before_reading_it(tmp_path) -> None:
     with open(path, "wb") as f:
         f.write((MAX_HEADER_BYTES + 1).to_bytes(8, "little"))
         f.truncate(8 + MAX_HEADER_BYTES + 1024)
-    with pytest.raises(CheckpointError, match=rf"{path} has a header length of {MAX_HEADER_BYTES + 1} bytes, "
-                                              "over the .* bytes limit"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{path} has a header length of {MAX_HEADER_BYTES + 1} bytes, "
+        "over the .* bytes limit",
+    ):
         open_hf_checkpoint(tmp_path)
     write_raw(path, {}, b"", length=2**63)
     with pytest.raises(CheckpointError, match=r"header length of 9223372036854775808 bytes"):
@@ -456,33 +484,69 @@ def test_absurd_header_length_is_refused_before_reading_it(tmp_path) -> None:
 
 # (header, data bytes, message after the file name): each header broken in one way
 BAD_HEADERS = {
-    "unknown dtype": ({"w": {"dtype": "F7", "shape": [2], "data_offsets": [0, 8]}}, 8,
-                      r": tensor 'w' has an unknown dtype 'F7'"),
-    "offsets past the end": ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, 8,
-                             r": tensor 'w' has data_offsets \[0, 16\) outside the file's 8 data bytes"),
-    "offsets reversed": ({"w": {"dtype": "F32", "shape": [0], "data_offsets": [8, 4]}}, 8,
-                         r": tensor 'w' has data_offsets \[8, 4\) outside"),
-    "offsets inconsistent with shape": ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, 8,
-                                        r": tensor 'w' has data_offsets \[0, 8\) \(8 bytes\), but shape \[3\] of "
-                                        r"float32 needs 12 bytes"),
-    "negative dimension": ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, 8,
-                           r": tensor 'w' has an invalid shape \[-2\]"),
-    "boolean dimension": ({"w": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, 4,
-                          r": tensor 'w' has an invalid shape \[True\]"),
-    "one offset": ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [4]}}, 4,
-                   r": tensor 'w' has invalid data_offsets \[4\]"),
+    "unknown dtype": (
+        {"w": {"dtype": "F7", "shape": [2], "data_offsets": [0, 8]}},
+        8,
+        r": tensor 'w' has an unknown dtype 'F7'",
+    ),
+    "offsets past the end": (
+        {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+        8,
+        r": tensor 'w' has data_offsets \[0, 16\) outside the file's 8 data bytes",
+    ),
+    "offsets reversed": (
+        {"w": {"dtype": "F32", "shape": [0], "data_offsets": [8, 4]}},
+        8,
+        r": tensor 'w' has data_offsets \[8, 4\) outside",
+    ),
+    "offsets inconsistent with shape": (
+        {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
+        8,
+        r": tensor 'w' has data_offsets \[0, 8\) \(8 bytes\), but shape \[3\] of "
+        r"float32 needs 12 bytes",
+    ),
+    "negative dimension": (
+        {"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}},
+        8,
+        r": tensor 'w' has an invalid shape \[-2\]",
+    ),
+    "boolean dimension": (
+        {"w": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}},
+        4,
+        r": tensor 'w' has an invalid shape \[True\]",
+    ),
+    "one offset": (
+        {"w": {"dtype": "F32", "shape": [1], "data_offsets": [4]}},
+        4,
+        r": tensor 'w' has invalid data_offsets \[4\]",
+    ),
     "entry not an object": ({"w": [1, 2]}, 0, r": tensor 'w' has a header entry that is not an object"),
-    "gap": ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
-             "w": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}, 12,
-            r": the data of tensor 'w' starts at byte 8 and leaves bytes \[4, 8\) unused"),
-    "overlap": ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                 "w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, 8,
-                r": the data of tensor 'w' starts at byte 4 and overlaps the tensor before it"),
-    "trailing bytes": ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, 12,
-                       r" has 8 bytes after the last tensor's data"),
-    "metadata not strings": ({"__metadata__": {"format": 1}, "w": {"dtype": "F32", "shape": [1],
-                                                                   "data_offsets": [0, 4]}}, 4,
-                             r": '__metadata__' must map names to strings"),
+    "gap": (
+        {
+            "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+            "w": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]},
+        },
+        12,
+        r": the data of tensor 'w' starts at byte 8 and leaves bytes \[4, 8\) unused",
+    ),
+    "overlap": (
+        {
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},
+        },
+        8,
+        r": the data of tensor 'w' starts at byte 4 and overlaps the tensor before it",
+    ),
+    "trailing bytes": (
+        {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+        12,
+        r" has 8 bytes after the last tensor's data",
+    ),
+    "metadata not strings": (
+        {"__metadata__": {"format": 1}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+        4,
+        r": '__metadata__' must map names to strings",
+    ),
 }
 
 
@@ -521,24 +585,36 @@ def test_header_not_json_or_not_an_object(tmp_path) -> None:
     write_raw(path, [1], b"")
     with pytest.raises(CheckpointError, match=rf"{path} has a header that is not a JSON object"):
         open_hf_checkpoint(tmp_path)
-    raw = b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, ' \
-          b'"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
+    raw = (
+        b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+        b'"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
+    )
     path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 4)
     with pytest.raises(CheckpointError, match=r"not valid JSON: key 'w' appears twice"):
         open_hf_checkpoint(tmp_path)
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda text: "{not json", r"is not valid JSON"),
-    (lambda text: json.dumps({"metadata": {}}), r"is not a JSON object with a 'weight_map' object"),
-    (lambda text: json.dumps([1]), r"is not a JSON object with a 'weight_map' object"),
-    (lambda text: json.dumps({"metadata": 3, "weight_map": json.loads(text)["weight_map"]}),
-     r"'metadata' is not an object"),
-    (lambda text: json.dumps({"weight_map": {"model.norm.weight": 7}}), r"tensor 'model\.norm\.weight': file "
-                                                                        r"name 7 is not a string"),
-    (lambda text: text.replace('"weight_map": {', '"weight_map": {"model.norm.weight": "x", ', 1),
-     r"not valid JSON: key 'model\.norm\.weight' appears twice"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda text: "{not json", r"is not valid JSON"),
+        (lambda text: json.dumps({"metadata": {}}), r"is not a JSON object with a 'weight_map' object"),
+        (lambda text: json.dumps([1]), r"is not a JSON object with a 'weight_map' object"),
+        (
+            lambda text: json.dumps({"metadata": 3, "weight_map": json.loads(text)["weight_map"]}),
+            r"'metadata' is not an object",
+        ),
+        (
+            lambda text: json.dumps({"weight_map": {"model.norm.weight": 7}}),
+            r"tensor 'model\.norm\.weight': file "
+            r"name 7 is not a string",
+        ),
+        (
+            lambda text: text.replace('"weight_map": {', '"weight_map": {"model.norm.weight": "x", ', 1),
+            r"not valid JSON: key 'model\.norm\.weight' appears twice",
+        ),
+    ],
+)
 def test_bad_index(sharded, change, message) -> None:
     index = sharded / "model.safetensors.index.json"
     index.write_text(change(index.read_text()))
@@ -571,8 +647,14 @@ def raises_without_blocking(action: Callable[[], object], fifo: Path) -> BaseExc
 @pytest.mark.parametrize("where", ["shard", "index", "single"])
 def test_fifo_is_refused_without_blocking(sharded, single, where) -> None:
     directory = single if where == "single" else sharded
-    fifo = directory / {"shard": shard_holding(sharded, "model.norm.weight"), "index": "model.safetensors.index.json",
-                        "single": "model.safetensors"}[where]
+    fifo = (
+        directory
+        / {
+            "shard": shard_holding(sharded, "model.norm.weight"),
+            "index": "model.safetensors.index.json",
+            "single": "model.safetensors",
+        }[where]
+    )
     fifo.unlink()
     os.mkfifo(fifo)
     error = raises_without_blocking(lambda: open_hf_checkpoint(directory), fifo)
@@ -589,8 +671,11 @@ def test_directory_in_place_of_a_shard(sharded) -> None:
 
 def test_directory_without_a_checkpoint(tmp_path) -> None:
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=rf"{tmp_path} holds neither model\.safetensors nor "
-                                              r"model\.safetensors\.index\.json"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{tmp_path} holds neither model\.safetensors nor "
+        r"model\.safetensors\.index\.json",
+    ):
         open_hf_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match=r"checkpoint .*nowhere does not exist"):
         open_hf_checkpoint(tmp_path / "nowhere")
@@ -636,8 +721,13 @@ def reports(directory: Path, build: Callable[[], transformers.PreTrainedModel]) 
     theirs = (set(info["missing_keys"]), set(info["unexpected_keys"]))
     ignore_missing, ignore_unexpected = hf_ignore_patterns(model)
     with open_hf_checkpoint(directory) as ckpt:
-        ours = match_keys(ckpt.tensors, model.state_dict().keys(), tied_aliases(model),
-                          ignore_missing=ignore_missing, ignore_unexpected=ignore_unexpected)
+        ours = match_keys(
+            ckpt.tensors,
+            model.state_dict().keys(),
+            tied_aliases(model),
+            ignore_missing=ignore_missing,
+            ignore_unexpected=ignore_unexpected,
+        )
     return theirs, (set(ours.missing_keys), set(ours.unexpected_keys))
 
 
@@ -651,8 +741,13 @@ def drop_one_add_two(t: dict[str, torch.Tensor]) -> None:
 
 def store_buffers(t: dict[str, torch.Tensor]) -> None:
     # the first two are excused by transformers' inv_freq pattern, the third is not
-    t.update({"model.rotary_emb.inv_freq": torch.ones(4), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4),
-              "model.rotary_emb.original_inv_freq": torch.ones(4)})
+    t.update(
+        {
+            "model.rotary_emb.inv_freq": torch.ones(4),
+            "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4),
+            "model.rotary_emb.original_inv_freq": torch.ones(4),
+        }
+    )
 
 
 def gpt2_old_mask_no_embedding(t: dict[str, torch.Tensor]) -> None:
@@ -662,18 +757,33 @@ def gpt2_old_mask_no_embedding(t: dict[str, torch.Tensor]) -> None:
 
 KEY_CASES = {
     # case: (source checkpoint, model, change to the stored tensors, transformers' (missing, unexpected))
-    "one removed, two extra": ("llama", llama, drop_one_add_two,
-                               ({"model.layers.0.mlp.up_proj.weight"}, {"extra.weight", "model.layers.1.foo.bias"})),
-    "tied: only lm_head stored": ("llama", llama, lambda t: t.update({"lm_head.weight": t.pop(EMBED)}),
-                                  (set(), set())),
-    "tied: both stored, equal": ("llama", llama, lambda t: t.update({"lm_head.weight": t[EMBED].clone()}),
-                                 (set(), set())),
+    "one removed, two extra": (
+        "llama",
+        llama,
+        drop_one_add_two,
+        ({"model.layers.0.mlp.up_proj.weight"}, {"extra.weight", "model.layers.1.foo.bias"}),
+    ),
+    "tied: only lm_head stored": ("llama", llama, lambda t: t.update({"lm_head.weight": t.pop(EMBED)}), (set(), set())),
+    "tied: both stored, equal": (
+        "llama",
+        llama,
+        lambda t: t.update({"lm_head.weight": t[EMBED].clone()}),
+        (set(), set()),
+    ),
     "tied: neither stored": ("llama", llama, lambda t: t.pop(EMBED), ({EMBED, "lm_head.weight"}, set())),
-    "untied: lm_head removed": ("untied", lambda: llama(tied=False), lambda t: t.pop("lm_head.weight"),
-                                ({"lm_head.weight"}, set())),
+    "untied: lm_head removed": (
+        "untied",
+        lambda: llama(tied=False),
+        lambda t: t.pop("lm_head.weight"),
+        ({"lm_head.weight"}, set()),
+    ),
     "non-persistent buffers stored": ("llama", llama, store_buffers, (set(), {"model.rotary_emb.original_inv_freq"})),
-    "gpt2: old mask stored, tied embedding removed": ("gpt2", gpt2, gpt2_old_mask_no_embedding,
-                                                      ({"transformer.wte.weight", "lm_head.weight"}, set())),
+    "gpt2: old mask stored, tied embedding removed": (
+        "gpt2",
+        gpt2,
+        gpt2_old_mask_no_embedding,
+        ({"transformer.wte.weight", "lm_head.weight"}, set()),
+    ),
 }
 
 
@@ -698,8 +808,9 @@ def test_missing_and_unexpected_keys_equal_transformers(key_sources, tmp_path, c
 def test_ignore_patterns_are_what_excuses_stored_buffers(key_sources, tmp_path) -> None:
     """Without transformers' patterns, stored non-persistent buffers are unexpected: the
     patterns, not the key matching, excuse them."""
-    directory = doctored(key_sources["llama"], tmp_path / "d", lambda t: t.update({"model.rotary_emb.inv_freq":
-                                                                                  torch.ones(4)}))
+    directory = doctored(
+        key_sources["llama"], tmp_path / "d", lambda t: t.update({"model.rotary_emb.inv_freq": torch.ones(4)})
+    )
     model = llama()
     with open_hf_checkpoint(directory) as ckpt:
         report = match_keys(ckpt.tensors, model.state_dict().keys(), tied_aliases(model))

@@ -18,7 +18,8 @@ import contextlib
 import os
 import sys
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -26,8 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import shardpar
-from shardpar.comm import backend_traits
-from shardpar.comm import host
+from shardpar.comm import backend_traits, host
 from tests.harness import run_ranks
 
 _PACKAGE = os.path.dirname(shardpar.__file__) + os.sep
@@ -104,8 +104,9 @@ def _audit(stage: int, mixed_precision: str | None, like_cuda: bool) -> dict[str
         paths.enter_context(host.deferring_reads())
     with paths:
         torch.manual_seed(0)
-        model = shardpar.wrap(Net(), stage=stage, mixed_precision=mixed_precision, wrap_policy=[Block],
-                              min_unit_params=1)
+        model = shardpar.wrap(
+            Net(), stage=stage, mixed_precision=mixed_precision, wrap_policy=[Block], min_unit_params=1
+        )
         opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-3)
         x = torch.randn(6, 8)
 

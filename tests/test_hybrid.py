@@ -52,10 +52,14 @@ def test_rank_dependent_branches(stage: int) -> None:
     check_parity(sharded(recipe, stage, 4, (("shard_group_size", 2), CAP)), recipe, 4, f"stage {stage}")
 
 
-@pytest.mark.parametrize("options", [
-    (("forward_prefetch_units", 2), ("backward_prefetch_units", 0)),
-    (("reshard_after_forward", False), ("prefetch_units", 0)),
-], ids=["prefetch 2/0", "no reshard, no prefetch"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        (("forward_prefetch_units", 2), ("backward_prefetch_units", 0)),
+        (("reshard_after_forward", False), ("prefetch_units", 0)),
+    ],
+    ids=["prefetch 2/0", "no reshard, no prefetch"],
+)
 def test_stage_3_prefetch_and_resharding(options: tuple) -> None:
     recipe = Recipe(model=TRANSFORMER, steps=2)
     check_parity(sharded(recipe, 3, 4, HYBRID + options), recipe, 4, str(options))
@@ -86,8 +90,9 @@ def test_a_meta_built_hugging_face_model_is_born_sharded_per_shard_group() -> No
     from tests.test_born_sharded import _meta_wraps, _reference
 
     expected = _reference("llama")
-    for rank, states in enumerate(run_ranks(_meta_wraps, 4, "llama", (1, 2, 3), (("shard_group_size", 2),),
-                                            timeout=180)):
+    for rank, states in enumerate(
+        run_ranks(_meta_wraps, 4, "llama", (1, 2, 3), (("shard_group_size", 2),), timeout=180)
+    ):
         for stage, state in zip((1, 2, 3), states):
             differ = [k for k, v in expected.items() if not torch.equal(state[k], v)]
             assert state.keys() == expected.keys() and not differ, f"stage {stage}, rank {rank}: {differ}"
@@ -103,15 +108,17 @@ def test_bytes_per_group_equal_the_closed_forms(stage: int) -> None:
     rank's slice holds its own share of the padding, the payload mean is exact)."""
     recipe = Recipe(model=TRANSFORMER, steps=3)
     results = sharded(recipe, stage, 4, HYBRID)
-    estimate = estimate_communication(TRANSFORMER.build(), 4, stage, shard_group_size=2,
-                                      bucket_cap_mb=cap_mb(2000), min_unit_params=1)
+    estimate = estimate_communication(
+        TRANSFORMER.build(), 4, stage, shard_group_size=2, bucket_cap_mb=cap_mb(2000), min_unit_params=1
+    )
     expected = estimate.by_group
     steps = recipe.steps
     for rank, result in enumerate(results):
         measured = result.extra["comm"]["by_group"]
         for op in ("reduce_scatter", "all_gather"):
             assert measured["shard_group"][op]["sent_bytes"] == pytest.approx(
-                steps * expected["shard_group"][op]["sent_bytes"], rel=1e-12), (rank, op)
+                steps * expected["shard_group"][op]["sent_bytes"], rel=1e-12
+            ), (rank, op)
         assert set(measured["replica_group"]) - {"control", "total"} == {"all_reduce"}, rank
     replica = [r.extra["comm"]["by_group"]["replica_group"]["all_reduce"] for r in results]
     for shard_group in ([0, 1], [2, 3]):
@@ -157,8 +164,11 @@ def _stored_elements(file: Path) -> int:
     """Elements a checkpoint file holds (from its safetensors header; all fp32 here)."""
     with open(file, "rb") as handle:
         header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-    return sum((entry["data_offsets"][1] - entry["data_offsets"][0]) // 4
-               for key, entry in header.items() if key != "__metadata__")
+    return sum(
+        (entry["data_offsets"][1] - entry["data_offsets"][0]) // 4
+        for key, entry in header.items()
+        if key != "__metadata__"
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -173,10 +183,15 @@ def test_checkpoint_holds_each_shard_once_and_loads_at_any_layout(tmp_path: Path
     for world_size, load_stage, options in [(4, 2, HYBRID), (2, 3, FULL), (1, 0, ())]:
         loaded = run_ranks(_load, world_size, str(path), load_stage, options, timeout=180)
         for state in loaded:
-            assert_states_close(state, saved, tol=0.0, what=f"saved at N=4 G=2 stage {stage}, loaded at "
-                                                              f"N={world_size} stage {load_stage} {options}")
-    verified = subprocess.run([sys.executable, "tools/inspect_ckpt.py", str(path), "--verify"],
-                              capture_output=True, text=True, timeout=120)
+            assert_states_close(
+                state,
+                saved,
+                tol=0.0,
+                what=f"saved at N=4 G=2 stage {stage}, loaded at N={world_size} stage {load_stage} {options}",
+            )
+    verified = subprocess.run(
+        [sys.executable, "tools/inspect_ckpt.py", str(path), "--verify"], capture_output=True, text=True, timeout=120
+    )
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
@@ -199,11 +214,14 @@ def _wrap_with(choices: tuple, stage: int) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("case, stage, expected", [
-    ("three", 2, "positive divisor of the world size 4"),
-    ("one", 1, "shards nothing at stage 1"),
-    ("by rank", 3, "differ between ranks"),
-])
+@pytest.mark.parametrize(
+    "case, stage, expected",
+    [
+        ("three", 2, "positive divisor of the world size 4"),
+        ("one", 1, "shards nothing at stage 1"),
+        ("by rank", 3, "differ between ranks"),
+    ],
+)
 def test_a_bad_shard_group_size_is_named_on_every_rank(case: str, stage: int, expected: str) -> None:
     choices = {"three": (3,) * 4, "one": (1,) * 4, "by rank": (2, 2, 4, 4)}[case]
     messages = run_ranks(_wrap_with, 4, choices, stage, timeout=60)
@@ -262,10 +280,13 @@ def _extra_micro_batch_on_rank_3(stage: int) -> None:
         opt.zero_grad()
 
 
-@pytest.mark.parametrize("stage, expected", [
-    (2, "rank 3: 2 synchronising backward passes, 5 backward passes"),
-    (3, "RanksOutOfStep at step 1"),
-])
+@pytest.mark.parametrize(
+    "stage, expected",
+    [
+        (2, "rank 3: 2 synchronising backward passes, 5 backward passes"),
+        (3, "RanksOutOfStep at step 1"),
+    ],
+)
 def test_a_rank_out_of_step_is_named_on_every_rank(stage: int, expected: str) -> None:
     """A rank of the second shard group runs one backward more. Stage 2: the step counters
     ride on the used-parameter flags, an all-reduce over all ranks, so every rank of both

@@ -17,7 +17,7 @@ the CPU-built model ([Note: re-assignment in an init] in shardpar/core/deferred_
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -182,8 +182,13 @@ def _live_buffers_under_bf16(stage: int) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
         module = RopeModel()
     torch.manual_seed(SEED)
-    model = shardpar.wrap(module, stage=stage, init_fn=reassigning_init,
-                          mixed_precision=shardpar.MixedPrecision(buffer_dtype=torch.bfloat16), **WRAP_OPTIONS)
+    model = shardpar.wrap(
+        module,
+        stage=stage,
+        init_fn=reassigning_init,
+        mixed_precision=shardpar.MixedPrecision(buffer_dtype=torch.bfloat16),
+        **WRAP_OPTIONS,
+    )
     live = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
     saved = {k: v for k, v in model.full_state_dict().items() if "rope" in k}
     model.engine.close()
@@ -260,45 +265,65 @@ def _write_a_sharded_unit(module: nn.Module) -> None:
 
 
 BAD_INITS: dict[str, Callable[[nn.Module], None]] = {
-    "replace": _replace_parameter, "shape": _other_shape, "dtype": _other_dtype, "none": _parameter_to_none,
-    "add": _add_parameter, "meta buffer": _meta_buffer, "share": _share_storage, "sharded unit": _write_a_sharded_unit,
+    "replace": _replace_parameter,
+    "shape": _other_shape,
+    "dtype": _other_dtype,
+    "none": _parameter_to_none,
+    "add": _add_parameter,
+    "meta buffer": _meta_buffer,
+    "share": _share_storage,
+    "sharded unit": _write_a_sharded_unit,
 }
 PREFIX = "shardpar.wrap of a meta-device model"
 
 
 def _expected_error(how: str, stage: int) -> str | None:
     if how == "replace":
-        return (f"{PREFIX}: init_fn of module 'blocks.0.proj' (Linear) replaced parameter 'blocks.0.proj.weight' "
-                "(Linear.weight) by a new nn.Parameter; shardpar keeps the Parameter objects the model was built "
-                "with (ties, optimizers and the shards hold them), so initialise it in place (nn.init.*, "
-                "param.copy_(values)) or assign values of the same shape and dtype to its .data "
-                "(module.weight.data = values)")
+        return (
+            f"{PREFIX}: init_fn of module 'blocks.0.proj' (Linear) replaced parameter 'blocks.0.proj.weight' "
+            "(Linear.weight) by a new nn.Parameter; shardpar keeps the Parameter objects the model was built "
+            "with (ties, optimizers and the shards hold them), so initialise it in place (nn.init.*, "
+            "param.copy_(values)) or assign values of the same shape and dtype to its .data "
+            "(module.weight.data = values)"
+        )
     if how in ("shape", "dtype"):
         shape, dtype = ("[8, 2]", "torch.float32") if how == "shape" else ("[8]", "torch.float64")
-        return (f"{PREFIX}: init_fn of module 'blocks.0.gain' (Gain) assigned a tensor of shape {shape} and dtype "
-                f"{dtype} to parameter 'blocks.0.gain.weight' (Gain.weight), built with shape [8] and dtype "
-                "torch.float32; the shards and buckets are planned from the model as built on the meta device, so "
-                "build it with that shape and dtype there (e.g. model.to(dtype) before wrap), or write values of "
-                "the built shape into it (param.copy_(values) casts the dtype)")
+        return (
+            f"{PREFIX}: init_fn of module 'blocks.0.gain' (Gain) assigned a tensor of shape {shape} and dtype "
+            f"{dtype} to parameter 'blocks.0.gain.weight' (Gain.weight), built with shape [8] and dtype "
+            "torch.float32; the shards and buckets are planned from the model as built on the meta device, so "
+            "build it with that shape and dtype there (e.g. model.to(dtype) before wrap), or write values of "
+            "the built shape into it (param.copy_(values) casts the dtype)"
+        )
     if how == "none":
-        return (f"{PREFIX}: init_fn of module 'blocks.0.proj' (Linear) set parameter 'blocks.0.proj.bias' "
-                "(Linear.bias) to None; the shards and buckets are planned from the model as built on the meta "
-                "device, so remove it in the constructor instead")
+        return (
+            f"{PREFIX}: init_fn of module 'blocks.0.proj' (Linear) set parameter 'blocks.0.proj.bias' "
+            "(Linear.bias) to None; the shards and buckets are planned from the model as built on the meta "
+            "device, so remove it in the constructor instead"
+        )
     if how == "add":
-        return (f"{PREFIX}: init_fn of module 'blocks.0.gain' (Gain) added parameter 'blocks.0.gain.extra' "
-                "(Gain.extra); the shards and buckets are planned from the model as built on the meta device, so "
-                "register it in the constructor and only initialise it in the init")
+        return (
+            f"{PREFIX}: init_fn of module 'blocks.0.gain' (Gain) added parameter 'blocks.0.gain.extra' "
+            "(Gain.extra); the shards and buckets are planned from the model as built on the meta device, so "
+            "register it in the constructor and only initialise it in the init"
+        )
     if how == "meta buffer":
-        return (f"{PREFIX}: no initialisation set the buffer(s) blocks.0.rope.cache, blocks.1.rope.cache; buffers "
-                "computed in a constructor are not rebuilt, so set them in init_fn")
+        return (
+            f"{PREFIX}: no initialisation set the buffer(s) blocks.0.rope.cache, blocks.1.rope.cache; buffers "
+            "computed in a constructor are not rebuilt, so set them in init_fn"
+        )
     if stage == 3:  # blocks.0's unit was sharded before the root's init ran
-        return (f"{PREFIX} at stage 3: init_fn of the root module (RopeModel) read or wrote parameter "
-                "'blocks.0.gain.weight', whose unit 'blocks.0' was already initialised and sharded")
+        return (
+            f"{PREFIX} at stage 3: init_fn of the root module (RopeModel) read or wrote parameter "
+            "'blocks.0.gain.weight', whose unit 'blocks.0' was already initialised and sharded"
+        )
     if how == "share":
-        return (f"{PREFIX}: init_fn of the root module (RopeModel) made parameter 'blocks.1.gain.weight' "
-                "(Gain.weight) share its storage with parameter 'blocks.0.gain.weight' (Gain.weight) (a .data "
-                "assignment of the other's tensor); shardpar keeps each parameter in its own place in a flat "
-                "buffer, so the two would train apart")
+        return (
+            f"{PREFIX}: init_fn of the root module (RopeModel) made parameter 'blocks.1.gain.weight' "
+            "(Gain.weight) share its storage with parameter 'blocks.0.gain.weight' (Gain.weight) (a .data "
+            "assignment of the other's tensor); shardpar keeps each parameter in its own place in a flat "
+            "buffer, so the two would train apart"
+        )
     return None  # stages 0-2 keep every parameter whole: the root's init may write any of them
 
 

@@ -49,8 +49,13 @@ def _train_then_drop(stage: int, mixed: bool, checkpointed: bool) -> dict[str, b
                 module.loss(model(tokens), targets).backward()
         opt.step()
         opt.zero_grad()
-    refs = {"model": weakref.ref(model), "engine": weakref.ref(model.engine), "optimizer": weakref.ref(opt),
-            "parameter": weakref.ref(next(module.parameters())), "module": weakref.ref(module)}
+    refs = {
+        "model": weakref.ref(model),
+        "engine": weakref.ref(model.engine),
+        "optimizer": weakref.ref(opt),
+        "parameter": weakref.ref(next(module.parameters())),
+        "module": weakref.ref(module),
+    }
     del model, opt, module
     gc.collect()
     return {name: ref() is not None for name, ref in refs.items()}
@@ -63,7 +68,8 @@ def test_a_dropped_model_and_its_optimizer_are_freed(stage: int, mixed: bool, ch
     # collector cannot see: every wrapped model, its optimizer state and its tensors lived on.
     for rank, alive in enumerate(run_ranks(_train_then_drop, 2, stage, mixed, checkpointed)):
         assert not any(alive.values()), f"rank {rank}: still alive after the script dropped them: " + ", ".join(
-            name for name, is_alive in alive.items() if is_alive)
+            name for name, is_alive in alive.items() if is_alive
+        )
 
 
 def _keep_a_parameter(stage: int) -> list[float] | None:
@@ -91,7 +97,7 @@ def test_a_parameter_kept_past_its_engine_is_a_plain_parameter(stage: int) -> No
         assert grad == [2.0, 2.0], (rank, grad)
 
 
-GROUPS_SCRIPT = r'''
+GROUPS_SCRIPT = r"""
 import gc, glob, sys, weakref
 import torch, torch.distributed as dist
 from torch import nn
@@ -125,7 +131,7 @@ threads = sorted(open(path).read().strip() for path in glob.glob("/proc/self/tas
 gloo_threads = [name for name in threads if "gloo" in name]
 print(f"rank {rank}: alive={alive} gloo_threads={gloo_threads}", flush=True)
 sys.exit(1 if alive or gloo_threads else 0)
-'''
+"""
 
 
 def test_no_process_group_outlives_destroy_process_group(tmp_path: Path) -> None:
@@ -135,8 +141,11 @@ def test_no_process_group_outlives_destroy_process_group(tmp_path: Path) -> None
     # A finished run could then abort at exit ("terminate called without an active exception").
     script = tmp_path / "groups.py"
     script.write_text(GROUPS_SCRIPT)
-    run = run_script([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                      str(script)], timeout=180, env={"OMP_NUM_THREADS": "1"})
+    run = run_script(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        timeout=180,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for rank in range(2):
         assert f"rank {rank}: alive=[] gloo_threads=[]" in run.stdout, run.stdout

@@ -52,6 +52,7 @@ def _assert_losses_close(got: list, want: list, tolerance: float, what: str) -> 
 
 # --------------------------------------------------------------------------- the Trainer at stages 0-3
 
+
 def _parity_runs() -> dict:
     from shardpar.integrations.lightning import ShardparPrecision
     from tests import lightning_runs as R
@@ -60,8 +61,9 @@ def _parity_runs() -> dict:
     runs = {name: R.fit(name, **steps) for name in ("ddp", "stage0", "stage1", "stage2", "stage3")}
     runs["ddp bf16"] = R.fit("ddp", precision="bf16-mixed", test=False, **steps)
     runs["stage3 bf16"] = R.fit("stage3", precision="bf16-mixed", test=False, **steps)
-    runs["stage3 bf16 by hand"] = R.fit("stage3", module_options={"autocast": True}, test=False,
-                                        strategy_options={"mixed_precision": "bf16"}, **steps)
+    runs["stage3 bf16 by hand"] = R.fit(
+        "stage3", module_options={"autocast": True}, test=False, strategy_options={"mixed_precision": "bf16"}, **steps
+    )
     # Lightning turns precision="16-mixed" into "bf16-mixed" on the CPU; the plugin itself does not
     runs["stage2 fp16"] = R.fit("stage2", plugins=[ShardparPrecision("16-mixed")], test=False, **steps)
     return runs
@@ -112,12 +114,18 @@ def test_16_mixed_scales_the_loss_with_shardpars_scaler(parity: list[dict]) -> N
     for rank, runs in enumerate(parity):
         ours = runs["stage2 fp16"]
         assert ours["compute_dtypes"] == ["torch.float16"], ours["compute_dtypes"]
-        assert ours["precision_state"] == {"scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5,
-                                           "growth_interval": 2000, "growth_tracker": 4}, f"rank {rank}"
+        assert ours["precision_state"] == {
+            "scale": 2.0**16,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": 2000,
+            "growth_tracker": 4,
+        }, f"rank {rank}"
         _assert_losses_close(ours["train"], runs["stage2"]["train"], FP16_TOLERANCE, f"rank {rank}, against fp32")
 
 
 # --------------------------------------------------------------------------- checkpoints and resumption
+
 
 def _checkpoint_runs(directory: str, pickle_file: str) -> dict:
     from tests import lightning_runs as R
@@ -141,8 +149,14 @@ def _checkpoint_runs(directory: str, pickle_file: str) -> dict:
 def _resume_alone(checkpoint: str) -> dict:
     from tests import lightning_runs as R
 
-    return R.fit("stage0", devices=1, batch=2 * R.BATCH, module_options={"build_in_configure_model": True},
-                 ckpt_path=checkpoint, test=False)
+    return R.fit(
+        "stage0",
+        devices=1,
+        batch=2 * R.BATCH,
+        module_options={"build_in_configure_model": True},
+        ckpt_path=checkpoint,
+        test=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +183,11 @@ def test_checkpoint_is_a_shardpar_directory_with_lightnings_state(checkpoints: t
     """What ``ModelCheckpoint`` wrote: a shardpar checkpoint (JSON manifest, one safetensors
     file per rank, no pickle), Lightning's state in the manifest."""
     path = checkpoints[0][0]["checkpoint"]
-    assert sorted(os.listdir(path)) == ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors",
-                                        "shardpar.json"]
+    assert sorted(os.listdir(path)) == [
+        "rank-00000-of-00002.safetensors",
+        "rank-00001-of-00002.safetensors",
+        "shardpar.json",
+    ]
     manifest = read_manifest(path)
     assert (manifest.stage, manifest.world_size) == (2, 2) and manifest.optimizer is not None
     state = decode_tree(manifest.extra["lightning"])
@@ -226,6 +243,7 @@ def test_refusals_name_the_problem_on_every_rank(checkpoints: tuple[list[dict], 
 
 # --------------------------------------------------------------------------- Fabric
 
+
 def _fabric_runs(directory: str) -> dict:
     from tests import lightning_runs as R
 
@@ -259,12 +277,20 @@ def test_fabric_trains_as_ddp_and_resumes_at_another_stage(fabric: list[dict]) -
 
 # --------------------------------------------------------------------------- the JSON the state travels in
 
+
 def test_typed_json_tree_round_trip_and_refusals() -> None:
     """[Note: typed JSON trees]: what Lightning's state holds comes back with its types; a
     user's dict that looks like a tag stays a dict; objects and tensors of many values are
     refused, naming where they sit; a malformed tree is a CheckpointError."""
-    state = {"epoch": 3, "best": torch.tensor(0.25), "kth": torch.tensor(float("inf")), "betas": (0.9, 0.95),
-             "by_index": {0: "a", 1: [None, True]}, "nan": float("nan"), "lookalike": {"tensor": 1, "dtype": "x"}}
+    state = {
+        "epoch": 3,
+        "best": torch.tensor(0.25),
+        "kth": torch.tensor(float("inf")),
+        "betas": (0.9, 0.95),
+        "by_index": {0: "a", 1: [None, True]},
+        "nan": float("nan"),
+        "lookalike": {"tensor": 1, "dtype": "x"},
+    }
     back = decode_tree(encode_tree(state, "checkpoint"))
     assert back["epoch"] == 3 and back["betas"] == (0.9, 0.95) and back["by_index"] == {0: "a", 1: [None, True]}
     assert back["best"].dtype == torch.float32 and back["best"].item() == 0.25 and back["kth"].item() == float("inf")

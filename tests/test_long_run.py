@@ -69,10 +69,13 @@ def _sample(step: int, module: nn.Module, model: shardpar.ShardedModule) -> dict
         "fds": len(os.listdir("/proc/self/fd")),
         "memory_stats": stats,
         "hook_handles": len(model.engine.hook_handles),
-        "module_hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-                            for m in module.modules()),
-        "param_hooks": sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) + len(p._backward_hooks or {})
-                           for p in module.parameters()),
+        "module_hooks": sum(
+            len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in module.modules()
+        ),
+        "param_hooks": sum(
+            len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) + len(p._backward_hooks or {})
+            for p in module.parameters()
+        ),
         "tensors": sum(1 for o in objects if isinstance(o, torch.Tensor)),
         "objects": len(objects),
     }
@@ -129,9 +132,12 @@ def test_memory_hooks_and_objects_stay_flat_over_a_long_run(stage: int) -> None:
             for key in ("memory_stats", "hook_handles", "module_hooks", "param_hooks", "fds"):
                 assert sample[key] == baseline[key], f"{at}: {key} {baseline[key]} -> {sample[key]}"
             assert sample["tensors"] - baseline["tensors"] <= TENSOR_SLACK, (
-                f"{at}: live tensors {baseline['tensors']} -> {sample['tensors']}")
+                f"{at}: live tensors {baseline['tensors']} -> {sample['tensors']}"
+            )
             assert abs(sample["objects"] - baseline["objects"]) <= OBJECT_SLACK, (
-                f"{at}: gc-tracked objects {baseline['objects']} -> {sample['objects']}")
+                f"{at}: gc-tracked objects {baseline['objects']} -> {sample['objects']}"
+            )
             assert sample["rss"] - baseline["rss"] <= RSS_SLACK, (
                 f"{at}: RSS grew by {(sample['rss'] - baseline['rss']) / 2**20:.1f} MiB "
-                f"({[round(s['rss'] / 2**20, 1) for s in samples]} MiB at steps {[s['step'] for s in samples]})")
+                f"({[round(s['rss'] / 2**20, 1) for s in samples]} MiB at steps {[s['step'] for s in samples]})"
+            )

@@ -127,8 +127,7 @@ def _cut_blocks(model: shardpar.ShardedModule) -> bool:
     """Whether some shard of a reordered parameter starts inside one of its blocks (so saving
     moves a partial block between ranks)."""
     orders = model.engine.element_orders()
-    return any(orders[p.name].reorders and p.param_range[0] % orders[p.name].block
-               for p in model.engine.save_pieces())
+    return any(orders[p.name].reorders and p.param_range[0] % orders[p.name].block for p in model.engine.save_pieces())
 
 
 def _relay(model: Any, opt: Any, tmp: str) -> list[bool]:
@@ -144,15 +143,20 @@ def _relay(model: Any, opt: Any, tmp: str) -> list[bool]:
         other = shardpar.wrap(net, stage=stage, bucket_cap_mb=cap)
         other_opt = _opt(other)
         shardpar.load_checkpoint(f"{tmp}/a" if cap < 1e-6 else f"{tmp}/b", other, other_opt)
-        checks.append(all(torch.equal(a, b) for a, b in zip(model.full_state_dict().values(),
-                                                            other.full_state_dict().values())))
+        checks.append(
+            all(torch.equal(a, b) for a, b in zip(model.full_state_dict().values(), other.full_state_dict().values()))
+        )
         if where is not None:
             shardpar.save_checkpoint(where, other, other_opt)
         else:
             again = _train(other, net, other_opt, STEPS, STEPS + 1)["losses"]
             checks.append(again == _train(model, model.module, opt, STEPS, STEPS + 1)["losses"])
-            checks.append(all(torch.equal(a, b) for a, b in zip(model.full_state_dict().values(),
-                                                                other.full_state_dict().values())))
+            checks.append(
+                all(
+                    torch.equal(a, b)
+                    for a, b in zip(model.full_state_dict().values(), other.full_state_dict().values())
+                )
+            )
         other.engine.close()
     return checks
 
@@ -165,8 +169,13 @@ def _parity_runs(tmp: str) -> dict[Any, Any]:
         wrapped = _strides(net)
         opt = _opt(model)
         run = _train(model, net, opt, 0, STEPS)
-        out[stage] = {**run, "wrapped": wrapped, "after": _strides(net), "state": model.full_state_dict(),
-                      "cut": C.all_gather_objects(_cut_blocks(model))}
+        out[stage] = {
+            **run,
+            "wrapped": wrapped,
+            "after": _strides(net),
+            "state": model.full_state_dict(),
+            "cut": C.all_gather_objects(_cut_blocks(model)),
+        }
         out[stage]["relay"] = _relay(model, opt, f"{tmp}/relay{stage}")
         model.engine.close()
     return out
@@ -217,8 +226,7 @@ def test_the_save_plan_sends_each_partial_block_to_the_rank_that_begins_it() -> 
     conv = {"c": ElementOrder.of((4, 3, 3, 3), (27, 1, 9, 3))}  # blocks of 27
     c = ("state", "c", "exp_avg")
     plan = _plan([[(c, 0, 40), (c, 100, 108)], [(c, 40, 45)], [(c, 45, 100)]], conv)
-    assert [(t.sender, t.receiver, t.start, t.end) for t in plan] == [(1, 0, 40, 45), (2, 0, 45, 54),
-                                                                      (0, 2, 100, 108)]
+    assert [(t.sender, t.receiver, t.start, t.end) for t in plan] == [(1, 0, 40, 45), (2, 0, 45, 54), (0, 2, 100, 108)]
     with pytest.raises(CheckpointError, match=r"state/c/exp_avg row-major: no rank holds its elements \[40, 41\)"):
         _plan([[(c, 0, 40)], [(c, 41, 108)]], conv)
     with pytest.raises(CheckpointError, match="no rank holds its element 0 .*where a block begins"):
@@ -260,8 +268,13 @@ def _load(tmp: str) -> dict[Any, Any]:
             fresh = shardpar.wrap(_build(channels_last, seed=2), stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
             shardpar.load_pretrained(fresh, f"{tmp}/s{saved}/hf")
             out[saved, stage, channels_last] = {
-                "extra": extra, "loaded": loaded, "losses": run["losses"], "final": model.full_state_dict(),
-                "pretrained": fresh.full_state_dict(), "strides": _strides(net)}
+                "extra": extra,
+                "loaded": loaded,
+                "losses": run["losses"],
+                "final": model.full_state_dict(),
+                "pretrained": fresh.full_state_dict(),
+                "strides": _strides(net),
+            }
             model.engine.close()
             fresh.engine.close()
     return out
@@ -277,15 +290,18 @@ def round_trips(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, An
 
 
 @pytest.mark.parametrize("saved_stage, loaded_stage", SAVE_LOAD, ids=[f"s{a}n2-to-s{b}n3" for a, b in SAVE_LOAD])
-def test_checkpoints_round_trip_across_stages_and_world_sizes(round_trips: Any, saved_stage: int,
-                                                              loaded_stage: int) -> None:
+def test_checkpoints_round_trip_across_stages_and_world_sizes(
+    round_trips: Any, saved_stage: int, loaded_stage: int
+) -> None:
     tmp, saved, loaded, uninterrupted = round_trips
     expected = saved[saved_stage]
     for rank, runs in enumerate(loaded):
         for channels_last in (True, False):
             got = runs[saved_stage, loaded_stage, channels_last]
-            where = f"saved at stage {saved_stage}, loaded at stage {loaded_stage} rank {rank}, " \
-                    f"{'channels_last' if channels_last else 'contiguous'} model"
+            where = (
+                f"saved at stage {saved_stage}, loaded at stage {loaded_stage} rank {rank}, "
+                f"{'channels_last' if channels_last else 'contiguous'} model"
+            )
             assert got["extra"] == {"step": STEPS}
             assert got["strides"] == _strides(_build(channels_last)), where
             for name, tensor in expected.items():
@@ -335,7 +351,8 @@ def _frozen_runs(tmp: str) -> dict[Any, Any]:
             out[stage, channels_last] = {
                 "strides": _strides(net2) == _strides(_frozen_backbone(channels_last)),
                 "checkpoint": [k for k, v in saved.items() if not torch.equal(loaded[k], v)],
-                "state_dict": [k for k, v in saved.items() if not torch.equal(model2.full_state_dict()[k], v)]}
+                "state_dict": [k for k, v in saved.items() if not torch.equal(model2.full_state_dict()[k], v)],
+            }
             model2.engine.close()
         model.engine.close()
     return out
@@ -417,4 +434,5 @@ def test_parameters_that_cannot_be_kept_are_refused_by_name_on_every_rank() -> N
             assert "parameter 'odd' has shape (4, 6) and strides (0, 1)" in out["overlapping", stage]
             assert "storage of its own before shardpar.wrap" in out["gapped", stage]
         assert "parameter 'conv1.weight'" in out["mismatch"] and "strides=(27, 1, 9, 3)" in out["mismatch"], (
-            f"rank {rank}: {out['mismatch']}")
+            f"rank {rank}: {out['mismatch']}"
+        )

@@ -61,8 +61,9 @@ import contextlib
 import copy
 import functools
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -151,9 +152,12 @@ def _layout(model: shardpar.ShardedModule) -> dict[str, int]:
         "local_pieces": len(pieces),
         "trainable_tensors": len(engine.trainable),
         "frozen_numel": sum(p.numel() for p in frozen),
-        "frozen_shard_numel": sum(f.layout.shard_numel for f in getattr(engine.storage, "groups", []) if not f.trainable),
-        "units": [(list(u.hook_modules), sum(f.payload_numel for f in u.flats))
-                  for u in getattr(engine.storage, "units", [])],
+        "frozen_shard_numel": sum(
+            f.layout.shard_numel for f in getattr(engine.storage, "groups", []) if not f.trainable
+        ),
+        "units": [
+            (list(u.hook_modules), sum(f.payload_numel for f in u.flats)) for u in getattr(engine.storage, "units", [])
+        ],
     }
     return out
 
@@ -231,8 +235,11 @@ def traces(world_size: int, jobs: tuple) -> list[list[Trace | str]]:
 PARITY_SPECS = {"kitchen": (KITCHEN, RECIPE), "transformer": (TRANSFORMER, TRANSFORMER_RECIPE)}
 JOBS_2 = tuple(
     [(spec, s, "bf16", recipe, stage_options(spec, s)) for spec, recipe in PARITY_SPECS.values() for s in STAGES]
-    + [(KITCHEN, s, policy, Recipe(KITCHEN, steps=2, clip=0.5), stage_options(KITCHEN, s))
-       for s in STAGES for policy in (None, BF16_REDUCE)]
+    + [
+        (KITCHEN, s, policy, Recipe(KITCHEN, steps=2, clip=0.5), stage_options(KITCHEN, s))
+        for s in STAGES
+        for policy in (None, BF16_REDUCE)
+    ]
     + [(TRANSFORMER, s, BF16_REDUCE, TRANSFORMER_RECIPE, stage_options(TRANSFORMER, s)) for s in STAGES]
 )
 JOBS_3 = tuple(
@@ -292,8 +299,9 @@ class ReferenceStep:
     summation order (see :func:`reference_steps`); negligible except where v is ~0."""
 
 
-def reference_steps(spec: ModelSpec, recipe: Recipe, world_size: int, states: list[dict[str, torch.Tensor]],
-                    dtype: torch.dtype = BF16) -> list[ReferenceStep]:
+def reference_steps(
+    spec: ModelSpec, recipe: Recipe, world_size: int, states: list[dict[str, torch.Tensor]], dtype: torch.dtype = BF16
+) -> list[ReferenceStep]:
     """Plain torch: for each step ``s``, start from ``states[s]`` (fp32 master values) and do
     one mixed-precision step by hand. The AdamW state is the reference's own, carried along.
 
@@ -360,8 +368,13 @@ def reference_steps(spec: ModelSpec, recipe: Recipe, world_size: int, states: li
     return out
 
 
-def assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tol: float, what: str,
-                 slack: dict[str, torch.Tensor] | None = None) -> None:
+def assert_close(
+    actual: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    tol: float,
+    what: str,
+    slack: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Per tensor ``|a - b| <= tol·max|b| (+ slack, per element)``."""
     assert list(actual) == list(expected), what
     bad = {}
@@ -380,7 +393,9 @@ def assert_ranks_identical(per_rank: list[Trace], what: str) -> None:
     for rank, trace in enumerate(per_rank[1:], start=1):
         for step, state in enumerate(trace.states):
             for name, tensor in per_rank[0].states[step].items():
-                assert torch.equal(state[name], tensor), f"{what}: '{name}' differs on rank {rank} after step {step - 1}"
+                assert torch.equal(state[name], tensor), (
+                    f"{what}: '{name}' differs on rank {rank} after step {step - 1}"
+                )
 
 
 # --------------------------------------------------------------------------- 1. bf16 parity
@@ -409,7 +424,9 @@ def test_bf16_matches_hand_written_mixed_precision_reference(model_name: str, wo
                 f"{what}: step {step} computed with a '{name}' that is not bf16(master): the compute "
                 "copy was not refreshed from the updated master"
             )
-        assert_close(trace.states[step + 1], expected[step].master, TOLERANCE, f"{what}: step {step}", expected[step].slack)
+        assert_close(
+            trace.states[step + 1], expected[step].master, TOLERANCE, f"{what}: step {step}", expected[step].slack
+        )
     # The run moved: a step that did nothing would also "match" a reference that did nothing.
     moved = max(rel_error(trace.states[-1][n], trace.states[0][n]) for n in trace.states[0])
     assert moved > 1e-3, f"{what}: parameters barely changed ({moved:.2g})"
@@ -424,7 +441,7 @@ def test_compute_parameters_are_bf16_and_full_state_dict_parameters_are_fp32(sta
     for trace in trace_of(2, KITCHEN, stage, "bf16", RECIPE):
         assert trace.compute_dtype == BF16
         module = KITCHEN.build()
-        for name, param in module.named_parameters():
+        for name, _ in module.named_parameters():
             assert trace.full_state[name].dtype == torch.float32, name
         assert any(
             not torch.equal(t, t.to(BF16).float()) for name, t in trace.states[-1].items() if "weight" in name
@@ -493,16 +510,20 @@ def test_parameter_gathers_move_bf16(stage: int) -> None:
                 # Stage 3's gathers carry a 16-byte tag per rank each (counted as padding), in
                 # any dtype; everything else is half.
                 tags = 16 * 2 * full["all_gather"]["calls"] if stage == 3 else 0
-                assert 2 * mixed["all_gather"]["payload_bytes"] == full["all_gather"]["payload_bytes"], f"{policy}, {step}"
-                assert 2 * (mixed["all_gather"]["padding_bytes"] - tags) == full["all_gather"]["padding_bytes"] - tags, (
-                    f"{policy}, step {step}, padding_bytes")
+                assert 2 * mixed["all_gather"]["payload_bytes"] == full["all_gather"]["payload_bytes"], (
+                    f"{policy}, {step}"
+                )
+                assert (
+                    2 * (mixed["all_gather"]["padding_bytes"] - tags) == full["all_gather"]["padding_bytes"] - tags
+                ), f"{policy}, step {step}, padding_bytes"
             for key in ("payload_bytes", "calls"):
                 expected = full["broadcast"][key] / (2 if key == "payload_bytes" else 1)
                 assert mixed["broadcast"][key] == expected, f"{policy}, step {step}: broadcast {key}"
 
 
-def _closed_form(stage: int, layout: dict[str, Any], p: int, r: int, buffer_bytes: int, world_size: int,
-                 rebuilt: bool = False) -> dict[str, float]:
+def _closed_form(
+    stage: int, layout: dict[str, Any], p: int, r: int, buffer_bytes: int, world_size: int, rebuilt: bool = False
+) -> dict[str, float]:
     """Bytes one rank sends per step, by op (payload only, ring model): DESIGN.md's
     ``2Ψ·r·f`` (stage 0), ``Ψ·r·f + Ψ·p·f`` (1, 2), ``Ψ·r·f + Σ (2·uses - kept)·(unit elements)·p·f``
     (3: every unit, frozen parameters included, gathered before each use in forward and again
@@ -537,8 +558,9 @@ def _closed_form(stage: int, layout: dict[str, Any], p: int, r: int, buffer_byte
         kept = {tuple(hooks): int("out" in hooks or "" in hooks) for hooks, _ in layout["units"]}
         assert sum(kept.values()) == 2, layout["units"]
         assert sum(numel for _, numel in layout["units"]) == psi + layout["frozen_numel"]
-        sent["all_gather"] = sum((2 * uses[tuple(h)] - kept[tuple(h)]) * numel
-                                 for h, numel in layout["units"]) * p * f  # frozen in p too
+        sent["all_gather"] = (
+            sum((2 * uses[tuple(h)] - kept[tuple(h)]) * numel for h, numel in layout["units"]) * p * f
+        )  # frozen in p too
     return sent
 
 
@@ -573,8 +595,13 @@ def test_planner_communication_model_matches_mixed_precision_bytes(stage: int) -
         mp = shardpar.MixedPrecision.from_option(policy)
         options = dict(stage_options(KITCHEN, stage))
         estimate = shardpar.estimate_communication(
-            KITCHEN.build(), 2, stage, reduce_bytes=mp.reduce_dtype.itemsize, gather_bytes=mp.param_dtype.itemsize,
-            buffer_dtype=mp.buffer_dtype, bucket_cap_mb=options.get("bucket_cap_mb", 25.0),
+            KITCHEN.build(),
+            2,
+            stage,
+            reduce_bytes=mp.reduce_dtype.itemsize,
+            gather_bytes=mp.param_dtype.itemsize,
+            buffer_dtype=mp.buffer_dtype,
+            bucket_cap_mb=options.get("bucket_cap_mb", 25.0),
             wrap_policy=options.get("wrap_policy"),
         )
         trace = bytes_trace(stage, policy)[0]
@@ -582,8 +609,9 @@ def test_planner_communication_model_matches_mixed_precision_bytes(stage: int) -
         # "control" (see test_bytes_match_the_closed_form) are not part of it, nor clipping's
         # all-reduce (the planner does not know whether a script clips). Every step is compared.
         for step, ops in enumerate(_per_step_ops(trace)):
-            sent = {op: stats["sent_bytes"] for op, stats in ops.items()
-                    if op not in ("rebuild", "control", "clip_norm")}
+            sent = {
+                op: stats["sent_bytes"] for op, stats in ops.items() if op not in ("rebuild", "control", "clip_norm")
+            }
             assert sent == pytest.approx(estimate.as_dict(), rel=1e-12), f"{policy_name}, step {step}"
 
 
@@ -612,7 +640,9 @@ def test_bf16_reduce_tracks_fp32_reduce(stage: int) -> None:
 # --------------------------------------------------------------------------- 3. memory
 
 
-def _exact_memory(stage: int, layout: dict[str, int], p: int, r: int, d: int = 4, padded: bool = True) -> dict[str, float]:
+def _exact_memory(
+    stage: int, layout: dict[str, int], p: int, r: int, d: int = 4, padded: bool = True
+) -> dict[str, float]:
     """params/grads/optimizer state from [Note: storage model] in planner/memory.py, computed from
     the engine's layouts (``padded``: what the engine holds) or from Ψ alone
     (``padded=False``). Per-tensor AdamW ``step`` scalars are added only with ``padded``. The
@@ -670,7 +700,11 @@ def test_memory_stats_equal_the_layouts_and_the_planner(model_name: str, policy_
     p, r = {"bf16": (2, 4), "bf16-reduce": (2, 2)}[policy_name]
     spec, _ = PARITY_SPECS[model_name]
     estimate = shardpar.estimate_memory(
-        spec.build(), 2, stage, optimizer="adamw", mixed_precision=POLICIES[policy_name],
+        spec.build(),
+        2,
+        stage,
+        optimizer="adamw",
+        mixed_precision=POLICIES[policy_name],
         bucket_cap_mb=dict(stage_options(spec, stage)).get("bucket_cap_mb", 25.0),
         wrap_policy=dict(stage_options(spec, stage)).get("wrap_policy"),
     )
@@ -682,12 +716,18 @@ def test_memory_stats_equal_the_layouts_and_the_planner(model_name: str, policy_
             assert trace.memory[kind] == value, f"rank {rank}: memory_stats()['{kind}']"
     padded = _exact_memory(stage, {**per_rank[0].layout, "world_size": 2}, p, r)
     unpadded = _exact_memory(stage, {**per_rank[0].layout, "world_size": 2}, p, r, padded=False)
-    for kind, value in (("params", padded["params"]), ("grads", padded["grads"]),
-                        ("optimizer_state", unpadded["optimizer_state"])):
+    for kind, value in (
+        ("params", padded["params"]),
+        ("grads", padded["grads"]),
+        ("optimizer_state", unpadded["optimizer_state"]),
+    ):
         assert getattr(estimate, kind) == round(value), f"estimate_memory().{kind}"
+
     # Over all ranks the optimizer holds exactly Ψ elements (8 bytes each; N copies at stage 0)
     # plus one 4-byte step scalar per tensor it updates.
-    scalars = lambda t: 4 * (t.layout["trainable_tensors"] if stage == 0 else t.layout["local_pieces"])
+    def scalars(t: Any) -> int:
+        return 4 * (t.layout["trainable_tensors"] if stage == 0 else t.layout["local_pieces"])
+
     total_state = sum(t.memory["optimizer_state"] - scalars(t) for t in per_rank)
     assert total_state == 8 * per_rank[0].layout["psi"] * (2 if stage == 0 else 1)
 
@@ -703,7 +743,10 @@ def test_frozen_parameters_count_compute_copy_and_original(stage: int) -> None:
     exact = _exact_memory(stage, layout, 2, 4)
     assert trace.memory["params"] == exact["params"], "memory_stats()['params']"
     estimate = shardpar.estimate_memory(
-        KITCHEN.build(), 2, stage, mixed_precision="bf16",
+        KITCHEN.build(),
+        2,
+        stage,
+        mixed_precision="bf16",
         bucket_cap_mb=dict(stage_options(KITCHEN, stage)).get("bucket_cap_mb", 25.0),
         wrap_policy=dict(stage_options(KITCHEN, stage)).get("wrap_policy"),
     )
@@ -830,8 +873,22 @@ def test_reduce_dtype_alone_is_rejected_or_trains(stage: int) -> None:
 # --------------------------------------------------------------------------- 6. recipe loss curve
 
 
-GPT_ARGS = ["--model", "tiny", "--steps", "60", "--batch-size", "16", "--block-size", "32",
-            "--eval-every", "0", "--eval-iters", "4", "--log-every", "60"]
+GPT_ARGS = [
+    "--model",
+    "tiny",
+    "--steps",
+    "60",
+    "--batch-size",
+    "16",
+    "--block-size",
+    "32",
+    "--eval-every",
+    "0",
+    "--eval-iters",
+    "4",
+    "--log-every",
+    "60",
+]
 
 
 @functools.cache
@@ -887,8 +944,11 @@ class _ConstantGradient(torch.nn.Module):
 
 def _fp16_averaged_gradient(stage: int) -> list[float]:
     """The averaged gradient the optimizer sees (SGD with lr 1 from w = 0 leaves -grad)."""
-    model = shardpar.wrap(_ConstantGradient(), stage=stage,
-                          mixed_precision=shardpar.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16))
+    model = shardpar.wrap(
+        _ConstantGradient(),
+        stage=stage,
+        mixed_precision=shardpar.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16),
+    )
     opt = shardpar.optimizer(model, torch.optim.SGD, lr=1.0)
     # Every rank: 2 subnormal units (DDP's mean is the same) and a large value whose sum over
     # 4 ranks would overflow fp16 (65504).
@@ -957,6 +1017,7 @@ def counting_host_reads(counts: dict[str, int]) -> Iterator[None]:
         def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             counts[name] = counts.get(name, 0) + 1
             return method(self, *args, **kwargs)
+
         return read
 
     for name, method in saved.items():
@@ -968,8 +1029,9 @@ def counting_host_reads(counts: dict[str, int]) -> Iterator[None]:
             setattr(torch.Tensor, name, method)
 
 
-def host_reads_per_step(stage: int, mixed_precision: str, options: dict[str, Any],
-                        with_forward: bool = False) -> tuple[list[dict], list[int], int]:
+def host_reads_per_step(
+    stage: int, mixed_precision: str, options: dict[str, Any], with_forward: bool = False
+) -> tuple[list[dict], list[int], int]:
     """Host reads inside backward + ``unscale_`` of 3 steps (fp16 runs use shardpar's
     GradScaler; ``with_forward``: the forward and loss too), the all-gathers issued in that
     window, and the number of reduce buckets."""
@@ -1029,8 +1091,15 @@ def test_stage3_reads_the_host_once_per_backward_plus_each_gather_tag(mixed_prec
     the gradient reduction and the overflow check add one read per backward. Counted over
     forward and backward, so that several gathers fall in the window: backward alone gathers
     only ``body`` here (the root's unit and ``out`` stay gathered from forward into backward)."""
-    reads, gathers, _ = run_ranks(host_reads_per_step, 2, 3, mixed_precision,
-                                  {"wrap_policy": kitchen_units, "prefetch_units": 0}, True, timeout=120)[0]
+    reads, gathers, _ = run_ranks(
+        host_reads_per_step,
+        2,
+        3,
+        mixed_precision,
+        {"wrap_policy": kitchen_units, "prefetch_units": 0},
+        True,
+        timeout=120,
+    )[0]
     assert all(g >= 2 for g in gathers[1:]), gathers
     assert reads[1:] == [{"tolist": 1 + g} for g in gathers[1:]], (reads, gathers)
 
@@ -1040,8 +1109,12 @@ def _set_weights_under_bf16(stage: int) -> dict[str, Any]:
     of the full-precision values) and take another step with lr=0: the new values are what
     the next forward computes with, what ``full_state_dict`` reads, and they survive the step."""
     torch.manual_seed(0)
-    model = shardpar.wrap(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)), stage=stage,
-                          mixed_precision="bf16", **({"min_unit_params": 1} if stage == 3 else {}))
+    model = shardpar.wrap(
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)),
+        stage=stage,
+        mixed_precision="bf16",
+        **({"min_unit_params": 1} if stage == 3 else {}),
+    )
     opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.0)
     x = torch.randn(2, 4)
     model(x).float().sum().backward()
@@ -1058,8 +1131,10 @@ def _set_weights_under_bf16(stage: int) -> dict[str, Any]:
     opt.step()
     after = model.full_state_dict()
     model.engine.close()
-    return {"output_equal": torch.equal(output, expected_output),
-            "kept": all(torch.equal(after[k], v) for k, v in clamped.items())}
+    return {
+        "output_equal": torch.equal(output, expected_output),
+        "kept": all(torch.equal(after[k], v) for k, v in clamped.items()),
+    }
 
 
 @pytest.mark.parametrize("stage", STAGES)

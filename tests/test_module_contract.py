@@ -61,7 +61,7 @@ class FusedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.wqkv(x).chunk(3, dim=-1)
-        weights = torch.softmax(q @ k.transpose(-2, -1) / DIM ** 0.5, dim=-1)
+        weights = torch.softmax(q @ k.transpose(-2, -1) / DIM**0.5, dim=-1)
         return x + self.wo(weights @ v)
 
 
@@ -102,10 +102,12 @@ def _hooked_state_dicts(stage: int, mixed_precision: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     reference = plain.state_dict()
     out["keys"] = (list(model.state_dict()), list(reference))
-    out["unequal_read"] = {"state_dict": _equal(model.state_dict(), reference),
-                           "full_state_dict": _equal(model.full_state_dict(), reference),
-                           "module": _equal(model.module.state_dict(), reference),
-                           "submodule": _equal(model.module.a.state_dict(), plain.a.state_dict())}
+    out["unequal_read"] = {
+        "state_dict": _equal(model.state_dict(), reference),
+        "full_state_dict": _equal(model.full_state_dict(), reference),
+        "module": _equal(model.module.state_dict(), reference),
+        "submodule": _equal(model.module.a.state_dict(), plain.a.state_dict()),
+    }
     out["splits"] = CALLS.get("split", 0)
 
     new = _random_like(reference, 1)
@@ -115,8 +117,10 @@ def _hooked_state_dicts(stage: int, mixed_precision: Any) -> dict[str, Any]:
         out["fused_loaded"] = torch.equal(model.module.a.wqkv.weight, plain.a.wqkv.weight)
 
     partial = {k: v for k, v in _random_like(reference, 2).items() if not k.startswith("b.wq")}
-    out["partial"] = (tuple(model.load_state_dict(partial, strict=False)),
-                      tuple(plain.load_state_dict(partial, strict=False)))
+    out["partial"] = (
+        tuple(model.load_state_dict(partial, strict=False)),
+        tuple(plain.load_state_dict(partial, strict=False)),
+    )
     out["unequal_partial"] = _equal(model.full_state_dict(), plain.state_dict())
 
     inner = _random_like(reference, 3)
@@ -188,11 +192,13 @@ def _checkpoint_across_stages(save_stage: int, load_stage: int, path: str) -> di
 
 @pytest.mark.parametrize("save_stage,load_stage", [(3, 1), (1, 3), (0, 3), (2, 0)])
 def test_checkpoints_of_a_hooked_model_are_keyed_by_parameters_and_load_at_any_stage(
-        tmp_path: Path, save_stage: int, load_stage: int) -> None:
+    tmp_path: Path, save_stage: int, load_stage: int
+) -> None:
     """shardpar's own checkpoints hold parameters, not the hooks' keys: saving a hooked model at
     stage 3 works (it used to run the split hook on a sharded parameter) and loads at stage 1."""
-    for rank, out in enumerate(run_ranks(_checkpoint_across_stages, 2, save_stage, load_stage,
-                                         str(tmp_path / "ckpt"), timeout=180)):
+    for rank, out in enumerate(
+        run_ranks(_checkpoint_across_stages, 2, save_stage, load_stage, str(tmp_path / "ckpt"), timeout=180)
+    ):
         assert out["unequal"] == [], (rank, out["unequal"])
 
 
@@ -315,8 +321,10 @@ def _peft_merge(stage: int) -> dict[str, Any]:
     with model.gathered():
         merged = model.module.merge_and_unload()
         ours = {k: v.detach().clone() for k, v in merged.state_dict().items()}
-    out = {"keys": sorted(ours) == sorted(merged_reference) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"],
-           "error": max(rel_error(ours[k], v) for k, v in merged_reference.items())}
+    out = {
+        "keys": sorted(ours) == sorted(merged_reference) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"],
+        "error": max(rel_error(ours[k], v) for k, v in merged_reference.items()),
+    }
     model.engine.close()
     return out
 
@@ -357,15 +365,18 @@ def _checkpoint_wrapped_blocks(stage: int) -> dict[str, Any]:
 
     def build() -> nn.Module:
         torch.manual_seed(0)
-        blocks = nn.Sequential(*[checkpoint_wrapper(nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, DIM)))
-                                 for _ in range(2)])
+        blocks = nn.Sequential(
+            *[checkpoint_wrapper(nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, DIM))) for _ in range(2)]
+        )
         return nn.Sequential(nn.Linear(4, DIM), blocks, nn.Linear(DIM, 3))
 
     plain = build()
     model = _wrap(build(), stage)
     reference = plain.state_dict()  # the wrapper's hook strips "_checkpoint_wrapped_module."
-    out: dict[str, Any] = {"keys": list(model.state_dict()) == list(reference),
-                           "unequal": _equal(model.full_state_dict(), reference)}
+    out: dict[str, Any] = {
+        "keys": list(model.state_dict()) == list(reference),
+        "unequal": _equal(model.full_state_dict(), reference),
+    }
     new = _random_like(reference, 5)
     out["load"] = (tuple(model.load_state_dict(new)), tuple(plain.load_state_dict(new)))
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(2))

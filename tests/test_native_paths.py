@@ -14,16 +14,15 @@ rank.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
 import shardpar
-from shardpar.comm import backend_traits
+from shardpar.comm import backend_traits, host
 from shardpar.comm import collectives as C
-from shardpar.comm import host
 from shardpar.core.unit_order import UnitOrderMismatch
 from shardpar.errors import RanksOutOfStep
 from tests.harness import run_ranks
@@ -174,9 +173,19 @@ def test_mixed_backend_strings_are_read_per_device_type(monkeypatch: pytest.Monk
     monkeypatch.setattr(devices, "backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
     cuda, cpu = C.traits(None, torch.device("cuda", 0)), C.traits(None, torch.device("cpu"))
     assert (cuda.backend, cuda.averages, cuda.aligns, cuda.emulated_split, cuda.tolerant_gathers) == (
-        "nccl", True, True, False, False)
+        "nccl",
+        True,
+        True,
+        False,
+        False,
+    )
     assert (cpu.backend, cpu.averages, cpu.aligns, cpu.emulated_split, cpu.tolerant_gathers) == (
-        "gloo", False, False, True, True)
+        "gloo",
+        False,
+        False,
+        True,
+        True,
+    )
     assert C.traits(None).backend == "nccl"  # no device: the CUDA one, which layouts align for
     monkeypatch.setattr(devices, "backend_config", lambda group=None: "ucc")
     unknown = C.traits(None, torch.device("cuda", 0))

@@ -35,7 +35,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -84,14 +85,22 @@ def _batch(step: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
     """Rank ``rank``'s rows of step ``step``'s global batch (the whole batch at world size 1)."""
     rows = torch.randn(GLOBAL_BATCH, 8, generator=torch.Generator().manual_seed(1000 + step))
     size = GLOBAL_BATCH // world_size
-    return rows[rank * size:(rank + 1) * size]
+    return rows[rank * size : (rank + 1) * size]
 
 
-def _train(model: nn.Module, opt: Any, steps: range, schedule: Callable[[int], None] | None = None,
-           clip: Callable[[nn.Module], None] | None = None) -> None:
+def _train(
+    model: nn.Module,
+    opt: Any,
+    steps: range,
+    schedule: Callable[[int], None] | None = None,
+    clip: Callable[[nn.Module], None] | None = None,
+) -> None:
     """The loop of a DDP script on this rank's rows; at world size 1 the plain torch reference."""
-    rank, world_size = (C.get_rank(), C.get_world_size()) if isinstance(model, (shardpar.ShardedModule,
-                                                                                DistributedDataParallel)) else (0, 1)
+    rank, world_size = (
+        (C.get_rank(), C.get_world_size())
+        if isinstance(model, (shardpar.ShardedModule, DistributedDataParallel))
+        else (0, 1)
+    )
     for step in steps:
         model(_batch(step, rank, world_size)).square().mean().backward()
         if clip is not None:
@@ -119,10 +128,18 @@ def _timm_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     no_decay = [(n, p) for n, p in named if p.ndim <= 1]
     decay = [(n, p) for n, p in named if p.ndim > 1]
     return [
-        {"params": [p for _, p in no_decay], "weight_decay": 0.0, "lr_scale": 0.5,
-         "param_names": [n for n, _ in no_decay]},
-        {"params": [p for _, p in decay], "weight_decay": weight_decay, "lr_scale": 1.0,
-         "param_names": [n for n, _ in decay]},
+        {
+            "params": [p for _, p in no_decay],
+            "weight_decay": 0.0,
+            "lr_scale": 0.5,
+            "param_names": [n for n, _ in no_decay],
+        },
+        {
+            "params": [p for _, p in decay],
+            "weight_decay": weight_decay,
+            "lr_scale": 1.0,
+            "param_names": [n for n, _ in decay],
+        },
     ]
 
 
@@ -157,10 +174,18 @@ class Lamb(torch.optim.Optimizer):
     (``max_grad_norm``), then Adam's step plus weight decay, scaled per parameter by the trust
     ratio ``||p|| / ||update||``."""
 
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.01, max_grad_norm: float | None = 1.0) -> None:
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      max_grad_norm=max_grad_norm))
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        max_grad_norm: float | None = 1.0,
+    ) -> None:
+        super().__init__(
+            params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        )
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
@@ -185,8 +210,9 @@ class Lamb(torch.optim.Optimizer):
                 step = state["step"].item()
                 state["exp_avg"].lerp_(grad, 1 - beta1)
                 state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                update = (state["exp_avg"] / (1 - beta1 ** step)) / (
-                    (state["exp_avg_sq"] / (1 - beta2 ** step)).sqrt() + group["eps"])
+                update = (state["exp_avg"] / (1 - beta1**step)) / (
+                    (state["exp_avg_sq"] / (1 - beta2**step)).sqrt() + group["eps"]
+                )
                 update.add_(p, alpha=group["weight_decay"])
                 w_norm, u_norm = p.norm(), update.norm()
                 trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones(()))
@@ -198,10 +224,18 @@ class Lars(torch.optim.Optimizer):
     ``trust_coeff * ||p|| / (||g|| + weight_decay * ||p||)``, only where weight decay is on (so
     timm's no-decay group of biases and norms steps as plain SGD)."""
 
-    def __init__(self, params: Any, lr: float = 1.0, momentum: float = 0.9, weight_decay: float = 0.0,
-                 trust_coeff: float = 0.001, eps: float = 1e-8) -> None:
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      trust_coeff=trust_coeff, eps=eps))
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1.0,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coeff: float = 0.001,
+        eps: float = 1e-8,
+    ) -> None:
+        super().__init__(
+            params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coeff=trust_coeff, eps=eps)
+        )
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
@@ -322,8 +356,10 @@ def test_the_elementwise_probe_runs_once_per_group_at_construction_not_per_step(
 def _adamw(model: nn.Module, make: Callable[..., Any]) -> tuple[Any, Any]:
     """nanoGPT-style groups and a warmup schedule, built by ``make(class, groups, **options)``."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     opt = make(torch.optim.AdamW, groups, lr=0.05, betas=(0.9, 0.95))
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
 
@@ -339,8 +375,7 @@ def _resume(path: str, model: nn.Module, opt: Any, sched: Any, steps: range) -> 
 
 def _save_on_rank_0(path: str, module: nn.Module, opt: Any, sched: Any) -> None:
     if C.get_rank() == 0:
-        torch.save({"model": module.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
-                   path)
+        torch.save({"model": module.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, path)
     dist.barrier()
 
 
@@ -437,7 +472,7 @@ def _wrong_loads(path: str) -> dict[str, str | None]:
     for stage in STAGES:
         model = _wrap(_net(), stage)
         opt, sched = _adamw(model, _shardpar_optimizer(model))
-        _train(model, opt, range(1), lambda _: sched.step())
+        _train(model, opt, range(1), lambda _: sched.step())  # noqa: B023 (called now)
         file = f"{path}/stage-{stage}.pt"
         if rank == 0:
             torch.save(opt.state_dict(), file)
@@ -470,8 +505,10 @@ def test_optimizer_state_dicts_that_do_not_fit_are_still_refused_saying_why(tmp_
                 assert refused is None, (rank, stage, refused)
             else:
                 assert refused is not None and refused.startswith(prefix), (rank, stage, refused)
-                assert (f"it was saved by rank 0 of 2, this is rank 1 of 2: at stage {stage} a rank's state covers "
-                        "only its own pieces") in refused
+                assert (
+                    f"it was saved by rank 0 of 2, this is rank 1 of 2: at stage {stage} a rank's state covers "
+                    "only its own pieces"
+                ) in refused
         assert "it holds the state of other parameters" in out["stage 0: other parameters"]
         assert "it has no 'shardpar' entry" in out["stage 0: a torch optimizer's"]
         assert "it was saved at stage 0, this optimizer is at stage 2" in out["stage 2: stage 0's"]
@@ -516,8 +553,10 @@ def test_a_factory_built_optimizer_ports_by_its_class_and_param_groups(stage: in
 def _named_parameters_port(stage: int) -> dict[str, torch.Tensor]:
     model = _wrap(_net(), stage)
     named = list(model.named_parameters())
-    groups = [{"params": [(n, p) for n, p in named if p.ndim < 2], "weight_decay": 0.0},
-              {"params": [(n, p) for n, p in named if p.ndim >= 2]}]
+    groups = [
+        {"params": [(n, p) for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [(n, p) for n, p in named if p.ndim >= 2]},
+    ]
     opt = shardpar.optimizer(model, torch.optim.AdamW, groups, lr=0.05, weight_decay=0.1)
     _train(model, opt, range(3))
     return model.full_state_dict()
@@ -526,8 +565,10 @@ def _named_parameters_port(stage: int) -> dict[str, torch.Tensor]:
 def _named_parameters_reference() -> dict[str, torch.Tensor]:
     model = _net()
     named = list(model.named_parameters())
-    groups = [{"params": [(n, p) for n, p in named if p.ndim < 2], "weight_decay": 0.0},
-              {"params": [(n, p) for n, p in named if p.ndim >= 2]}]
+    groups = [
+        {"params": [(n, p) for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [(n, p) for n, p in named if p.ndim >= 2]},
+    ]
     opt = torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1)
     _train(model, opt, range(3))
     return model.state_dict()
@@ -585,15 +626,20 @@ def _clip_per_parameter(stage: int) -> dict[str, Any]:
 @pytest.mark.parametrize("stage", STAGES)
 def test_per_parameter_gradient_clipping_works_at_stage_0_and_says_so_elsewhere(stage: int) -> None:
     model = _net()
-    _train(model, torch.optim.SGD(model.parameters(), lr=0.5), range(2),
-           clip=lambda m: adaptive_clip_grad(m.parameters()))
+    _train(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), range(2), clip=lambda m: adaptive_clip_grad(m.parameters())
+    )
     for rank, out in enumerate(run_ranks(_clip_per_parameter, 2, stage, timeout=60)):
         if stage == 0:
             _assert_close(out["state"], model.state_dict(), f"rank {rank}")
             continue
         kind, message = out["error"]
         # Stages 1-2 stop at the gradient, stage 3 already at the sharded parameter.
-        assert kind == ("ShardedParameterAccess" if stage == 3 else "ShardedGradError"), (rank, kind, message)  # a RuntimeError
+        assert kind == ("ShardedParameterAccess" if stage == 3 else "ShardedGradError"), (
+            rank,
+            kind,
+            message,
+        )  # a RuntimeError
         assert re.search(r"per-parameter clipping .*timm's adaptive gradient clipping", message), message
         assert "only stage 0 keeps whole gradients" in message, message
 
@@ -604,8 +650,11 @@ def test_per_parameter_gradient_clipping_works_at_stage_0_and_says_so_elsewhere(
 def _closure(model: nn.Module, opt: Any, step: int, calls: list[int]) -> Callable[[], torch.Tensor]:
     """The closure torch's docs write: zero the gradients, forward, backward, return the loss
     (on this rank's rows; the whole batch for the plain torch reference). Counts its calls."""
-    rank, world_size = (C.get_rank(), C.get_world_size()) if isinstance(model, (shardpar.ShardedModule,
-                                                                                DistributedDataParallel)) else (0, 1)
+    rank, world_size = (
+        (C.get_rank(), C.get_world_size())
+        if isinstance(model, (shardpar.ShardedModule, DistributedDataParallel))
+        else (0, 1)
+    )
     rows = _batch(step, rank, world_size)
 
     def closure() -> torch.Tensor:
@@ -834,12 +883,15 @@ def test_at_stages_1_to_3_a_muon_like_class_and_one_the_check_cannot_build_are_r
         for stage in (1, 2, 3):
             muon = messages[stage, "MuonLike"]
             assert muon is not None and muon.startswith(
-                f"{MuonLike.__module__}.MuonLike does not update parameters element by element ("), (rank, muon)
+                f"{MuonLike.__module__}.MuonLike does not update parameters element by element ("
+            ), (rank, muon)
             assert f"at stage {stage} each rank updates 1-D slices" in muon and "Use stage=0" in muon, muon
             unbuilt = messages[stage, "NeedsTwoTensors"]
             assert unbuilt is not None, f"rank {rank}, stage {stage}: taken for elementwise without being checked"
-            assert unbuilt.startswith(f"{NeedsTwoTensors.__module__}.NeedsTwoTensors could not be checked for "
-                                      "updating parameters element by element"), unbuilt
+            assert unbuilt.startswith(
+                f"{NeedsTwoTensors.__module__}.NeedsTwoTensors could not be checked for "
+                "updating parameters element by element"
+            ), unbuilt
             assert "(ValueError: NeedsTwoTensors wants a weight and a bias)" in unbuilt, unbuilt
             assert f"at stage {stage} it must" in unbuilt and "Use stage=0" in unbuilt, unbuilt
 
@@ -883,8 +935,9 @@ def test_a_class_that_regroups_or_fails_on_some_ranks_pieces_is_refused_on_every
     for rank, out in enumerate(run_ranks(_build_over_pieces, 2, stage, timeout=60)):
         regrouped = out["regrouped"]
         assert regrouped is not None, f"rank {rank}: a grouping of its own pieces was accepted"
-        assert regrouped[1].startswith(f"{SizeGroupedSGD.__module__}.SizeGroupedSGD regrouped the list of tensors "
-                                       "it was given into"), regrouped
+        assert regrouped[1].startswith(
+            f"{SizeGroupedSGD.__module__}.SizeGroupedSGD regrouped the list of tensors it was given into"
+        ), regrouped
         assert f"at stage {stage} it is given 1-D pieces of the parameters" in regrouped[1], regrouped
         failed = out["one rank fails"]
         assert failed is not None, f"rank {rank} went on while rank 1 failed"
@@ -913,8 +966,9 @@ def test_at_stage_0_a_class_may_group_the_whole_parameters_its_own_way() -> None
 ELEMENTWISE_OVER_TENSORS: dict[str, Callable[[Callable[..., Any], nn.Module], Any]] = {
     "TensorsOnlySGD over a list": lambda make, model: make(TensorsOnlySGD, list(model.parameters()), lr=0.1),
     "TensorsOnlySGD over None": lambda make, model: make(TensorsOnlySGD, None, lr=0.1),
-    "AdamW over a list": lambda make, model: make(torch.optim.AdamW, list(model.parameters()), lr=0.05,
-                                                  weight_decay=0.1),
+    "AdamW over a list": lambda make, model: make(
+        torch.optim.AdamW, list(model.parameters()), lr=0.05, weight_decay=0.1
+    ),
 }
 
 
@@ -932,7 +986,8 @@ def _elementwise_over_tensors(case: str, stage: int) -> dict[str, torch.Tensor]:
 def test_an_elementwise_optimizer_given_a_list_of_tensors_trains_as_plain_torch(case: str, stage: int) -> None:
     module = _net()
     plain = ELEMENTWISE_OVER_TENSORS[case](
-        lambda cls, params, **options: cls(module.parameters() if params is None else params, **options), module)
+        lambda cls, params, **options: cls(module.parameters() if params is None else params, **options), module
+    )
     _train(module, plain, range(3))
     for rank, state in enumerate(run_ranks(_elementwise_over_tensors, 2, case, stage, timeout=60)):
         _assert_close(state, module.state_dict(), f"{case} at stage {stage}, rank {rank}")
@@ -944,10 +999,16 @@ def test_an_elementwise_optimizer_given_a_list_of_tensors_trains_as_plain_torch(
 def _state_bytes(opt: Any) -> tuple[int, int]:
     """What ``opt`` really holds: bytes of its state tensors, and of those with one value per
     element of their parameter (Adam's moments, SGD's momentum; not the 0-d ``step``)."""
-    tensors = [(value, owner) for owner, state in opt.state.items() for value in state.values()
-               if isinstance(value, torch.Tensor)]
-    return (sum(value.nbytes for value, _ in tensors),
-            sum(value.nbytes for value, owner in tensors if value.numel() == owner.numel() and value.dim() > 0))
+    tensors = [
+        (value, owner)
+        for owner, state in opt.state.items()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    return (
+        sum(value.nbytes for value, _ in tensors),
+        sum(value.nbytes for value, owner in tensors if value.numel() == owner.numel() and value.dim() > 0),
+    )
 
 
 def _two_optimizers(stage: int) -> dict[str, Any]:
@@ -957,10 +1018,14 @@ def _two_optimizers(stage: int) -> dict[str, Any]:
     first = make(MuonLike, matrices, lr=0.02) if stage == 0 else make(torch.optim.SGD, matrices, lr=0.1, momentum=0.9)
     second = make(torch.optim.AdamW, [{"params": rest}], lr=0.01)
     _train_two(model, [first, second], range(2))
-    out = {"reported": model.memory_stats()["optimizer_state"], "held": [_state_bytes(first), _state_bytes(second)],
-           "engine holds an optimizer": hasattr(model.engine, "optimizer")}
+    out = {
+        "reported": model.memory_stats()["optimizer_state"],
+        "held": [_state_bytes(first), _state_bytes(second)],
+        "engine holds an optimizer": hasattr(model.engine, "optimizer"),
+    }
     del first
     import gc
+
     gc.collect()
     out["reported after dropping the first"] = model.memory_stats()["optimizer_state"]
     model.engine.close()

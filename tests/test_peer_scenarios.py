@@ -12,7 +12,8 @@ peer is the definition).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def _batch(step: int) -> torch.Tensor:
 
 def _slice(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     size = x.shape[0] // world_size
-    return x[rank * size:(rank + 1) * size]
+    return x[rank * size : (rank + 1) * size]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -218,8 +219,7 @@ def _reference(model_name: str, step_name: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train_sharded(model_name: str, step_name: str, stage: int, options: dict[str, Any],
-                   comm: bool = False) -> Any:
+def _train_sharded(model_name: str, step_name: str, stage: int, options: dict[str, Any], comm: bool = False) -> Any:
     rank, world_size = C.get_rank(), C.get_world_size()
     model = shardpar.wrap(_build(model_name), stage=stage, **options)
     opt = shardpar.optimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
@@ -234,8 +234,14 @@ def _train_sharded(model_name: str, step_name: str, stage: int, options: dict[st
     return model.full_state_dict()
 
 
-def _check_against_torch(model_name: str, step_name: str, stage: int, world_size: int = 2,
-                         options: dict[str, Any] | None = None, tolerance: float = TOLERANCE) -> None:
+def _check_against_torch(
+    model_name: str,
+    step_name: str,
+    stage: int,
+    world_size: int = 2,
+    options: dict[str, Any] | None = None,
+    tolerance: float = TOLERANCE,
+) -> None:
     want = _reference(model_name, step_name)
     results = run_ranks(_train_sharded, world_size, model_name, step_name, stage, options or {}, timeout=120)
     for rank, got in enumerate(results):
@@ -334,7 +340,9 @@ def test_a_module_registered_under_two_names_in_stage_3_units(stage: int, model_
     around its own forward (each use); a unit used twice is gathered for each use."""
     policy = {"shared_projection": [ProjBlock], "same_mlp_twice": [Mlp]}[model_name]
     if stage == 3:
-        _check_against_torch(model_name, "plain", 3, world_size=3, options={"wrap_policy": policy, "min_unit_params": 1})
+        _check_against_torch(
+            model_name, "plain", 3, world_size=3, options={"wrap_policy": policy, "min_unit_params": 1}
+        )
     else:
         _check_against_torch(model_name, "plain", stage, world_size=3, options={"bucket_cap_mb": 1e-6})
 
@@ -393,8 +401,10 @@ def _train_buffer_model(stage: int | None) -> dict[str, Any]:
         model, opt = module, torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9)
 
         def state() -> dict[str, torch.Tensor]:
-            return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                    for k, v in model.state_dict().items()}
+            return {
+                k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                for k, v in model.state_dict().items()
+            }
     else:
         mp = shardpar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = shardpar.wrap(module, stage=stage, mixed_precision=mp, wrap_policy=[BufferBlock], min_unit_params=1)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import types
 import re
 import shlex
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -174,9 +174,19 @@ def test_optimizer_table_covers_the_documented_names() -> None:
 
 @pytest.mark.parametrize(
     "optimizer, k",
-    [("sgd", 0), ("sgd_momentum", 4), ("adagrad", 4), ("rmsprop", 4), ("rmsprop_momentum", 8), ("adam", 8),
-     (torch.optim.SGD, 0), (torch.optim.Adam, 8), (torch.optim.AdamW, 8), (torch.optim.Adagrad, 4),
-     (torch.optim.RMSprop, 4)],
+    [
+        ("sgd", 0),
+        ("sgd_momentum", 4),
+        ("adagrad", 4),
+        ("rmsprop", 4),
+        ("rmsprop_momentum", 8),
+        ("adam", 8),
+        (torch.optim.SGD, 0),
+        (torch.optim.Adam, 8),
+        (torch.optim.AdamW, 8),
+        (torch.optim.Adagrad, 4),
+        (torch.optim.RMSprop, 4),
+    ],
 )
 def test_optimizer_state_bytes(optimizer: Any, k: int) -> None:
     for stage, divisor in [(0, 1), (1, 8), (2, 8), (3, 8)]:
@@ -201,7 +211,9 @@ def test_bf16_formulas() -> None:
         assert (e.params, e.grads, e.optimizer_state) == expected[stage], f"stage {stage}"
         assert (e.param_bytes, e.reduce_bytes) == (2, 4)
         full = estimate_memory(
-            PSI, n, stage,
+            PSI,
+            n,
+            stage,
             mixed_precision=shardpar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         )
         assert (full.as_dict(), full.param_bytes, full.reduce_bytes) == (e.as_dict(), 2, 4)
@@ -261,8 +273,16 @@ def test_bad_arguments_name_the_problem(call: Any, match: str) -> None:
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("24GB", 24 * 10**9), ("24 GiB", 24 * 2**30), ("512MiB", 512 * 2**20), ("80G", 80 * 10**9),
-     ("1.5TB", 1.5 * 10**12), ("100", 100), (4096, 4096), ("2kib", 2048)],
+    [
+        ("24GB", 24 * 10**9),
+        ("24 GiB", 24 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("80G", 80 * 10**9),
+        ("1.5TB", 1.5 * 10**12),
+        ("100", 100),
+        (4096, 4096),
+        ("2kib", 2048),
+    ],
 )
 def test_parse_bytes(text: Any, expected: int) -> None:
     assert parse_bytes(text) == expected
@@ -270,8 +290,15 @@ def test_parse_bytes(text: Any, expected: int) -> None:
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("7e9", 7 * 10**9), ("7B", 7 * 10**9), ("350M", 350 * 10**6), ("1.3b", 1_300_000_000),
-     ("125K", 125_000), ("1000", 1000), (42, 42)],
+    [
+        ("7e9", 7 * 10**9),
+        ("7B", 7 * 10**9),
+        ("350M", 350 * 10**6),
+        ("1.3b", 1_300_000_000),
+        ("125K", 125_000),
+        ("1000", 1000),
+        (42, 42),
+    ],
 )
 def test_parse_count(text: Any, expected: int) -> None:
     assert parse_count(text) == expected
@@ -356,10 +383,14 @@ def test_communication_closed_form_7b_on_64_ranks() -> None:
         assert c.sent_bytes - c.used_flags_bytes == pytest.approx(2 * PSI * 4 * f, rel=1e-12)  # 55.125 GB
         assert c.seconds == pytest.approx(c.sent_bytes / 25e9 + c.calls * 10e-6)
     assert estimate_communication(PSI, n, 0).as_dict() == {
-        "all_reduce": pytest.approx(2 * PSI * 4 * f, rel=1e-12), "used_flags": pytest.approx(flags, rel=1e-12)}
+        "all_reduce": pytest.approx(2 * PSI * 4 * f, rel=1e-12),
+        "used_flags": pytest.approx(flags, rel=1e-12),
+    }
     assert estimate_communication(PSI, n, 1).as_dict() == {
-        "reduce_scatter": pytest.approx(PSI * 4 * f, rel=1e-12), "all_gather": pytest.approx(PSI * 4 * f, rel=1e-12),
-        "used_flags": pytest.approx(flags, rel=1e-12)}
+        "reduce_scatter": pytest.approx(PSI * 4 * f, rel=1e-12),
+        "all_gather": pytest.approx(PSI * 4 * f, rel=1e-12),
+        "used_flags": pytest.approx(flags, rel=1e-12),
+    }
     c3 = estimate_communication(PSI, n, 3, bandwidth_gbps=25)
     assert c3.sent_bytes - flags == pytest.approx(3 * PSI * 4 * f, rel=1e-12)  # 82.69 GB
     assert c3.seconds == pytest.approx(c3.sent_bytes / 25e9)  # 3.31 s
@@ -396,8 +427,11 @@ def _measure(cases: dict[str, tuple[str, int, dict[str, Any]]]) -> dict[str, dic
             memory = model.memory_stats()
             opt.zero_grad()
         model.engine.close()
-        results[case] = {"memory": memory, "comm": comm,
-                         "optimizer_state_per_rank": C.all_gather_objects((memory["optimizer_state"], pieces))}
+        results[case] = {
+            "memory": memory,
+            "comm": comm,
+            "optimizer_state_per_rank": C.all_gather_objects((memory["optimizer_state"], pieces)),
+        }
     return results
 
 
@@ -407,14 +441,20 @@ CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "stage3-keep-gathered": ("tower", 3, {"reshard_after_forward": False}),
     "stage2-uneven": ("uneven", 2, {"bucket_cap_mb": 1.0}),
     # One Linear per bucket or unit, aligned: [bias 50 | gap 14 | weight 2500 | tail 124] = 2688.
-    **{f"stage{s}-aligned": ("odd", s, {"bucket_cap_mb": 2600 * 4 / MiB, "min_unit_params": 2000,
-                                        "align_for_bandwidth": True}) for s in range(4)},
+    **{
+        f"stage{s}-aligned": (
+            "odd",
+            s,
+            {"bucket_cap_mb": 2600 * 4 / MiB, "min_unit_params": 2000, "align_for_bandwidth": True},
+        )
+        for s in range(4)
+    },
 }
 ALIGNED_CASES = [f"stage{s}-aligned" for s in range(4)]
 MEMORY_CASES = [f"stage{s}{mp}" for mp in ("", "-bf16") for s in range(4)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measured() -> dict[str, dict[str, Any]]:
     """Rank 0's measurements for every case (one harness call for all)."""
     return run_ranks(_measure, 2, CASES, timeout=60)[0]
@@ -426,14 +466,20 @@ def _estimates(case: str) -> tuple[Any, Any]:
     model_name, stage, options = CASES[case]
     cap = options.get("bucket_cap_mb", 25.0)
     shared = {k: options[k] for k in ("min_unit_params", "align_for_bandwidth") if k in options}
-    memory = estimate_memory(MODELS[model_name](), 2, stage, mixed_precision=options.get("mixed_precision"),
-                             bucket_cap_mb=cap, **shared)
+    memory = estimate_memory(
+        MODELS[model_name](), 2, stage, mixed_precision=options.get("mixed_precision"), bucket_cap_mb=cap, **shared
+    )
     mp = memory.mixed_precision
     comm = estimate_communication(
-        MODELS[model_name](), 2, stage, reduce_bytes=memory.reduce_bytes,
-        gather_bytes=memory.param_bytes if mp else None, bucket_cap_mb=cap,
+        MODELS[model_name](),
+        2,
+        stage,
+        reduce_bytes=memory.reduce_bytes,
+        gather_bytes=memory.param_bytes if mp else None,
+        bucket_cap_mb=cap,
         reshard_after_forward=options.get("reshard_after_forward", True),
-        buffer_dtype=mp.buffer_dtype if mp else None, **shared,
+        buffer_dtype=mp.buffer_dtype if mp else None,
+        **shared,
     )
     return memory, comm
 
@@ -496,8 +542,11 @@ def test_communication_matches_measured_bytes(case: str) -> None:
         assert comm["total"]["sent_bytes"] == pytest.approx(estimate.sent_bytes)
         total_with_padding = comm["total"]["sent_bytes"] + comm["total"]["padding_sent_bytes"]
         assert abs(total_with_padding - estimate.sent_bytes) <= comm["total"]["padding_sent_bytes"] + 1e-6
-        padding = {op: stats["padding_sent_bytes"] for op, stats in comm.items()
-                   if op != "total" and stats["padding_sent_bytes"]}
+        padding = {
+            op: stats["padding_sent_bytes"]
+            for op, stats in comm.items()
+            if op != "total" and stats["padding_sent_bytes"]
+        }
         assert padding == pytest.approx(estimate.padding_as_dict()), f"step {step}"
         assert comm["total"]["padding_sent_bytes"] == pytest.approx(estimate.padding_sent_bytes)
         assert sum(stats["calls"] for op, stats in comm.items() if op != "total") == estimate.calls
@@ -542,14 +591,29 @@ def _tool():
 def _start_tool(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(ROOT / "tools" / "estimate.py"), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
     )
 
 
 def test_tool_end_to_end() -> None:
     # Both at once: each pays for importing torch.
-    good = _start_tool("--params", "7B", "--world-size", "8", "--world-size", "64",
-                       "--bandwidth", "25", "--latency", "10", "--budget", "80GB")
+    good = _start_tool(
+        "--params",
+        "7B",
+        "--world-size",
+        "8",
+        "--world-size",
+        "64",
+        "--bandwidth",
+        "25",
+        "--latency",
+        "10",
+        "--budget",
+        "80GB",
+    )
     bad = _start_tool("--params", "7B", "--world-size", "1", "--budget", "10GB")
     (stdout, stderr), (_, bad_stderr) = good.communicate(timeout=60), bad.communicate(timeout=60)
     assert good.returncode == 0, stderr

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shardpar
-from shardpar.comm.comm_stats import CommStats, Collective, tally
+from shardpar.comm.comm_stats import Collective, CommStats, tally
 from shardpar.planner import (
     choose_plan,
     choose_stage,
@@ -95,8 +95,10 @@ def test_bytes_by_group_are_the_closed_forms(b: int) -> None:
 def test_full_sharding_keeps_todays_estimate(stage: int) -> None:
     """G = N: no replica group, and every field as without the option."""
     c = estimate_communication(PSI, 16, stage, reduce_bytes=2, bandwidth_gbps=25, latency_us=10)
-    assert estimate_communication(PSI, 16, stage, reduce_bytes=2, bandwidth_gbps=25, latency_us=10,
-                                  shard_group_size=16) == c
+    assert (
+        estimate_communication(PSI, 16, stage, reduce_bytes=2, bandwidth_gbps=25, latency_us=10, shard_group_size=16)
+        == c
+    )
     assert set(c.by_group) == {"shard_group", "all_ranks"} and c.shard_group_size == 16
 
 
@@ -107,7 +109,8 @@ def test_the_tally_is_a_comm_stats_snapshot() -> None:
     for _ in range(3):
         stats.record_bytes("reduce_scatter", 1000, 24, 8)
     assert tally([Collective("reduce_scatter", "shard_group", 8, 3000, 72, calls=3)]) == {
-        "shard_group": stats.snapshot()}
+        "shard_group": stats.snapshot()
+    }
 
 
 def test_which_groups_span_nodes() -> None:
@@ -146,31 +149,71 @@ def test_the_papers_memory_figures() -> None:
         assert e.model_state == pytest.approx(paper[stage] + extra[stage], rel=1e-12), stage
 
 
-@pytest.mark.parametrize("nodes, budget, stage, shard_group_size, phrases", [
-    # One node: nothing crosses nodes; 120 GB + the fp32 gradients exceed 80 GB, stage 1 fits
-    # sharded over the node, and stages 0-2 send 2Ψ·2·7/8 = 26.25 GB at every G: the lowest
-    # stage, then the largest G.
-    (1, "80GB", 1, 8, ["stage 1, full sharding over 8 ranks", "45.00 GB per rank", "one node",
-                       "26.25 GB per step", "shard groups of 4 ranks (within a node) replicated 2 times sends as "
-                       "many bytes with smaller shard groups"]),
-    # Two nodes, 32 GB: stage 2 in shard groups of a node sends only the shard's all-reduce
-    # across nodes, 2(Ψ/8)·2·1/2 = 1.88 GB; stage 3 with G = 8 as little, but more in all.
-    (2, "32GB", 2, 8, ["stage 2, shard groups of 8 ranks (within a node) replicated 2 times", "1.88 GB per step "
-                       "across nodes", "stage 3, shard groups of 8 ranks (within a node) replicated 2 times sends "
-                       "as few across nodes but 41.25 GB in all"]),
-    # Eight nodes, a budget stage 0 fits (150 GB): its all-reduce sends 2Ψ·2·63/64 = 29.5 GB
-    # across nodes; stage 1 in node-sized shard groups 2(Ψ/8)·2·7/8 = 3.28 GB.
-    (8, "200GB", 1, 8, ["stage 1, shard groups of 8 ranks (within a node) replicated 8 times", "19 of 19 plans fit",
-                        "3.28 GB per step across nodes"]),
-    # Eight nodes, 16 GB: only stage 3 fits in a node (15 GB + 0.75 GB of units).
-    (8, "16GB", 3, 8, ["stage 3, shard groups of 8 ranks (within a node) replicated 8 times", "15.75 GB per rank",
-                       "the fewest across nodes; next: stage 3, shard groups of 16 ranks (spanning 2 nodes) "
-                       "replicated 4 times sends 43.59 GB across nodes"]),
-    # Eight nodes, 4 GB: only full sharding fits, and all of stage 3 crosses nodes.
-    (8, "4GB", 3, 64, ["stage 3, full sharding over 64 ranks", "the only one of 19 plans that fits"]),
-])
-def test_the_pick_on_nodes_of_8(nodes: int, budget: str, stage: int, shard_group_size: int,
-                                phrases: list[str]) -> None:
+@pytest.mark.parametrize(
+    "nodes, budget, stage, shard_group_size, phrases",
+    [
+        # One node: nothing crosses nodes; 120 GB + the fp32 gradients exceed 80 GB, stage 1 fits
+        # sharded over the node, and stages 0-2 send 2Ψ·2·7/8 = 26.25 GB at every G: the lowest
+        # stage, then the largest G.
+        (
+            1,
+            "80GB",
+            1,
+            8,
+            [
+                "stage 1, full sharding over 8 ranks",
+                "45.00 GB per rank",
+                "one node",
+                "26.25 GB per step",
+                "shard groups of 4 ranks (within a node) replicated 2 times sends as "
+                "many bytes with smaller shard groups",
+            ],
+        ),
+        # Two nodes, 32 GB: stage 2 in shard groups of a node sends only the shard's all-reduce
+        # across nodes, 2(Ψ/8)·2·1/2 = 1.88 GB; stage 3 with G = 8 as little, but more in all.
+        (
+            2,
+            "32GB",
+            2,
+            8,
+            [
+                "stage 2, shard groups of 8 ranks (within a node) replicated 2 times",
+                "1.88 GB per step across nodes",
+                "stage 3, shard groups of 8 ranks (within a node) replicated 2 times sends "
+                "as few across nodes but 41.25 GB in all",
+            ],
+        ),
+        # Eight nodes, a budget stage 0 fits (150 GB): its all-reduce sends 2Ψ·2·63/64 = 29.5 GB
+        # across nodes; stage 1 in node-sized shard groups 2(Ψ/8)·2·7/8 = 3.28 GB.
+        (
+            8,
+            "200GB",
+            1,
+            8,
+            [
+                "stage 1, shard groups of 8 ranks (within a node) replicated 8 times",
+                "19 of 19 plans fit",
+                "3.28 GB per step across nodes",
+            ],
+        ),
+        # Eight nodes, 16 GB: only stage 3 fits in a node (15 GB + 0.75 GB of units).
+        (
+            8,
+            "16GB",
+            3,
+            8,
+            [
+                "stage 3, shard groups of 8 ranks (within a node) replicated 8 times",
+                "15.75 GB per rank",
+                "the fewest across nodes; next: stage 3, shard groups of 16 ranks (spanning 2 nodes) "
+                "replicated 4 times sends 43.59 GB across nodes",
+            ],
+        ),
+        # Eight nodes, 4 GB: only full sharding fits, and all of stage 3 crosses nodes.
+        (8, "4GB", 3, 64, ["stage 3, full sharding over 64 ranks", "the only one of 19 plans that fits"]),
+    ],
+)
+def test_the_pick_on_nodes_of_8(nodes: int, budget: str, stage: int, shard_group_size: int, phrases: list[str]) -> None:
     plan = choose_plan(ZERO_PSI, 8 * nodes, budget, node_size=8, **ZERO)
     assert (plan.stage, plan.shard_group_size) == (stage, shard_group_size), plan.reason
     for phrase in phrases:
@@ -184,8 +227,11 @@ def test_the_pick_on_nodes_of_8(nodes: int, budget: str, stage: int, shard_group
 
 
 def test_no_plan_fits() -> None:
-    with pytest.raises(ValueError, match=r"no plan \(stage, shard group size\) fits the memory budget of 1.00 GB "
-                                         r".* \(stage 3, full sharding over 64 ranks\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"no plan \(stage, shard group size\) fits the memory budget of 1.00 GB "
+        r".* \(stage 3, full sharding over 64 ranks\)",
+    ):
         choose_plan(ZERO_PSI, 64, "1GB", node_size=8, **ZERO)
     with pytest.raises(ValueError, match="not a multiple of node_size=3"):
         choose_plan(ZERO_PSI, 64, "80GB", node_size=3)
@@ -195,8 +241,7 @@ def test_one_node_without_mixed_precision_picks_what_choose_stage_picks() -> Non
     """fp32: every stage 0-2 plan sends 2Ψ·4·(N-1)/N, so the lowest stage that fits wins, as
     ``choose_stage`` has it, sharded over the whole node."""
     picks = []
-    for n, psi, budget in [(1, 1_500_000_000, "24GiB"), (2, 1_500_000_000, "20GB"), (8, PSI, "80GB"),
-                           (8, PSI, "30GB")]:
+    for n, psi, budget in [(1, 1_500_000_000, "24GiB"), (2, 1_500_000_000, "20GB"), (8, PSI, "80GB"), (8, PSI, "30GB")]:
         plan = choose_plan(psi, n, budget, node_size=n)
         assert plan.stage == choose_stage(psi, n, budget), (n, budget)
         assert plan.shard_group_size == (None if plan.stage == 0 else n)
@@ -212,7 +257,7 @@ def test_one_node_without_mixed_precision_picks_what_choose_stage_picks() -> Non
 def test_the_docs_example_prints_what_it_shows() -> None:
     """docs/planner.md ("Many nodes") pastes what its example prints; keep it true."""
     doc = (Path(__file__).resolve().parent.parent / "docs" / "planner.md").read_text()
-    section = doc[doc.index("## Many nodes: hybrid sharding"):]
+    section = doc[doc.index("## Many nodes: hybrid sharding") :]
     code, printed = re.search(r"```python\n(.*?)```\n\nprints .*?\n\n```\n(.*?)```", section, re.S).groups()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -51,12 +51,16 @@ class Caught(Exception):
 
 
 def _record(error: shardpar.RanksOutOfStep, started: float) -> Caught:
-    return Caught(json.dumps({
-        "elapsed": time.monotonic() - started,
-        "message": str(error),
-        "missing": error.missing,
-        "reports": {str(r): v for r, v in error.reports.items()},
-    }))
+    return Caught(
+        json.dumps(
+            {
+                "elapsed": time.monotonic() - started,
+                "message": str(error),
+                "missing": error.missing,
+                "reports": {str(r): v for r, v in error.reports.items()},
+            }
+        )
+    )
 
 
 def _caught(failure: RankFailure, rank: int) -> dict[str, Any]:
@@ -112,8 +116,10 @@ def _run(scenario: str, stage: int, world_size: int = 2, odd_rank: int = 1, dire
 def _counters(rank0: tuple[int, int, int], rank1: tuple[int, int, int]) -> list[str]:
     """What the counters' error says: found at the first synchronising backward after the
     ranks parted, at once."""
-    return [f"rank {rank}: {sync} synchronising backward passes, {total} backward passes in all, {steps} optimizer steps"
-            for rank, (sync, total, steps) in enumerate((rank0, rank1))]
+    return [
+        f"rank {rank}: {sync} synchronising backward passes, {total} backward passes in all, {steps} optimizer steps"
+        for rank, (sync, total, steps) in enumerate((rank0, rank1))
+    ]
 
 
 def _reports(rank0: str, rank1: str) -> list[str]:
@@ -131,18 +137,24 @@ SKIPPED_BACKWARD = {
     0: _counters((3, 6, 2), (3, 7, 3)),
     1: _counters((3, 6, 2), (3, 7, 3)),
     2: _counters((3, 6, 2), (3, 7, 3)),
-    3: _reports(IN_BACKWARD_6, "in a forward pass after 6 backward passes and 3 optimizer steps, at unit '0'; "
-                               "waiting in tagged all_gather"),
+    3: _reports(
+        IN_BACKWARD_6,
+        "in a forward pass after 6 backward passes and 3 optimizer steps, at unit '0'; waiting in tagged all_gather",
+    ),
 }
 EXTRA_MICRO_BATCH = {
     0: _counters((3, 6, 2), (3, 7, 2)),
     2: _counters((3, 6, 2), (3, 7, 2)),
-    3: _reports(IN_BACKWARD_6, "in a forward pass after 6 backward passes and 2 optimizer steps, at unit '0'; "
-                               "waiting in tagged all_gather"),
+    3: _reports(
+        IN_BACKWARD_6,
+        "in a forward pass after 6 backward passes and 2 optimizer steps, at unit '0'; waiting in tagged all_gather",
+    ),
 }
 # Stages 1-2 all-gather after the step (in the next forward), which rank 1 skips.
-STEP_ALL_GATHER = _reports("in a forward pass after 6 backward passes and 3 optimizer steps; waiting in all_gather",
-                           "in backward pass 8 and 2 optimizer steps; waiting in reduce_scatter")
+STEP_ALL_GATHER = _reports(
+    "in a forward pass after 6 backward passes and 3 optimizer steps; waiting in all_gather",
+    "in backward pass 8 and 2 optimizer steps; waiting in reduce_scatter",
+)
 SKIPPED_STEP = {
     0: _counters((4, 8, 3), (4, 8, 2)),
     1: STEP_ALL_GATHER,

@@ -37,8 +37,22 @@ PYTHON = [sys.executable]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 # Tiny model, short warmup so that a few steps visibly lower the loss, the loss reduced and shown
 # every step, evaluation only at the end.
-BASE = ["--model", "tiny", "--block-size", "32", "--batch-size", "16", "--warmup", "2",
-        "--log-every", "1", "--eval-every", "0", "--eval-iters", "2"]
+BASE = [
+    "--model",
+    "tiny",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "16",
+    "--warmup",
+    "2",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
+    "--eval-iters",
+    "2",
+]
 K = 10
 """Steps between checkpoints in the resume runs (2K steps in all). The kill must land between
 the first checkpoint and the end of the run, so those K steps are the window a poll has to hit."""
@@ -60,8 +74,18 @@ BAR_START = re.compile(r"train:[^\r\n]*\?it/s\]")
 
 def resumable(ckpt_dir: Path) -> list[str]:
     """The same flags for the uninterrupted run and for both attempts of the killed one."""
-    return ["--steps", str(2 * K), "--save-every", str(K), "--ckpt-dir", str(ckpt_dir), "--resume", "latest",
-            "--stage", "2"]
+    return [
+        "--steps",
+        str(2 * K),
+        "--save-every",
+        str(K),
+        "--ckpt-dir",
+        str(ckpt_dir),
+        "--resume",
+        "latest",
+        "--stage",
+        "2",
+    ]
 
 
 ASYNC_ROTATING = ["--async-save", "--keep-last", "1"]
@@ -130,21 +154,34 @@ def run_killed_and_resumed(tmp: Path) -> dict[str, Any]:
     args = [*TORCHRUN, RECIPE, *BASE, *resumable(ckpt), *ASYNC_ROTATING]
     log_path = tmp / "killed.log"
     with log_path.open("w") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                   env={**os.environ, **ENV}, start_new_session=True)
+        process = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, **ENV},
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while (first := shardpar.latest_checkpoint(ckpt)) is None:
             if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"no checkpoint before the run ended (exit {process.returncode}):\n"
-                                     + log_path.read_text())
+                raise AssertionError(
+                    f"no checkpoint before the run ended (exit {process.returncode}):\n" + log_path.read_text()
+                )
             time.sleep(0.01)
     finally:
         kill_tree(process)
     finished_anyway = (ckpt / f"step-{2 * K:08d}").exists()
     resumed = recipe(TORCHRUN, *BASE, *resumable(ckpt), *ASYNC_ROTATING)
-    return {"ckpt": ckpt, "first": first, "finished_anyway": finished_anyway, "killed_log": log_path.read_text(),
-            "resumed": resumed}
+    return {
+        "ckpt": ckpt,
+        "first": first,
+        "finished_anyway": finished_anyway,
+        "killed_log": log_path.read_text(),
+        "resumed": resumed,
+    }
 
 
 def run_ws1_auto_from_ws2(tmp: Path, runs: Runs) -> subprocess.CompletedProcess[str]:
@@ -156,13 +193,23 @@ def run_ws1_auto_from_ws2(tmp: Path, runs: Runs) -> subprocess.CompletedProcess[
         if runs.futures["ws2"].done():
             break  # ended without a checkpoint: the resume below reports it
         time.sleep(0.05)
-    return recipe(PYTHON, *BASE, "--steps", str(2 * K), "--stage", "auto", "--memory-budget", "2MB",
-                  "--resume", ckpt / f"step-{K:08d}")
+    return recipe(
+        PYTHON,
+        *BASE,
+        "--steps",
+        str(2 * K),
+        "--stage",
+        "auto",
+        "--memory-budget",
+        "2MB",
+        "--resume",
+        ckpt / f"step-{K:08d}",
+    )
 
 
 # A user's script around the recipe: it raises a warning and logs one on rank 1 only, once the
 # recipe's logging is set up (build runs after it), then trains as train_gpt.py would.
-RANK1_WARNING_DRIVER = '''\
+RANK1_WARNING_DRIVER = """\
 import logging, os, sys, warnings
 sys.path.insert(0, {root!r})
 from recipes import train_gpt, trainer
@@ -177,7 +224,7 @@ def build_and_warn(*args, **kwargs):
 
 trainer.build = build_and_warn
 train_gpt.main()
-'''
+"""
 
 
 def run_hf_llama(tmp: Path) -> subprocess.CompletedProcess[str]:
@@ -265,8 +312,10 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def output(result: subprocess.CompletedProcess[str]) -> str:
-    return f"$ {' '.join(map(str, result.args))}\nexit {result.returncode}\n--- stdout ---\n{result.stdout}\n" \
-           f"--- stderr ---\n{result.stderr}"
+    return (
+        f"$ {' '.join(map(str, result.args))}\nexit {result.returncode}\n--- stdout ---\n{result.stdout}\n"
+        f"--- stderr ---\n{result.stderr}"
+    )
 
 
 def trained(result: subprocess.CompletedProcess[str], world: int, stage: int | None = None) -> dict[str, float]:
@@ -314,10 +363,17 @@ def one_error_line(result: subprocess.CompletedProcess[str], *expected: str, alo
 def checkpoint_contents(path: Path) -> dict[str, Any]:
     """Every tensor of every file (model and optimizer state), the optimizer section and the extra."""
     manifest = json.loads((path / "shardpar.json").read_text())
-    tensors = {f"{file.name}/{key}": tensor for file in sorted(path.glob("*.safetensors"))
-               for key, tensor in load_file(file).items()}
-    return {"tensors": tensors, "optimizer": manifest["optimizer"], "extra": manifest["extra"],
-            "layout": (manifest["world_size"], manifest["stage"])}
+    tensors = {
+        f"{file.name}/{key}": tensor
+        for file in sorted(path.glob("*.safetensors"))
+        for key, tensor in load_file(file).items()
+    }
+    return {
+        "tensors": tensors,
+        "optimizer": manifest["optimizer"],
+        "extra": manifest["extra"],
+        "layout": (manifest["world_size"], manifest["stage"]),
+    }
 
 
 # --------------------------------------------------------------------------- tests
@@ -355,7 +411,8 @@ def test_hf_llama_trains_at_stage_3_and_rank_1_warnings_reach_the_user(runs: Run
         # (A Python warning's record also quotes the source line, untagged: not counted.)
         records = [line for line in result.stderr.splitlines() if text in line and line.startswith("[rank")]
         assert len(records) == 1 and records[0].startswith("[rank1] ") and " WARNING " in records[0], (
-            f"{text!r} must reach the user once, tagged [rank1]:\n" + output(result))
+            f"{text!r} must reach the user once, tagged [rank1]:\n" + output(result)
+        )
 
 
 @uses("ws2", "killed-and-resumed")
@@ -364,7 +421,8 @@ def test_killed_run_resumed_with_the_same_command_ends_with_identical_checkpoint
     outcome = runs.get("killed-and-resumed")
     assert outcome["first"].name == f"step-{K:08d}", outcome["first"]
     assert not outcome["finished_anyway"], (
-        f"the run finished before the kill landed (K={K} steps were too quick to poll): " + outcome["killed_log"])
+        f"the run finished before the kill landed (K={K} steps were too quick to poll): " + outcome["killed_log"]
+    )
     resumed = outcome["resumed"]
     assert f"resumed from {outcome['ckpt'] / f'step-{K:08d}'} at step {K}" in resumed.stderr, output(resumed)
     expected, got = trained(reference, world=2, stage=2), trained(resumed, world=2, stage=2)
@@ -372,7 +430,8 @@ def test_killed_run_resumed_with_the_same_command_ends_with_identical_checkpoint
 
     final = f"step-{2 * K:08d}"
     assert sorted(p.name for p in outcome["ckpt"].iterdir() if not p.name.startswith(".")) == ["latest", final], (
-        "--keep-last 1 keeps the newest checkpoint only")
+        "--keep-last 1 keeps the newest checkpoint only"
+    )
     want = checkpoint_contents(runs.tmp / "ws2-ckpt" / final)
     have = checkpoint_contents(outcome["ckpt"] / final)
     assert have["layout"] == want["layout"] == (2, 2)
@@ -421,8 +480,11 @@ def test_device_flag_pins_the_cpu_and_names_a_rank_without_a_gpu(monkeypatch: py
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for choice in ("auto", "cuda"):
-        with pytest.raises(common.RecipeError, match=f"--device {choice}: local rank 1 needs a GPU of its own "
-                                                     r"but only 1 CUDA device\(s\) are visible"):
+        with pytest.raises(
+            common.RecipeError,
+            match=f"--device {choice}: local rank 1 needs a GPU of its own "
+            r"but only 1 CUDA device\(s\) are visible",
+        ):
             common.setup_device(common.DistEnv(rank=1, local_rank=1, world_size=2), choice)
 
 

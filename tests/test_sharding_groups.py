@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ another will not issue)."""
 
 def _membership(groups: ShardingGroups) -> dict[str, Any]:
     """What a rank sees of its groups, and the sum of its rank + 1 over each (None: no group)."""
+
     def summed(group: Any) -> float | None:
         if group is None:
             return None
@@ -145,22 +147,37 @@ def test_full_sharding_and_pure_replication(four: list[dict[str, Any]]) -> None:
     assert "no sharding" in four[0]["G=1"]["describe"]
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("G=3", "shard_group_size=3 must be a positive divisor of the world size 4 (one of 1, 2, 4) (on ranks 0, 1, 2, 3)"),
-    ("G=0", "shard_group_size=0 must be a positive divisor"),
-    ("G=2 on ranks 0-1, 4 on 2-3", "the ranks disagree on the shard group size: G=2 on ranks 0, 1; G=4 on ranks 2, 3"),
-    ("rank 3 asks for 3", "shard_group_size=3 must be a positive divisor of the world size 4 (one of 1, 2, 4) "
-                          "(on ranks 3)"),
-    ("a mesh on ranks 0-1 only", "the ranks disagree on how hybrid sharding is given: a mesh on ranks 0, 1; "
-                                 "shard_group_size on ranks 2, 3"),
-    ("1-D mesh", "mesh must be a 2-D DeviceMesh with dims (replicate, shard)"),
-    ("swapped mesh", "mesh dims are named ('shard', 'replicate')"),
-    ("both", "pass shard_group_size or mesh, not both"),
-    ("node without LOCAL_WORLD_SIZE", "shard_group_size='node' reads LOCAL_WORLD_SIZE"),
-    ("node, LOCAL_WORLD_SIZE=3", "the world size 4 is not a multiple of LOCAL_WORLD_SIZE=3"),
-    ("node, nodes interleaved", "ranks 0..1 form one shard group but run on different nodes (GROUP_RANK 0 on ranks "
-                                "0, 1 on ranks 1)"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        (
+            "G=3",
+            "shard_group_size=3 must be a positive divisor of the world size 4 (one of 1, 2, 4) (on ranks 0, 1, 2, 3)",
+        ),
+        ("G=0", "shard_group_size=0 must be a positive divisor"),
+        (
+            "G=2 on ranks 0-1, 4 on 2-3",
+            "the ranks disagree on the shard group size: G=2 on ranks 0, 1; G=4 on ranks 2, 3",
+        ),
+        (
+            "rank 3 asks for 3",
+            "shard_group_size=3 must be a positive divisor of the world size 4 (one of 1, 2, 4) (on ranks 3)",
+        ),
+        (
+            "a mesh on ranks 0-1 only",
+            "the ranks disagree on how hybrid sharding is given: a mesh on ranks 0, 1; shard_group_size on ranks 2, 3",
+        ),
+        ("1-D mesh", "mesh must be a 2-D DeviceMesh with dims (replicate, shard)"),
+        ("swapped mesh", "mesh dims are named ('shard', 'replicate')"),
+        ("both", "pass shard_group_size or mesh, not both"),
+        ("node without LOCAL_WORLD_SIZE", "shard_group_size='node' reads LOCAL_WORLD_SIZE"),
+        ("node, LOCAL_WORLD_SIZE=3", "the world size 4 is not a multiple of LOCAL_WORLD_SIZE=3"),
+        (
+            "node, nodes interleaved",
+            "ranks 0..1 form one shard group but run on different nodes (GROUP_RANK 0 on ranks 0, 1 on ranks 1)",
+        ),
+    ],
+)
 def test_bad_choices_are_refused_on_every_rank(four: list[dict[str, Any]], case: str, expected: str) -> None:
     for rank, seen in enumerate(four):
         message, seconds = seen[case]

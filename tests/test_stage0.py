@@ -18,7 +18,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.models import KitchenSink, KITCHEN, KITCHEN_BATCHNORM, KITCHEN_BRANCHES, MLP, TRANSFORMER, spec, trainable_numel
+from tests.models import (
+    KITCHEN,
+    KITCHEN_BATCHNORM,
+    KITCHEN_BRANCHES,
+    MLP,
+    TRANSFORMER,
+    KitchenSink,
+    spec,
+    trainable_numel,
+)
 from tests.parity import (
     Recipe,
     Result,
@@ -81,7 +90,9 @@ def _ddp_and_shardpar(recipe: Recipe) -> tuple[dict, dict]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     module = recipe.model.build()
     ddp = DistributedDataParallel(module, find_unused_parameters=True)
-    opt = torch.optim.AdamW(param_groups(module, lr=recipe.lr, exclude_from_decay=recipe.exclude_from_decay), lr=recipe.lr)
+    opt = torch.optim.AdamW(
+        param_groups(module, lr=recipe.lr, exclude_from_decay=recipe.exclude_from_decay), lr=recipe.lr
+    )
     for step in range(recipe.steps):
         x, y = global_batch(module, recipe, step)
         module.loss(ddp(rank_slice(x, rank, world_size)), rank_slice(y, rank, world_size)).backward()
@@ -98,7 +109,9 @@ def _branches_used(recipe: Recipe, world_size: int) -> list[list[str]]:
     used = []
     for step in range(recipe.steps):
         x, _ = global_batch(model, recipe, step)
-        used.append(["branch_a" if int(rank_slice(x, r, world_size)[0, 0]) % 2 == 0 else "branch_b" for r in range(world_size)])
+        used.append(
+            ["branch_a" if int(rank_slice(x, r, world_size)[0, 0]) % 2 == 0 else "branch_b" for r in range(world_size)]
+        )
     return used
 
 

@@ -58,12 +58,16 @@ class Caught(Exception):
 
 
 def _record(error: shardpar.RanksOutOfStep, parted_at: float) -> Caught:
-    return Caught(json.dumps({
-        "type": type(error).__name__,
-        "elapsed": time.monotonic() - parted_at,
-        "message": str(error),
-        "reports": {str(rank): report for rank, report in error.reports.items()},
-    }))
+    return Caught(
+        json.dumps(
+            {
+                "type": type(error).__name__,
+                "elapsed": time.monotonic() - parted_at,
+                "message": str(error),
+                "reports": {str(rank): report for rank, report in error.reports.items()},
+            }
+        )
+    )
 
 
 def _caught(failure: RankFailure, rank: int) -> dict[str, Any]:
@@ -73,8 +77,9 @@ def _caught(failure: RankFailure, rank: int) -> dict[str, Any]:
     return json.loads(match.group(1))
 
 
-def _assert_named_in_time(failure: RankFailure, world_size: int, kind: str, *texts: str,
-                          line_per_rank: bool = True) -> list[dict[str, Any]]:
+def _assert_named_in_time(
+    failure: RankFailure, world_size: int, kind: str, *texts: str, line_per_rank: bool = True
+) -> list[dict[str, Any]]:
     """``line_per_rank``: the stall verdict's layout (one line per rank); a tag mismatch found
     at a gather names the ranks in one sentence (then ``texts`` name them)."""
     caught = [_caught(failure, rank) for rank in range(world_size)]
@@ -150,10 +155,14 @@ def test_a_rank_that_skips_a_units_forward_is_named_within_seconds(world_size: i
     RanksOutOfStep."""
     with pytest.raises(RankFailure) as failure:
         run_ranks(_diverge, world_size, "skip", timeout=90)
-    caught = _assert_named_in_time(failure.value, world_size, "UnitOrderMismatch",
-                                   "stage 3: units ran in a different order on different ranks",
-                                   "rank 0: in backward pass 2 and 1 optimizer steps",
-                                   "unit 'blocks.left'")
+    caught = _assert_named_in_time(
+        failure.value,
+        world_size,
+        "UnitOrderMismatch",
+        "stage 3: units ran in a different order on different ranks",
+        "rank 0: in backward pass 2 and 1 optimizer steps",
+        "unit 'blocks.left'",
+    )
     assert caught[0]["reports"].keys() == {str(rank) for rank in range(world_size)}
 
 
@@ -164,9 +173,13 @@ def test_branches_that_diverge_after_the_first_step_are_named_within_seconds(wor
     odd ranks gather ``right``, which no even rank ever gathers."""
     with pytest.raises(RankFailure) as failure:
         run_ranks(_diverge, world_size, "branch", timeout=90)
-    _assert_named_in_time(failure.value, world_size, "UnitOrderMismatch",
-                          "stage 3: units ran in a different order on different ranks",
-                          "at unit 'blocks.right'; waiting in tagged all_gather of unit 'blocks.right'")
+    _assert_named_in_time(
+        failure.value,
+        world_size,
+        "UnitOrderMismatch",
+        "stage 3: units ran in a different order on different ranks",
+        "at unit 'blocks.right'; waiting in tagged all_gather of unit 'blocks.right'",
+    )
 
 
 # --------------------------------------------------------------------------- generate of different lengths
@@ -176,8 +189,9 @@ def _generate_then(then: str, directory: str) -> None:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
-                                     bos_token_id=0, eos_token_id=63)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=63
+    )
     module = transformers.GPT2LMHeadModel(config)
     model = shardpar.wrap(module, stage=3, min_unit_params=1, timeout_s=TIMEOUT_S)
     opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-3)
@@ -190,8 +204,9 @@ def _generate_then(then: str, directory: str) -> None:
     try:
         model.eval()
         with torch.no_grad():  # no synced_gpus=True: rank 1 runs four forwards more than rank 0
-            module.generate(torch.tensor([[1 + rank, 2, 3]]), max_new_tokens=3 + 4 * rank, do_sample=False,
-                            pad_token_id=0)
+            module.generate(
+                torch.tensor([[1 + rank, 2, 3]]), max_new_tokens=3 + 4 * rank, do_sample=False, pad_token_id=0
+            )
         model.train()
         if then == "save_checkpoint":
             shardpar.save_checkpoint(directory, model, opt)
@@ -209,9 +224,15 @@ def test_generate_of_different_lengths_is_named_within_seconds(then: str, tmp_pa
     pytest.importorskip("transformers")
     with pytest.raises(RankFailure) as failure:
         run_ranks(_generate_then, 2, then, str(tmp_path / "ckpt"), timeout=120)
-    caught = _assert_named_in_time(failure.value, 2, "RanksOutOfStep", f"rank 0 is in {then}",
-                                   "which rank 1 did not start", "without autograd (evaluation or generation)",
-                                   "synced_gpus=True")
+    caught = _assert_named_in_time(
+        failure.value,
+        2,
+        "RanksOutOfStep",
+        f"rank 0 is in {then}",
+        "which rank 1 did not start",
+        "without autograd (evaluation or generation)",
+        "synced_gpus=True",
+    )
     assert caught[0]["reports"]["1"]["waiting_in"].startswith("tagged all_gather of unit"), caught[0]["reports"]
     assert caught[0]["reports"]["0"]["waiting_in"] == then
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
@@ -250,8 +271,14 @@ def test_evaluation_on_rank_0_only_at_stage_3_is_named_within_seconds() -> None:
     and every rank raises at that first gather, naming both units."""
     with pytest.raises(RankFailure) as failure:
         run_ranks(_evaluate_on_rank_0_then_train, 2, timeout=90)
-    _assert_named_in_time(failure.value, 2, "UnitOrderMismatch",
-                          "paired up wrongly: rank 0: unit '<root>'", "rank 1: unit 'blocks.0'", line_per_rank=False)
+    _assert_named_in_time(
+        failure.value,
+        2,
+        "UnitOrderMismatch",
+        "paired up wrongly: rank 0: unit '<root>'",
+        "rank 1: unit 'blocks.0'",
+        line_per_rank=False,
+    )
 
 
 # --------------------------------------------------------------------------- a state dict on rank 0 only
@@ -288,7 +315,7 @@ def _state_dict_on_rank_0(stage: int, how: str, mixed_precision: str | None) -> 
 
 STATE_DICT_CASES = [
     (1, "model.state_dict", None),  # the masters are sharded: a collective (not at stage 0, where every rank
-                                    # holds every value: test_ddp_habits' rank-0-only state dicts complete)
+    # holds every value: test_ddp_habits' rank-0-only state dicts complete)
     (1, "module.state_dict", "bf16"),  # the fp32 masters are sharded: a collective
     (2, "module.state_dict", "bf16"),
     (3, "module.state_dict", None),
@@ -305,12 +332,16 @@ def test_a_state_dict_on_rank_0_only_is_named_within_seconds(stage: int, how: st
     gloo aborting on a size mismatch); now the state dict's ranks first meet through the store."""
     with pytest.raises(RankFailure) as failure:
         run_ranks(_state_dict_on_rank_0, 2, stage, how, mixed_precision, timeout=90)
-    caught = _assert_named_in_time(failure.value, 2, "RanksOutOfStep",
-                                   "rank 0 is in full_state_dict (gathering every parameter for a state dict",
-                                   "which rank 1 did not start",
-                                   "rank 0: full_state_dict (gathering every parameter for a state dict",
-                                   "waiting in full_state_dict (rank 1 never started it)",
-                                   "To save on one rank, gather on every rank")
+    caught = _assert_named_in_time(
+        failure.value,
+        2,
+        "RanksOutOfStep",
+        "rank 0 is in full_state_dict (gathering every parameter for a state dict",
+        "which rank 1 did not start",
+        "rank 0: full_state_dict (gathering every parameter for a state dict",
+        "waiting in full_state_dict (rank 1 never started it)",
+        "To save on one rank, gather on every rank",
+    )
     assert caught[1]["reports"]["0"]["waiting_in"] == "full_state_dict"
     assert caught[1]["reports"]["1"]["waiting_in"] != "full_state_dict"
 
@@ -330,7 +361,8 @@ def _slow_rank(stage: int, slow_rank: int) -> dict[str, torch.Tensor]:
         rank, world_size = C.get_rank(), C.get_world_size()
         sleep_s = stalls.STALL_S + 3 * watch.SLICE_S
         handle = module.blocks["left"].register_forward_hook(
-            lambda *_: time.sleep(sleep_s) if module.training and module.step == 1 and rank == slow_rank else None)
+            lambda *_: time.sleep(sleep_s) if module.training and module.step == 1 and rank == slow_rank else None
+        )
         options = {"wrap_policy": [Block], "min_unit_params": 1} if stage == 3 else {}
         model = shardpar.wrap(module, stage=stage, timeout_s=TIMEOUT_S, **options)
         opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2)
@@ -379,12 +411,26 @@ def test_a_slow_rank_is_waited_for_and_not_called_divergent(stage: int, world_si
 # --------------------------------------------------------------------------- the judgement itself
 
 
-def _position(rank: int, group: str, ranks: list[int], issued: dict[str, int], *, number: int | None = None,
-              meeting: str | None = None, op: str = "all_reduce (sum)") -> dict[str, Any]:
+def _position(
+    rank: int,
+    group: str,
+    ranks: list[int],
+    issued: dict[str, int],
+    *,
+    number: int | None = None,
+    meeting: str | None = None,
+    op: str = "all_reduce (sum)",
+) -> dict[str, Any]:
     waiting: dict[str, Any] = {"group": group, "ranks": ranks, "op": op}
     waiting.update({"meeting": meeting} if meeting is not None else {"number": number})
-    return {"stall": 1, "waiting": waiting, "issued": issued, "doing": f"rank {rank}'s work", "operations": [],
-            "engines": [{"phase": "backward", "backward_count": 2, "step_count": 1, "unit": None}]}
+    return {
+        "stall": 1,
+        "waiting": waiting,
+        "issued": issued,
+        "doing": f"rank {rank}'s work",
+        "operations": [],
+        "engines": [{"phase": "backward", "backward_count": 2, "step_count": 1, "unit": None}],
+    }
 
 
 def test_every_rank_waiting_for_another_is_a_verdict_and_a_slow_collective_is_not() -> None:
@@ -393,8 +439,10 @@ def test_every_rank_waiting_for_another_is_a_verdict_and_a_slow_collective_is_no
     both = [0, 1]
     # Rank 0 waits in collective 7 of the gather group, which rank 1 did not issue; rank 1 in
     # collective 5 of the main group, which rank 0 did not issue: neither can complete.
-    parted = {0: _position(0, "1", both, {"0": 4, "1": 7}, number=7, op="tagged all_gather of unit 'a'"),
-              1: _position(1, "0", both, {"0": 5, "1": 6}, number=5, op="reduce_scatter")}
+    parted = {
+        0: _position(0, "1", both, {"0": 4, "1": 7}, number=7, op="tagged all_gather of unit 'a'"),
+        1: _position(1, "0", both, {"0": 5, "1": 6}, number=5, op="reduce_scatter"),
+    }
     verdict = stalls.judge(parted)
     assert verdict is not None and verdict["kind"] == "units", verdict
     assert "rank 1 has not issued it" in verdict["reports"]["0"]["cause"]
@@ -408,8 +456,10 @@ def test_every_rank_waiting_for_another_is_a_verdict_and_a_slow_collective_is_no
     other_op = {0: same[0], 1: _position(1, "0", both, {"0": 5}, number=5, op="all_gather")}
     assert stalls.judge(other_op) is not None
     # A meeting that rank 1 never came to, while rank 1 waits in a collective rank 0 did not issue.
-    meeting = {0: _position(0, "0", both, {"0": 4}, meeting="save_checkpoint-0", op="save_checkpoint"),
-               1: _position(1, "0", both, {"0": 5}, number=5)}
+    meeting = {
+        0: _position(0, "0", both, {"0": 4}, meeting="save_checkpoint-0", op="save_checkpoint"),
+        1: _position(1, "0", both, {"0": 5}, number=5),
+    }
     meeting[0]["operations"] = ["save_checkpoint"]
     verdict = stalls.judge(meeting)
     assert verdict is not None and verdict["kind"] == "operation", verdict

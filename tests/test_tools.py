@@ -55,8 +55,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {
-        name: subprocess.Popen([sys.executable, str(TOOLS / args[0]), *map(str, args[1:])], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        name: subprocess.Popen(
+            [sys.executable, str(TOOLS / args[0]), *map(str, args[1:])],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for name, args in commands.items()
     }
     results = {}
@@ -139,8 +145,16 @@ def test_reshard_output_loads_at_the_new_world_size_with_optimizer_state(runs: d
 def test_inspect_prints_a_summary_and_verifies(runs: dict) -> None:
     result = ok(runs["results"]["inspect"])
     text = result.stdout
-    for expected in ("stage            3", "world size       2", "files            2,", "param tensors    7,",
-                     "torch.optim.adamw.AdamW", "exp_avg", '"note": "resume me"', "verify: OK"):
+    for expected in (
+        "stage            3",
+        "world size       2",
+        "files            2,",
+        "param tensors    7,",
+        "torch.optim.adamw.AdamW",
+        "exp_avg",
+        '"note": "resume me"',
+        "verify: OK",
+    ):
         assert expected in text, f"{expected!r} not in:\n{text}"
 
 
@@ -152,11 +166,14 @@ def test_inspect_verify_reports_a_corrupted_file(runs: dict) -> None:
     assert "rank-00001-of-00002.safetensors" in lines[0]
 
 
-@pytest.mark.parametrize("name, code, message", [
-    ("consolidate-bad-dtype", 2, "error: argument --dtype: invalid choice: 'int3'"),
-    ("reshard-usage", 2, "error: the following arguments are required: --world-size"),
-    ("inspect-usage", 2, "error: the following arguments are required: ckpt_dir"),
-])
+@pytest.mark.parametrize(
+    "name, code, message",
+    [
+        ("consolidate-bad-dtype", 2, "error: argument --dtype: invalid choice: 'int3'"),
+        ("reshard-usage", 2, "error: the following arguments are required: --world-size"),
+        ("inspect-usage", 2, "error: the following arguments are required: ckpt_dir"),
+    ],
+)
 def test_bad_input_exits_non_zero_with_one_line(runs: dict, name: str, code: int, message: str) -> None:
     result = runs["results"][name]
     assert result.returncode == code, result.stderr

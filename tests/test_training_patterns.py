@@ -168,7 +168,7 @@ def _checkpoint_runs() -> dict[Any, dict[str, Any]]:
     return runs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def checkpoint_runs() -> list[dict[Any, dict[str, Any]]]:
     return run_ranks(_checkpoint_runs, 2, timeout=300)
 
@@ -176,10 +176,15 @@ def checkpoint_runs() -> list[dict[Any, dict[str, Any]]]:
 @pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "no-early-stop"])
 @pytest.mark.parametrize("mode", CHECKPOINT_MODES)
 @pytest.mark.parametrize("stage", STAGES)
-def test_activation_checkpointing_changes_neither_results_nor_collectives(stage: int, mode: str, early_stop: bool) -> None:
+def test_activation_checkpointing_changes_neither_results_nor_collectives(
+    stage: int, mode: str, early_stop: bool
+) -> None:
     for rank, runs in enumerate(checkpoint_runs()):
-        _assert_same_run(runs[(stage, mode, early_stop)], runs[(stage, "none", True)],
-                         f"stage {stage}, {mode}, early stop {early_stop}, rank {rank}")
+        _assert_same_run(
+            runs[(stage, mode, early_stop)],
+            runs[(stage, "none", True)],
+            f"stage {stage}, {mode}, early stop {early_stop}, rank {rank}",
+        )
 
 
 def test_the_unchekpointed_runs_match_plain_torch() -> None:
@@ -203,8 +208,15 @@ def test_the_unchekpointed_runs_match_plain_torch() -> None:
 
 def _hf_llama(checkpointing: bool) -> nn.Module:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=32, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=DIM,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     model = transformers.LlamaForCausalLM(config)
     model.train()
     if checkpointing:
@@ -215,9 +227,13 @@ def _hf_llama(checkpointing: bool) -> nn.Module:
 def _hf_runs() -> dict[Any, dict[str, Any]]:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    return {(stage, checkpointing): _train_lm(stage, functools.partial(_hf_llama, checkpointing), steps=2,
-                                              block_class=LlamaDecoderLayer)
-            for stage in STAGES for checkpointing in (False, True)}
+    return {
+        (stage, checkpointing): _train_lm(
+            stage, functools.partial(_hf_llama, checkpointing), steps=2, block_class=LlamaDecoderLayer
+        )
+        for stage in STAGES
+        for checkpointing in (False, True)
+    }
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -227,7 +243,7 @@ def test_hugging_face_gradient_checkpointing(stage: int) -> None:
         _assert_same_run(runs[(stage, True)], runs[(stage, False)], f"HF Llama, stage {stage}, rank {rank}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_results() -> list[dict[Any, dict[str, Any]]]:
     return run_ranks(_hf_runs, 2, timeout=300)
 
@@ -240,7 +256,9 @@ def _compile_runs() -> dict[Any, dict[str, Any]]:
     for stage in STAGES:
         runs[(stage, "eager")] = _train_lm(stage, CheckpointedLM)
         runs[(stage, "blocks")] = _train_lm(stage, functools.partial(CheckpointedLM, compiled="aot_eager"))
-        runs[(stage, "blocks-in-place")] = _train_lm(stage, functools.partial(CheckpointedLM, compiled="inplace:aot_eager"))
+        runs[(stage, "blocks-in-place")] = _train_lm(
+            stage, functools.partial(CheckpointedLM, compiled="inplace:aot_eager")
+        )
         runs[(stage, "whole")] = _train_whole_compiled(stage)
     runs[(3, "blocks-inductor")] = _train_lm(3, functools.partial(CheckpointedLM, "block", compiled="inductor"))
     return runs
@@ -254,7 +272,7 @@ def _train_whole_compiled(stage: int) -> dict[str, Any]:
     return _run_steps(model, torch.compile(model, backend="aot_eager"), STEPS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compile_runs() -> list[dict[Any, dict[str, Any]]]:
     return run_ranks(_compile_runs, 2, timeout=400)
 
@@ -333,7 +351,7 @@ def _unused_runs() -> dict[Any, Any]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def unused_runs() -> list[dict[Any, Any]]:
     return run_ranks(_unused_runs, 2, timeout=120)
 
@@ -449,7 +467,7 @@ def _stage3_peak_params(accumulate: bool) -> int:
     return peak
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def no_sync_runs() -> list[dict[Any, Any]]:
     return run_ranks(_no_sync_runs, 2, timeout=120)
 
@@ -518,10 +536,18 @@ def test_leftovers_below_min_unit_params_stay_with_the_root_and_larger_ones_are_
     """The tied embedding/head (512 elements) outside the blocks: below ``min_unit_params`` it
     is gathered with the root (one gather instead of one per use); at or above, around each of
     its two uses."""
-    assert _unit_hooks(513) == {"blocks.0": ("blocks.0",), "blocks.1": ("blocks.1",), "blocks.2": ("blocks.2",),
-                                "<root>": ("",)}
-    assert _unit_hooks(512) == {"blocks.0": ("blocks.0",), "blocks.1": ("blocks.1",), "blocks.2": ("blocks.2",),
-                                "emb+head": ("emb", "head")}
+    assert _unit_hooks(513) == {
+        "blocks.0": ("blocks.0",),
+        "blocks.1": ("blocks.1",),
+        "blocks.2": ("blocks.2",),
+        "<root>": ("",),
+    }
+    assert _unit_hooks(512) == {
+        "blocks.0": ("blocks.0",),
+        "blocks.1": ("blocks.1",),
+        "blocks.2": ("blocks.2",),
+        "emb+head": ("emb", "head"),
+    }
 
 
 # --------------------------------------------------------------------------- staging, execution order
@@ -536,7 +562,7 @@ class Tower(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in (reversed(self.layers) if self.reverse else self.layers):
+        for layer in reversed(self.layers) if self.reverse else self.layers:
             x = torch.tanh(layer(x))
         return x
 
@@ -590,8 +616,11 @@ class Borrower(nn.Module):
 def _read_outside_forward() -> list[str]:
     messages = []
     model = shardpar.wrap(Borrower(), stage=3, wrap_policy=[nn.Linear])
-    for attempt in (lambda: model(torch.randn(2, 8)), lambda: model.module.a.weight.sum(),
-                    lambda: model.module.b.weight * 2):
+    for attempt in (
+        lambda: model(torch.randn(2, 8)),
+        lambda: model.module.a.weight.sum(),
+        lambda: model.module.b.weight * 2,
+    ):
         try:
             attempt()
             messages.append("no error")
@@ -677,8 +706,9 @@ def _divergent_reference(how: str, steps: int, world_size: int) -> list[dict[str
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("how", ["reverse", "skip"])
-def test_a_rank_dependent_unit_order_pairs_correctly_or_raises_on_every_rank(how: str, prefetch: int,
-                                                                           world_size: int) -> None:
+def test_a_rank_dependent_unit_order_pairs_correctly_or_raises_on_every_rank(
+    how: str, prefetch: int, world_size: int
+) -> None:
     """From step 2 on rank 1 reverses its blocks or skips one. Every step that completes must
     equal plain torch running the same per-rank forwards (the gathers paired correctly); the
     first that cannot raises on every rank, at a step >= 2, naming each rank's unit. With
@@ -694,9 +724,15 @@ def test_a_rank_dependent_unit_order_pairs_correctly_or_raises_on_every_rank(how
     assert len(completed) >= 2
     for step, (state, expected) in enumerate(zip(completed, _divergent_reference(how, len(completed), world_size))):
         for name, tensor in expected.items():  # absolute floor: some biases are ~1e-8 after one step
-            torch.testing.assert_close(state[name], tensor, rtol=TOL, atol=1e-7,
-                                       msg=lambda m, name=name, step=step: f"{how}, prefetch {prefetch}, "
-                                       f"N={world_size}: step {step} completed with {name} off: {m}")
+            torch.testing.assert_close(
+                state[name],
+                tensor,
+                rtol=TOL,
+                atol=1e-7,
+                msg=lambda m, name=name, step=step: (
+                    f"{how}, prefetch {prefetch}, N={world_size}: step {step} completed with {name} off: {m}"
+                ),
+            )
 
 
 class LeftoverPaths(nn.Module):
@@ -743,8 +779,9 @@ def _leftover_divergence(prefetch: int) -> tuple[str | None, list[dict[str, torc
     from shardpar.core.unit_order import UnitOrderMismatch
 
     torch.manual_seed(0)
-    model = shardpar.wrap(LeftoverPaths(), stage=3, wrap_policy=[_PathBlock], min_unit_params=1,
-                          prefetch_units=prefetch)
+    model = shardpar.wrap(
+        LeftoverPaths(), stage=3, wrap_policy=[_PathBlock], min_unit_params=1, prefetch_units=prefetch
+    )
     opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.1)
     rank, states = C.get_rank(), []
     for step in range(3):
@@ -762,8 +799,9 @@ def _leftover_divergence(prefetch: int) -> tuple[str | None, list[dict[str, torc
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("prefetch", [1, 2])
-def test_ranks_running_different_leftover_units_recover_with_other_gathers_in_flight(prefetch: int,
-                                                                                    world_size: int) -> None:
+def test_ranks_running_different_leftover_units_recover_with_other_gathers_in_flight(
+    prefetch: int, world_size: int
+) -> None:
     """The recovered divergence of [Note: unit order across ranks] when, at the mismatch, the
     ranks have issued different numbers of later gathers (rank 0 one more: ``e``). Those are
     drained, every rank trains on, and every step equals plain torch running each rank's
@@ -776,8 +814,10 @@ def test_ranks_running_different_leftover_units_recover_with_other_gathers_in_fl
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     expected = []
     for step in range(3):
-        losses = [F.mse_loss(reference(x, _leftover_path(step, rank)), y)
-                  for rank, (x, y) in ((r, _leftover_batch(step, r)) for r in range(world_size))]
+        losses = [
+            F.mse_loss(reference(x, _leftover_path(step, rank)), y)
+            for rank, (x, y) in ((r, _leftover_batch(step, r)) for r in range(world_size))
+        ]
         (sum(losses) / world_size).backward()
         opt.step()
         opt.zero_grad()
@@ -790,10 +830,15 @@ def test_ranks_running_different_leftover_units_recover_with_other_gathers_in_fl
         assert len(set(errors)) == 1, f"every rank must end the same way: {errors}"
     for rank, (error, states) in enumerate(results):
         assert len(states) == (3 if error is None else int(error.split(":")[0].split()[1])), (rank, error)
-        for step, (state, want) in enumerate(zip(states, expected[:len(states)], strict=True)):
+        for step, (state, want) in enumerate(zip(states, expected[: len(states)], strict=True)):
             for name, tensor in want.items():
-                torch.testing.assert_close(state[name], tensor, rtol=TOL, atol=1e-7,
-                                           msg=lambda m, name=name, step=step: f"rank {rank}, step {step}: {name}: {m}")
+                torch.testing.assert_close(
+                    state[name],
+                    tensor,
+                    rtol=TOL,
+                    atol=1e-7,
+                    msg=lambda m, name=name, step=step, rank=rank: f"rank {rank}, step {step}: {name}: {m}",
+                )
 
 
 # --------------------------------------------------------------------------- reads after step (stages 1-2)
@@ -865,15 +910,17 @@ def _input_gradient_steps(critic: nn.Module, opt: Any, pattern: str, rank: int, 
         eps = torch.rand(8, 1, generator=g).chunk(world)[rank]
         if pattern == "fgsm":
             x = real.clone().requires_grad_(True)
-            grad, = torch.autograd.grad(critic(x).sum(), x)
+            (grad,) = torch.autograd.grad(critic(x).sum(), x)
             loss = critic(real + 0.1 * grad.sign()).square().mean()
         else:
             x = (eps * real + (1 - eps) * fake).requires_grad_(True)
-            grad, = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+            (grad,) = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
             penalty = ((grad.norm(2, dim=1) - 1) ** 2).mean()
-            loss = {"penalty only": penalty,
-                    "penalty first": 10 * penalty + critic(fake).mean() - critic(real).mean(),
-                    "wgan-gp": critic(fake).mean() - critic(real).mean() + 10 * penalty}[pattern]
+            loss = {
+                "penalty only": penalty,
+                "penalty first": 10 * penalty + critic(fake).mean() - critic(real).mean(),
+                "wgan-gp": critic(fake).mean() - critic(real).mean() + 10 * penalty,
+            }[pattern]
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -883,8 +930,11 @@ def _input_gradients(stage: int, pattern: str) -> dict[str, Any]:
     model = shardpar.wrap(_critic(), stage=stage, **({"min_unit_params": 1} if stage == 3 else {}))
     opt = shardpar.optimizer(model, torch.optim.Adam, lr=1e-2)
     _input_gradient_steps(model, opt, pattern, C.get_rank(), C.get_world_size())
-    out = {"state": model.full_state_dict(), "params": model.memory_stats()["params"],
-           "shard_bytes": sum(f.shard_bytes for f in model.engine.gatherer.flats) if stage == 3 else None}
+    out = {
+        "state": model.full_state_dict(),
+        "params": model.memory_stats()["params"],
+        "shard_bytes": sum(f.shard_bytes for f in model.engine.gatherer.flats) if stage == 3 else None,
+    }
     model.engine.close()
     return out
 

@@ -49,6 +49,7 @@ def _assert_close(got: list, want: list, tolerance: float, what: str) -> None:
 
 # --------------------------------------------------------------------------- training at stages 0-3
 
+
 def _parity_runs(directory: str) -> dict:
     from tests import trainer_runs as R
 
@@ -93,8 +94,12 @@ def test_trainer_trains_evaluates_and_predicts_as_ddp(parity: list[dict], stage:
         _assert_params_close(ours["params"], ddp["params"], tolerance, what)
         for metric in ("eval_loss", "test_loss"):
             _assert_close([ours[metric]], [ddp[metric]], tolerance, f"{what}, {metric}")
-        _assert_close(ours["logits"].flatten().tolist(), ddp["logits"].flatten().tolist(), max(tolerance, 1e-5),
-                      f"{what}, predict()'s logits")
+        _assert_close(
+            ours["logits"].flatten().tolist(),
+            ddp["logits"].flatten().tolist(),
+            max(tolerance, 1e-5),
+            f"{what}, predict()'s logits",
+        )
         assert ours["logits"].shape == ddp["logits"].shape == (8, 16, 64), what
 
 
@@ -149,12 +154,14 @@ def test_naive_patterns_are_refused_by_name(parity: list[dict]) -> None:
         assert refused["unknown_option"].startswith("TypeError: ShardparTrainer got unknown option(s) bucket_cap")
         assert refused["bad_stage"].startswith("ValueError: stage must be 0, 1, 2 or 3"), refused["bad_stage"]
         for where in ("ddp_around", "plain_trainer"):  # refused by the ShardedModule itself, when DDP asks it
-            assert refused[where].startswith("TypeError: torch DistributedDataParallel around a model wrapped by "
-                                             "shardpar"), (rank, where, refused[where])
+            assert refused[where].startswith(
+                "TypeError: torch DistributedDataParallel around a model wrapped by shardpar"
+            ), (rank, where, refused[where])
             assert "ShardparTrainer(..., shardpar_stage=N)" in refused[where], rank
 
 
 # --------------------------------------------------------------------------- checkpoints and resumption
+
 
 def _checkpoint_runs(directory: str) -> dict:
     from tests import trainer_runs as R
@@ -165,12 +172,25 @@ def _checkpoint_runs(directory: str) -> dict:
     runs = {
         "ddp": R.fit("ddp", ddp_dir, **saving, **one_epoch),
         "saved": R.fit("stage1", ours_dir, **saving, **one_epoch),
-        "ddp resumed": R.fit("ddp", os.path.join(directory, "ddp-resumed"), **one_epoch,
-                             resume_from=os.path.join(ddp_dir, "checkpoint-2")),
-        "resumed at stage 3": R.fit("stage3", os.path.join(directory, "stage3-resumed"), **one_epoch,
-                                    resume_from=os.path.join(ours_dir, "checkpoint-2")),
-        "from ddp": R.error_of(R.fit, "stage2", os.path.join(directory, "wrong"), **one_epoch,
-                               resume_from=os.path.join(ddp_dir, "checkpoint-2")),
+        "ddp resumed": R.fit(
+            "ddp",
+            os.path.join(directory, "ddp-resumed"),
+            **one_epoch,
+            resume_from=os.path.join(ddp_dir, "checkpoint-2"),
+        ),
+        "resumed at stage 3": R.fit(
+            "stage3",
+            os.path.join(directory, "stage3-resumed"),
+            **one_epoch,
+            resume_from=os.path.join(ours_dir, "checkpoint-2"),
+        ),
+        "from ddp": R.error_of(
+            R.fit,
+            "stage2",
+            os.path.join(directory, "wrong"),
+            **one_epoch,
+            resume_from=os.path.join(ddp_dir, "checkpoint-2"),
+        ),
     }
     return runs
 
@@ -181,10 +201,18 @@ def _resume_alone(directory: str) -> dict:
 
     options = {"num_train_epochs": 1, "evaluate": False, "per_device_train_batch_size": 2 * R.BATCH}
     return {
-        "ddp": R.fit("ddp", os.path.join(directory, "ddp-alone"), **options,
-                     resume_from=os.path.join(directory, "ddp", "checkpoint-2")),
-        "stage2": R.fit("stage2", os.path.join(directory, "stage2-alone"), **options,
-                        resume_from=os.path.join(directory, "stage1", "checkpoint-2")),
+        "ddp": R.fit(
+            "ddp",
+            os.path.join(directory, "ddp-alone"),
+            **options,
+            resume_from=os.path.join(directory, "ddp", "checkpoint-2"),
+        ),
+        "stage2": R.fit(
+            "stage2",
+            os.path.join(directory, "stage2-alone"),
+            **options,
+            resume_from=os.path.join(directory, "stage1", "checkpoint-2"),
+        ),
     }
 
 
@@ -201,13 +229,21 @@ def _after(run: dict, step: int) -> list[float]:
 
 
 def test_checkpoint_holds_a_shardpar_optimizer_and_the_trainers_files(
-        checkpoints: tuple[list[dict], dict, str]) -> None:
+    checkpoints: tuple[list[dict], dict, str],
+) -> None:
     _, _, directory = checkpoints
     for step in (2, 4):
         path = os.path.join(directory, "stage1", f"checkpoint-{step}")
         files = set(os.listdir(path))
-        assert {"model.safetensors", "config.json", "scheduler.pt", "trainer_state.json", "rng_state_0.pth",
-                "rng_state_1.pth", "shardpar"} <= files, files
+        assert {
+            "model.safetensors",
+            "config.json",
+            "scheduler.pt",
+            "trainer_state.json",
+            "rng_state_0.pth",
+            "rng_state_1.pth",
+            "shardpar",
+        } <= files, files
         assert "optimizer.pt" not in files, "the optimizer must not be rank 0's torch.save"
         manifest = read_manifest(os.path.join(path, "shardpar"))
         assert (manifest.stage, manifest.world_size) == (1, 2) and manifest.optimizer is not None
@@ -251,10 +287,13 @@ def test_resuming_a_ddp_trainers_checkpoint_is_refused(checkpoints: tuple[list[d
 
 # --------------------------------------------------------------------------- TRL
 
+
 def _sft_runs(directory: str) -> dict:
     from tests import trainer_runs as R
 
-    return {name: R.sft(name, os.path.join(directory, name)) for name in ("ddp", "stage0", "stage1", "stage2", "stage3")}
+    return {
+        name: R.sft(name, os.path.join(directory, name)) for name in ("ddp", "stage0", "stage1", "stage2", "stage3")
+    }
 
 
 def test_sft_trainer_through_the_mixin(tmp_path: str) -> None:

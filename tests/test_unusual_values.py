@@ -65,9 +65,11 @@ def test_a_nan_in_one_ranks_shard_makes_every_norm_nan_on_every_rank(stage: int,
     results = run_ranks(_norms_with_a_nan_on, world_size, stage, owner, timeout=60)
     for rank, result in enumerate(results):
         assert all(math.isnan(n) for n in result["norms"]), (
-            f"stage {stage}, NaN on rank {owner}: rank {rank} got norms {result['norms']} for {NORM_TYPES}")
+            f"stage {stage}, NaN on rank {owner}: rank {rank} got norms {result['norms']} for {NORM_TYPES}"
+        )
         assert result["raised"] is not None and "non-finite" in result["raised"], (
-            f"stage {stage}: rank {rank} did not raise with error_if_nonfinite=True")
+            f"stage {stage}: rank {rank} did not raise with error_if_nonfinite=True"
+        )
 
 
 def _inf_norm_without_nan(stage: int) -> float:
@@ -148,7 +150,8 @@ def test_frozen_parameters_of_any_dtype_train_and_checkpoint_at_every_stage(
         assert trained.keys() == reloaded.keys()
         for name, value in trained.items():
             assert reloaded[name].dtype == value.dtype and torch.equal(reloaded[name], value), (
-                f"rank {rank}: {name} differs after a load at stage {other_stage}")
+                f"rank {rank}: {name} differs after a load at stage {other_stage}"
+            )
     assert torch.equal(results[0]["trained"]["lin.weight"], results[1]["trained"]["lin.weight"])
 
 

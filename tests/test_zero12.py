@@ -38,7 +38,9 @@ ALIGNED = SEVERAL_BUCKETS + (("align_for_bandwidth", True),)  # NCCL's layout, o
 OPTIMIZERS = {
     "adamw-2-groups": Recipe(KITCHEN, steps=3, clip=0.5),
     "sgd-momentum": Recipe(KITCHEN, steps=3, clip=0.5, optimizer="SGD", lr=0.1, optimizer_options=(("momentum", 0.9),)),
-    "adam": Recipe(KITCHEN, steps=3, clip=0.5, optimizer="Adam", groups=False, optimizer_options=(("weight_decay", 0.01),)),
+    "adam": Recipe(
+        KITCHEN, steps=3, clip=0.5, optimizer="Adam", groups=False, optimizer_options=(("weight_decay", 0.01),)
+    ),
 }
 
 
@@ -123,8 +125,7 @@ def _per_step(numel: int, world_size: int, steps: int) -> float:
     return float(Fraction(steps * numel * 4 * (world_size - 1), world_size))
 
 
-TRAFFIC_CASES = ([("kitchen", n) for n in WORLD_SIZES] + [("transformer", 3)]
-                 + [("kitchen-aligned", n) for n in (2, 3)])
+TRAFFIC_CASES = [("kitchen", n) for n in WORLD_SIZES] + [("transformer", 3)] + [("kitchen-aligned", n) for n in (2, 3)]
 
 
 @pytest.mark.parametrize("model, world_size", TRAFFIC_CASES)
@@ -156,10 +157,14 @@ def test_reduce_scatter_and_all_gather_bytes(stage: int, model: str, world_size:
         # the rebuilt ones.
         first = result.extra["at_wrap"]
         assert first["bucket_names"] != info["bucket_names"]
-        buckets = {"reduce_scatter": len(first["bucket_numels"]) + (k - 1) * len(info["bucket_numels"]),
-                   "all_gather": k * len(info["bucket_numels"])}
-        sent_padding = {"reduce_scatter": first["padding"] + (k - 1) * info["padding"],
-                        "all_gather": k * info["padding"]}
+        buckets = {
+            "reduce_scatter": len(first["bucket_numels"]) + (k - 1) * len(info["bucket_numels"]),
+            "all_gather": k * len(info["bucket_numels"]),
+        }
+        sent_padding = {
+            "reduce_scatter": first["padding"] + (k - 1) * info["padding"],
+            "all_gather": k * info["padding"],
+        }
         for op in ("reduce_scatter", "all_gather"):
             assert comm[op]["calls"] == buckets[op], op
             assert comm[op]["payload_bytes"] == k * psi * 4, op
@@ -246,8 +251,9 @@ def test_stage2_staging_holds_only_buckets_with_a_never_used_parameter(world_siz
         numels = result.extra["bucket_numels"]
         names = result.extra["bucket_names"]
         held = [n for n, bucket in zip(numels, names) if any(name.startswith("unused.") for name in bucket)]
-        others = sorted((n for n, bucket in zip(numels, names) if not any(x.startswith("unused.") for x in bucket)),
-                        reverse=True)
+        others = sorted(
+            (n for n, bucket in zip(numels, names) if not any(x.startswith("unused.") for x in bucket)), reverse=True
+        )
         assert held and others, names
         bound = 4 * (sum(held) + sum(others[: _max_in_flight() + 1]))
         peak = result.extra["memory"]["peak_staging"]

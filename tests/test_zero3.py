@@ -34,8 +34,9 @@ from __future__ import annotations
 import functools
 import math
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ import shardpar
 from shardpar.comm import collectives as C
 from tests.harness import run_ranks
 from tests.parity import closed_form_padding, padding_magnitude
-from tests.zero3_models import Block, LMSpec, Z3LM, decay_groups, lm
+from tests.zero3_models import Z3LM, Block, LMSpec, decay_groups, lm
 
 TOL = 1e-5
 STEPS = 3  # steps before the eval/generate break; one more step follows it
@@ -143,7 +144,7 @@ def _generate(model: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[list[
 # --------------------------------------------------------------------------- reference
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(spec: LMSpec) -> dict[str, Any]:
     """One plain-torch process on the whole global batch, same schedule as :func:`_train`."""
     model = spec.build()
@@ -210,7 +211,12 @@ def _train(run: Run) -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
     model.reset_comm_stats()
     out: dict[str, Any] = {
-        "norms": [], "lrs": [], "losses": [], "comm": [], "params_bytes": [], "units": _unit_layouts(model),
+        "norms": [],
+        "lrs": [],
+        "losses": [],
+        "comm": [],
+        "params_bytes": [],
+        "units": _unit_layouts(model),
         "padding_after_backward": [],
     }
 
@@ -270,8 +276,9 @@ def _train(run: Run) -> dict[str, Any]:
 def _train_fsdp2(run: Run) -> dict[str, Any]:
     """FSDP2 oracle: ``fully_shard`` on every block, then on the root (the tied embedding and
     head both live in the root, which FSDP2 allows); same data, schedule and clipping."""
-    from shardpar.comm.compat import fully_shard
     from torch.distributed.tensor import DTensor
+
+    from shardpar.comm.compat import fully_shard
 
     def full(t: torch.Tensor) -> torch.Tensor:
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
@@ -295,7 +302,7 @@ def _train_fsdp2(run: Run) -> dict[str, Any]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _results(run: Run, world_size: int) -> list[dict[str, Any]]:
     """Cached per-rank results; world size 1 without FSDP2 runs here, with no process group."""
     if world_size == 1 and not run.fsdp2:
@@ -321,7 +328,9 @@ def _assert_states_close(actual: dict, expected: dict, what: str) -> None:
     assert list(actual) == list(expected), f"{what}: keys differ: {list(actual)} vs {list(expected)}"
     bad = {}
     for name, tensor in expected.items():
-        assert actual[name].shape == tensor.shape, f"{what}: {name} {tuple(actual[name].shape)} vs {tuple(tensor.shape)}"
+        assert actual[name].shape == tensor.shape, (
+            f"{what}: {name} {tuple(actual[name].shape)} vs {tuple(tensor.shape)}"
+        )
         err = _rel_error(actual[name], tensor)
         if not err <= TOL:
             bad[name] = err
@@ -490,8 +499,12 @@ def _check_units_of_main(units: list[dict]) -> None:
     forward reads (held for the root's forward)."""
     hooks = {u["name"]: u["hooks"] for u in units}
     assert hooks == {
-        "<root>": [""], "tok+head": ["tok", "head"], "blocks.0": ["blocks.0"], "blocks.1": ["blocks.1"],
-        "blocks.2": ["blocks.2"], "ln_f": ["ln_f"],
+        "<root>": [""],
+        "tok+head": ["tok", "head"],
+        "blocks.0": ["blocks.0"],
+        "blocks.1": ["blocks.1"],
+        "blocks.2": ["blocks.2"],
+        "ln_f": ["ln_f"],
     }, hooks
 
 
@@ -516,8 +529,9 @@ def _check_bytes(results: list[dict], world_size: int, gathers_per_use: int) -> 
         units = result["units"]
         _check_units_of_main(units)
         kept = gathers_per_use == 2
-        gathers = {u["name"]: gathers_per_use * len(u["hooks"]) - (kept and u["name"] in KEPT_FOR_BACKWARD)
-                   for u in units}
+        gathers = {
+            u["name"]: gathers_per_use * len(u["hooks"]) - (kept and u["name"] in KEPT_FOR_BACKWARD) for u in units
+        }
         gather_payload = sum(gathers[u["name"]] * u["payload"] * 4 for u in units)
         gather_padding = sum(gathers[u["name"]] * (u["padding"] * 4 + u["groups"] * world_size * 16) for u in units)
         pad = sum(u["trainable_padding"] for u in units)
@@ -539,8 +553,15 @@ def _check_bytes(results: list[dict], world_size: int, gathers_per_use: int) -> 
             # nothing else moves but the buffers (broadcast from rank 0 once per step), the
             # clip's all-reduce and, in the first step, the launch-order exchange
             broadcast = comm.get("broadcast", {"sent_bytes": 0.0})["sent_bytes"]
-            assert set(comm) <= {"all_gather", "reduce_scatter", "broadcast", "used_flags", "clip_norm", "control",
-                                 "total"}, what
+            assert set(comm) <= {
+                "all_gather",
+                "reduce_scatter",
+                "broadcast",
+                "used_flags",
+                "clip_norm",
+                "control",
+                "total",
+            }, what
             assert math.isclose(broadcast, buffer_bytes * fraction, abs_tol=1e-9), what
             assert comm["clip_norm"]["calls"] == 1 and comm["clip_norm"]["payload_bytes"] == 8, what  # one fp64 sum
             assert ("control" in comm) == (step == 0), what
@@ -578,8 +599,9 @@ def test_aligned_units_train_alike_and_send_the_closed_form(world_size: int) -> 
     multiple = math.lcm(world_size, 128)
     for result in results:
         for unit in result["units"]:
-            assert unit["padding"] == sum(closed_form_padding(numels, world_size, None, aligned=True)
-                                          for numels in unit["group_numels"]), unit["name"]
+            assert unit["padding"] == sum(
+                closed_form_padding(numels, world_size, None, aligned=True) for numels in unit["group_numels"]
+            ), unit["name"]
             assert all(size % multiple == 0 for size in unit["group_sizes"]), unit
         padding = sum(u["padding"] for u in result["units"])
         assert padding > 0
@@ -696,8 +718,12 @@ def _kept_units_after_a_forward_without_backward() -> dict[str, Any]:
         expected = reference(x[:2])
     gathered_after = gathered()
     model.engine.close()
-    return {"kept": kept, "gathered_between": gathered_between, "max_diff": (out - expected).abs().max().item(),
-            "gathered_after": gathered_after}
+    return {
+        "kept": kept,
+        "gathered_between": gathered_between,
+        "max_diff": (out - expected).abs().max().item(),
+        "gathered_after": gathered_after,
+    }
 
 
 def test_units_kept_for_backward_are_released_when_no_backward_follows() -> None:
@@ -725,8 +751,9 @@ def test_parity_and_gathers_with_separate_forward_and_backward_prefetch(
     step (1 without ``reshard_after_forward``)."""
     run = Run(reshard=reshard, forward_prefetch=forward, backward_prefetch=backward)
     results = _results(run, world_size)
-    _check_parity(results, MAIN, f"forward prefetch {forward}, backward prefetch {backward}, reshard {reshard}, "
-                                 f"N={world_size}")
+    _check_parity(
+        results, MAIN, f"forward prefetch {forward}, backward prefetch {backward}, reshard {reshard}, N={world_size}"
+    )
     _check_bytes(results, world_size, gathers_per_use=2 if reshard else 1)
 
 

@@ -95,5 +95,10 @@ def test_a_parameter_unused_after_zero_grad_gets_zero_not_its_stale_gradient(sta
     for rank, state in enumerate(run(_train_sharded, world_size, stage, per_rank)):
         assert state.keys() == expected.keys()
         for name, value in expected.items():
-            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6,
-                                       msg=f"stage {stage}, rank {rank}: {name} differs from plain torch")
+            torch.testing.assert_close(
+                state[name],
+                value,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=f"stage {stage}, rank {rank}: {name} differs from plain torch",
+            )

@@ -25,9 +25,19 @@ UNIT_PARAMS = 1000
 
 
 def config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TOKENS,
-                       tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=TOKENS,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 def model() -> LlamaForCausalLM:
@@ -48,23 +58,40 @@ def tokenizer() -> PreTrainedTokenizerFast:
     vocab = {f"t{i}": i for i in range(VOCAB)}
     inner = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="t0", bos_token="t1", eos_token="t2",
-                                   unk_token="t0")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=inner, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t0"
+    )
 
 
 def arguments(output_dir: str, **overrides: Any) -> TrainingArguments:
     values: dict[str, Any] = dict(
-        output_dir=output_dir, per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
-        num_train_epochs=2, learning_rate=1e-2, weight_decay=0.1, logging_steps=1, max_grad_norm=0.3,
-        save_strategy="no", report_to=[], disable_tqdm=True, train_sampling_strategy="sequential", use_cpu=True,
+        output_dir=output_dir,
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=BATCH,
+        num_train_epochs=2,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        logging_steps=1,
+        max_grad_norm=0.3,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",
+        use_cpu=True,
         seed=7,
     )
     values.update(overrides)
     return TrainingArguments(**values)
 
 
-def trainer(name: str, output_dir: str, *, cls: type | None = None, trainer_options: dict[str, Any] | None = None,
-            **overrides: Any) -> Trainer:
+def trainer(
+    name: str,
+    output_dir: str,
+    *,
+    cls: type | None = None,
+    trainer_options: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Trainer:
     """``name``: "ddp" (the plain Trainer) or "stageK" (ShardparTrainer at stage K)."""
     options = dict(trainer_options or {})
     options.setdefault("model", model())
@@ -74,8 +101,9 @@ def trainer(name: str, output_dir: str, *, cls: type | None = None, trainer_opti
         return (cls or Trainer)(args=arguments(output_dir, **overrides), **options)
     stage = int(name.removeprefix("stage"))
     wrap_options = {"min_unit_params": UNIT_PARAMS} if stage == 3 else {}
-    return (cls or ShardparTrainer)(args=arguments(output_dir, **overrides), shardpar_stage=stage,
-                                    shardpar_options=wrap_options, **options)
+    return (cls or ShardparTrainer)(
+        args=arguments(output_dir, **overrides), shardpar_stage=stage, shardpar_options=wrap_options, **options
+    )
 
 
 def params(run: Trainer) -> dict[str, torch.Tensor]:
@@ -105,8 +133,9 @@ def summary(run: Trainer) -> dict[str, Any]:
     }
 
 
-def fit(name: str, output_dir: str, *, evaluate: bool = True, resume_from: str | None = None,
-        **overrides: Any) -> dict[str, Any]:
+def fit(
+    name: str, output_dir: str, *, evaluate: bool = True, resume_from: str | None = None, **overrides: Any
+) -> dict[str, Any]:
     run = trainer(name, output_dir, **overrides)
     run.train(resume_from_checkpoint=resume_from)
     result = summary(run)
@@ -149,9 +178,12 @@ def save_and_reload(name: str, output_dir: str) -> dict[str, Any]:
     trained = params(run)
     torch.distributed.barrier()
     reloaded = LlamaForCausalLM.from_pretrained(saved)
-    return {"trained": trained, "reloaded": {k: v.detach().clone() for k, v in reloaded.state_dict().items()},
-            "files": sorted(os.listdir(saved)),
-            "tied": reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()}
+    return {
+        "trained": trained,
+        "reloaded": {k: v.detach().clone() for k, v in reloaded.state_dict().items()},
+        "files": sorted(os.listdir(saved)),
+        "tied": reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr(),
+    }
 
 
 def error_of(run: Any, *args: Any, **kwargs: Any) -> str:
@@ -182,11 +214,24 @@ def sft(name: str, output_dir: str, max_grad_norm: float = 0.3) -> dict[str, Any
 
     ids = torch.randint(3, VOCAB, (ROWS, TOKENS - 2), generator=torch.Generator().manual_seed(4))
     text = Dataset.from_dict({"text": [" ".join(f"t{i}" for i in row.tolist()) for row in ids]})
-    args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=BATCH, num_train_epochs=1,
-                     learning_rate=1e-2, weight_decay=0.1, logging_steps=1, max_grad_norm=max_grad_norm, save_strategy="no",
-                     report_to=[],
-                     disable_tqdm=True, train_sampling_strategy="sequential", use_cpu=True, seed=7,
-                     max_length=TOKENS, packing=False, dataset_num_proc=None)
+    args = SFTConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=BATCH,
+        num_train_epochs=1,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        logging_steps=1,
+        max_grad_norm=max_grad_norm,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",
+        use_cpu=True,
+        seed=7,
+        max_length=TOKENS,
+        packing=False,
+        dataset_num_proc=None,
+    )
     options: dict[str, Any] = dict(model=model(), args=args, train_dataset=text, processing_class=tokenizer())
     if name == "ddp":
         run = SFTTrainer(**options)
@@ -202,8 +247,9 @@ def refusals(output_dir: str) -> dict[str, str]:
 
     refused = {
         "sharded_model": error_of(trainer, "stage2", output_dir, trainer_options={"model": shardpar.wrap(model())}),
-        "unknown_option": error_of(ShardparTrainer, model=model(), args=arguments(output_dir),
-                                   shardpar_options={"bucket_cap": 1}),
+        "unknown_option": error_of(
+            ShardparTrainer, model=model(), args=arguments(output_dir), shardpar_options={"bucket_cap": 1}
+        ),
         "bad_stage": error_of(ShardparTrainer, model=model(), args=arguments(output_dir), shardpar_stage=4),
     }
     run = trainer("stage0", output_dir)

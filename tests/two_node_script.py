@@ -50,13 +50,19 @@ def summed(group: object) -> float:
 
 def main() -> None:
     dist.init_process_group("gloo")
-    record = {name: os.environ.get(name) for name in
-              ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")}
+    record = {
+        name: os.environ.get(name)
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")
+    }
     record["world_sum"] = summed(None)
     groups = sharding_groups("node", timeout_s=30)
-    record.update(shard_ranks=list(groups.shard_ranks), replica_ranks=list(groups.replica_ranks),
-                  shard_sum=summed(groups.shard_group), replica_sum=summed(groups.replica_group),
-                  describe=groups.describe())
+    record.update(
+        shard_ranks=list(groups.shard_ranks),
+        replica_ranks=list(groups.replica_ranks),
+        shard_sum=summed(groups.shard_group),
+        replica_sum=summed(groups.replica_group),
+        describe=groups.describe(),
+    )
     from tests.models import TRANSFORMER
     from tests.parity import Recipe
 

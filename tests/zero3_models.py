@@ -140,7 +140,7 @@ class LMSpec:
         torch.manual_seed(self.seed)
         return Z3LM(**dict(self.options))
 
-    def with_seed(self, seed: int) -> "LMSpec":
+    def with_seed(self, seed: int) -> LMSpec:
         return LMSpec(self.options, seed)
 
 

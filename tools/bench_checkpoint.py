@@ -47,8 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # shardpar from
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-import shardpar  # noqa: E402
 from benchkit.memory import (  # noqa: E402
     MEASURE_MMAP_BYTES,
     TIMING_MMAP_BYTES,
@@ -59,6 +57,8 @@ from benchkit.memory import (  # noqa: E402
     set_allocator,
 )
 from benchkit.models import MLPStack  # noqa: E402
+
+import shardpar  # noqa: E402
 from shardpar.checkpoint import async_save  # noqa: E402
 from shardpar.checkpoint.files import sha256_file  # noqa: E402
 
@@ -98,6 +98,7 @@ class Trainer:
 
     def save(self, path: Path, async_: bool) -> shardpar.checkpoint.SaveHandle:
         return shardpar.save_checkpoint(path, self.model, self.opt, extra={"bench": True}, async_save=async_)
+
 
 def barrier() -> None:
     if dist.is_initialized():
@@ -194,7 +195,7 @@ def thread_or_process(trainer: Trainer, root: Path, saves: int) -> dict[str, lis
             if kind == "thread":
                 thread = threading.Thread(target=file_work, args=(staged, path))
                 thread.start()
-                done = lambda: not thread.is_alive()  # noqa: E731
+                done = lambda: not thread.is_alive()  # noqa: E731, B023 (called in this iteration)
             else:
                 jobs.put(str(path))
                 done = lambda: not finished.empty()  # noqa: E731
@@ -207,8 +208,16 @@ def thread_or_process(trainer: Trainer, root: Path, saves: int) -> dict[str, lis
     return out
 
 
-def table(args: argparse.Namespace, params: int, written: float, memory: dict, base: list[float], sync: dict,
-          async_: dict, contenders: dict) -> str:
+def table(
+    args: argparse.Namespace,
+    params: int,
+    written: float,
+    memory: dict,
+    base: list[float],
+    sync: dict,
+    async_: dict,
+    contenders: dict,
+) -> str:
     med = statistics.median
     step, step_during = med(base), med(async_["step_during_s"])
     sync_blocked, async_blocked = med(sync["blocked_s"]), med(async_["blocked_s"])
@@ -231,12 +240,16 @@ def table(args: argparse.Namespace, params: int, written: float, memory: dict, b
     for kind, label in (("thread", "a thread"), ("process", "a process")):
         if contenders[kind]:
             during = med(contenders[kind])
-            lines.append(f"| step time while the file work of a save runs in {label} | — | {during:.3f} s "
-                         f"({100 * (during / step - 1):+.0f}%) |")
+            lines.append(
+                f"| step time while the file work of a save runs in {label} | — | {during:.3f} s "
+                f"({100 * (during / step - 1):+.0f}%) |"
+            )
     if memory:
-        lines.append(f"| peak host memory of one save, above the process's | {memory['sync_peak_mb']:.0f} MB | "
-                     f"{memory['async_peak_mb']:.0f} MB (staging buffer {memory['staging_mb']:.0f} MB, kept "
-                     f"for the next save; the rank writes {written / MB:.0f} MB) |")
+        lines.append(
+            f"| peak host memory of one save, above the process's | {memory['sync_peak_mb']:.0f} MB | "
+            f"{memory['async_peak_mb']:.0f} MB (staging buffer {memory['staging_mb']:.0f} MB, kept "
+            f"for the next save; the rank writes {written / MB:.0f} MB) |"
+        )
     return "\n".join(lines)
 
 
@@ -267,9 +280,20 @@ def main() -> None:
     if rank == 0:
         print(table(args, trainer.params, written, memory, base, sync, async_, contenders), flush=True)
         if args.json is not None:
-            args.json.write_text(json.dumps({"memory": memory, "step_s": base, "sync": sync, "async": async_,
-                                             "file_work": contenders, "written_bytes": written,
-                                             "params": trainer.params}, indent=1))
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "memory": memory,
+                        "step_s": base,
+                        "sync": sync,
+                        "async": async_,
+                        "file_work": contenders,
+                        "written_bytes": written,
+                        "params": trainer.params,
+                    },
+                    indent=1,
+                )
+            )
         shutil.rmtree(root, ignore_errors=True)
     if dist.is_initialized():
         dist.destroy_process_group()

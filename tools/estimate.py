@@ -60,17 +60,26 @@ def estimate(args: argparse.Namespace) -> int:
     """Print the table for ``args``; return the exit code."""
     model: Any = _build_model(args.model) if args.model else parse_count(args.params)
     budget = parse_bytes(args.budget) if args.budget is not None else None
-    options = dict(optimizer=args.optimizer, mixed_precision=args.mixed_precision,
-                   bucket_cap_mb=args.bucket_cap_mb,
-                   largest_unit_params=parse_count(args.unit_params) if args.unit_params else None,
-                   align_for_bandwidth=args.align_for_bandwidth)
+    options = dict(
+        optimizer=args.optimizer,
+        mixed_precision=args.mixed_precision,
+        bucket_cap_mb=args.bucket_cap_mb,
+        largest_unit_params=parse_count(args.unit_params) if args.unit_params else None,
+        align_for_bandwidth=args.align_for_bandwidth,
+    )
     first = estimate_memory(model, args.world_size[0], 0, **options)
     precision = args.mixed_precision or "fp32"
-    print(f"{first.param_count:,} trainable parameters"
-          + (f" (+{first.frozen_param_count:,} frozen)" if first.frozen_param_count else "")
-          + f", {first.optimizer} ({first.optimizer_bytes_per_param} B/param of state), {precision}"
-          + ("" if first.units_from_model else "; stage 3 assumes units of "
-             + (f"{options['largest_unit_params']:,} parameters" if args.unit_params else "1/10 of the model")))
+    print(
+        f"{first.param_count:,} trainable parameters"
+        + (f" (+{first.frozen_param_count:,} frozen)" if first.frozen_param_count else "")
+        + f", {first.optimizer} ({first.optimizer_bytes_per_param} B/param of state), {precision}"
+        + (
+            ""
+            if first.units_from_model
+            else "; stage 3 assumes units of "
+            + (f"{options['largest_unit_params']:,} parameters" if args.unit_params else "1/10 of the model")
+        )
+    )
     header = ["ranks", "stage", "params", "grads", "optimizer", "workspace", "total"]
     if args.bandwidth is not None:
         header += ["comm/step", f"s/step @{args.bandwidth:g}GB/s"]
@@ -82,26 +91,36 @@ def estimate(args: argparse.Namespace) -> int:
             unfit.append((world_size, min(e.total for e in estimates)))
         for e in estimates:
             row = [str(world_size), str(e.stage)] + [
-                format_bytes(v) for v in (e.params, e.grads, e.optimizer_state, e.workspace, e.total)]
+                format_bytes(v) for v in (e.params, e.grads, e.optimizer_state, e.workspace, e.total)
+            ]
             if args.bandwidth is not None:
                 comm = estimate_communication(
-                    model, world_size, e.stage, reduce_bytes=e.reduce_bytes,
+                    model,
+                    world_size,
+                    e.stage,
+                    reduce_bytes=e.reduce_bytes,
                     gather_bytes=e.param_bytes if e.mixed_precision else None,
-                    bandwidth_gbps=args.bandwidth, latency_us=args.latency, bucket_cap_mb=args.bucket_cap_mb,
+                    bandwidth_gbps=args.bandwidth,
+                    latency_us=args.latency,
+                    bucket_cap_mb=args.bucket_cap_mb,
                     buffer_dtype=e.mixed_precision.buffer_dtype if e.mixed_precision else None,
-                    align_for_bandwidth=args.align_for_bandwidth)
+                    align_for_bandwidth=args.align_for_bandwidth,
+                )
                 row += [format_bytes(comm.sent_bytes, binary=False), f"{comm.seconds:.3f}"]
             if e.stage == chosen:
                 row.append(f"<- stage='auto' picks this for --budget {args.budget}")
             rows.append(row)
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     for row in [header] + rows:
-        cells = [cell.rjust(width) for cell, width in zip(row, widths)] + row[len(header):]
+        cells = [cell.rjust(width) for cell, width in zip(row, widths)] + row[len(header) :]
         print("  ".join(cells))
     if unfit:
         world_size, smallest = unfit[0]
-        print(f"error: no stage fits --budget {args.budget} = {format_both(budget)} per rank at world size "
-              f"{world_size}; the smallest estimate is {format_both(smallest)}", file=sys.stderr)
+        print(
+            f"error: no stage fits --budget {args.budget} = {format_both(budget)} per rank at world size "
+            f"{world_size}; the smallest estimate is {format_both(smallest)}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -117,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", help="trainable parameter count: 7e9, 7B, 350M")
     what.add_argument("--model", help="package.module:factory building the nn.Module (on the meta device)")
-    parser.add_argument("--world-size", type=int, action="append", required=True,
-                        help="ranks; repeat for several")
+    parser.add_argument("--world-size", type=int, action="append", required=True, help="ranks; repeat for several")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE_BYTES))
     parser.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
@@ -126,9 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth", type=float, help="per-rank bandwidth in GB/s (10^9 bytes/s)")
     parser.add_argument("--latency", type=float, default=0.0, help="microseconds per collective")
     parser.add_argument("--budget", help="per-rank memory budget: 24GB, 80GiB, 512MiB")
-    parser.add_argument("--align-for-bandwidth", action="store_true",
-                        help="the layout wrap uses on NCCL (align_for_bandwidth): parameters at multiples of 64 "
-                             "elements, buckets of lcm(N, 128)")
+    parser.add_argument(
+        "--align-for-bandwidth",
+        action="store_true",
+        help="the layout wrap uses on NCCL (align_for_bandwidth): parameters at multiples of 64 "
+        "elements, buckets of lcm(N, 128)",
+    )
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.world_size):
         parser.error(f"--world-size must be >= 1, got {min(args.world_size)}")

@@ -93,28 +93,71 @@ def plan(out: Path, work: Path, gpus: int) -> list[Check]:
     bench_dir = out.parent
 
     def bench(world: int) -> list[str]:
-        return ["tools/bench.py", "--device", "cuda", "--out", shown(bench_dir / f"gpu-bench-world{world}.md"),
-                "--png", shown(bench_dir / f"gpu-bench-world{world}.png"),
-                "--json", shown(work / f"bench-world{world}.json")]
+        return [
+            "tools/bench.py",
+            "--device",
+            "cuda",
+            "--out",
+            shown(bench_dir / f"gpu-bench-world{world}.md"),
+            "--png",
+            shown(bench_dir / f"gpu-bench-world{world}.png"),
+            "--json",
+            shown(work / f"bench-world{world}.json"),
+        ]
 
     def junit(name: str) -> str:
         return f"--junitxml={shown(work / name)}"
 
     checks = [
-        Check("tests", "GPU tests: parity and checkpoints (pytest -m cuda)",
-              [*pytest, "-k", f"not {SYNC_TESTS} and not {MEMORY_TESTS}", junit("tests.xml")], 240, work / "tests.xml"),
-        Check("syncs", "Host syncs in a steady-state step",
-              [*pytest, "-k", SYNC_TESTS, junit("syncs.xml")], 70, work / "syncs.xml"),
-        Check("memory", "Peak memory of a step against the planner",
-              [*pytest, "-k", MEMORY_TESTS, junit("memory.xml")], 70, work / "memory.xml"),
-        Check("bench1", "Benchmark on CUDA, world size 1 (against plain torch)",
-              [sys.executable, *bench(1)], 110, work / "bench-world1.json", bench_dir / "gpu-bench-world1.md"),
+        Check(
+            "tests",
+            "GPU tests: parity and checkpoints (pytest -m cuda)",
+            [*pytest, "-k", f"not {SYNC_TESTS} and not {MEMORY_TESTS}", junit("tests.xml")],
+            240,
+            work / "tests.xml",
+        ),
+        Check(
+            "syncs",
+            "Host syncs in a steady-state step",
+            [*pytest, "-k", SYNC_TESTS, junit("syncs.xml")],
+            70,
+            work / "syncs.xml",
+        ),
+        Check(
+            "memory",
+            "Peak memory of a step against the planner",
+            [*pytest, "-k", MEMORY_TESTS, junit("memory.xml")],
+            70,
+            work / "memory.xml",
+        ),
+        Check(
+            "bench1",
+            "Benchmark on CUDA, world size 1 (against plain torch)",
+            [sys.executable, *bench(1)],
+            110,
+            work / "bench-world1.json",
+            bench_dir / "gpu-bench-world1.md",
+        ),
     ]
     if gpus >= 2:
-        checks.append(Check(
-            f"bench{gpus}", f"Benchmark on CUDA/NCCL, world size {gpus} (against DDP, ZeRO, FSDP2)",
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus), *bench(gpus)],
-            110, work / f"bench-world{gpus}.json", bench_dir / f"gpu-bench-world{gpus}.md"))
+        checks.append(
+            Check(
+                f"bench{gpus}",
+                f"Benchmark on CUDA/NCCL, world size {gpus} (against DDP, ZeRO, FSDP2)",
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc_per_node",
+                    str(gpus),
+                    *bench(gpus),
+                ],
+                110,
+                work / f"bench-world{gpus}.json",
+                bench_dir / f"gpu-bench-world{gpus}.md",
+            )
+        )
     assert sum(c.timeout_s for c in checks) <= BUDGET_S
     return checks
 
@@ -132,8 +175,15 @@ def shown(path: Path) -> str:
 def run(check: Check) -> Outcome:
     """Run one check in its own session; on timeout kill the whole group (torchrun's ranks too)."""
     start = time.monotonic()
-    process = subprocess.Popen(check.command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(
+        check.command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         output, _ = process.communicate(timeout=check.timeout_s)
         code: int | None = process.returncode
@@ -206,8 +256,12 @@ def _number(value: str, fmt: str) -> str:
 def tests_section(outcome: Outcome) -> list[str]:
     tests: list[TestResult] = outcome.figures or []
     counts = {k: sum(t.outcome == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
-    lines = [", ".join(f"{n} {k}" for k, n in counts.items() if n) or "no test ran", "",
-             "| test | outcome | seconds | figures |", "|---|---|---:|---|"]
+    lines = [
+        ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "no test ran",
+        "",
+        "| test | outcome | seconds | figures |",
+        "|---|---|---:|---|",
+    ]
     for test in tests:
         figures = ", ".join(f"{k} = {_number(v, '.3g')}" for k, v in test.properties.items())
         outcome_text = test.outcome + (f": {test.message}" if test.message else "")
@@ -224,17 +278,21 @@ def memory_section(outcome: Outcome) -> list[str]:
             lines.append(f"| `{test.name}` | — | — | — | {_cell(test.outcome + ': ' + test.message)} |")
             continue
         ratio = float(p["ratio"])
-        lines.append(f"| `{test.name}` | {int(p['peak_bytes']) / MIB:.1f} | {int(p['planned_bytes']) / MIB:.1f} "
-                     f"| {ratio:.3f} | {'yes' if abs(ratio - 1) <= 0.10 else '**no**'} |")
+        lines.append(
+            f"| `{test.name}` | {int(p['peak_bytes']) / MIB:.1f} | {int(p['planned_bytes']) / MIB:.1f} "
+            f"| {ratio:.3f} | {'yes' if abs(ratio - 1) <= 0.10 else '**no**'} |"
+        )
     return lines
 
 
 def syncs_section(outcome: Outcome) -> list[str]:
     tests: list[TestResult] = outcome.figures or []
-    lines = ["| test | host syncs under \"warn\" | outcome (the next step under \"error\") |", "|---|---:|---|"]
+    lines = ['| test | host syncs under "warn" | outcome (the next step under "error") |', "|---|---:|---|"]
     for test in tests:
         syncs = test.properties.get("host_syncs", "—")
-        lines.append(f"| `{test.name}` | {syncs} | {_cell(test.outcome + (': ' + test.message if test.message else ''))} |")
+        lines.append(
+            f"| `{test.name}` | {syncs} | {_cell(test.outcome + (': ' + test.message if test.message else ''))} |"
+        )
     return lines
 
 
@@ -244,14 +302,20 @@ def bench_section(outcome: Outcome) -> list[str]:
         return []
     lines = []
     for result in data["results"]:
-        lines += [f"**{result['model']}** ({result['description']}, Ψ = {result['params']:,}), world size {result['world']}:",
-                  "", "| config | median step ms | vs peer | peak CUDA allocated increase MiB (max over ranks) "
-                  "| model state / ZeRO formula |", "|---|---:|---|---:|---:|"]
+        lines += [
+            f"**{result['model']}** ({result['description']}, Ψ = {result['params']:,}), world size {result['world']}:",
+            "",
+            "| config | median step ms | vs peer | peak CUDA allocated increase MiB (max over ranks) "
+            "| model state / ZeRO formula |",
+            "|---|---:|---|---:|---:|",
+        ]
         for config, row in result["configs"].items():
             vs = f"{row['vs_peer']:.2f}× {row['peer']}" if "vs_peer" in row else "—"
             state = max(row["model_state"]) / row["formula"]
-            lines.append(f"| {config} | {row['step_s']['median'] * 1e3:.2f} | {vs} | {max(row['rss_increase']) / MIB:.1f} "
-                         f"| {state:.3f} |")
+            lines.append(
+                f"| {config} | {row['step_s']['median'] * 1e3:.2f} | {vs} | {max(row['rss_increase']) / MIB:.1f} "
+                f"| {state:.3f} |"
+            )
         lines.append("")
     if outcome.check.report is not None:
         lines.append(f"bench.py's full report: [{outcome.check.report.name}]({outcome.check.report.name}).")
@@ -270,7 +334,7 @@ def environment() -> dict[str, str]:
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
     return {
         "device": f"{torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} visible; compute capability "
-                  f"{props.major}.{props.minor}, {props.total_memory / 2**30:.1f} GiB)",
+        f"{props.major}.{props.minor}, {props.total_memory / 2**30:.1f} GiB)",
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
         "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
@@ -290,19 +354,30 @@ def render(outcomes: list[Outcome], env: dict[str, str], command: str, seconds: 
     """The results as Markdown: environment, one summary row per check, then each check's figures."""
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     lines = [
-        f"Generated by `{command}` on {date}, in {seconds:.0f} s.", "",
+        f"Generated by `{command}` on {date}, in {seconds:.0f} s.",
+        "",
         f"- Device: {env['device']}",
         f"- torch {env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}, Python {env['python']}",
-        f"- shardpar at commit {env['commit']}", "",
-        "| check | result | seconds |", "|---|---|---:|",
+        f"- shardpar at commit {env['commit']}",
+        "",
+        "| check | result | seconds |",
+        "|---|---|---:|",
     ]
     for o in outcomes:
-        result = "passed" if o.passed else ("**timed out**" if o.returncode is None else f"**failed** (exit {o.returncode})")
+        result = (
+            "passed" if o.passed else ("**timed out**" if o.returncode is None else f"**failed** (exit {o.returncode})")
+        )
         lines.append(f"| {o.check.title} | {result} | {o.seconds:.0f} |")
     for o in outcomes:
         lines += ["", f"### {o.check.title}", "", "```", o.check.shell, "```", ""]
         if o.figures is None:
-            lines += ["It wrote no figures. The end of its output:", "", "```", *o.output.strip().splitlines()[-30:], "```"]
+            lines += [
+                "It wrote no figures. The end of its output:",
+                "",
+                "```",
+                *o.output.strip().splitlines()[-30:],
+                "```",
+            ]
             continue
         section = SECTIONS.get(o.check.key, bench_section)(o)
         lines += section
@@ -331,12 +406,22 @@ def write_report(path: Path, body: str) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "gpu.md",
-                        help="the Markdown report (its text outside the results markers is kept)")
-    parser.add_argument("--work-dir", type=Path, default=None, help="JUnit XML and JSON files (default: a temporary one)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "docs" / "gpu.md",
+        help="the Markdown report (its text outside the results markers is kept)",
+    )
+    parser.add_argument(
+        "--work-dir", type=Path, default=None, help="JUnit XML and JSON files (default: a temporary one)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the commands and their timeouts, run nothing")
-    parser.add_argument("--gpus", type=int, default=None,
-                        help="GPUs to plan for (default: torch.cuda.device_count()); a world-size-N benchmark runs with N >= 2")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="GPUs to plan for (default: torch.cuda.device_count()); a world-size-N benchmark runs with N >= 2",
+    )
     args = parser.parse_args(argv)
     if args.gpus is not None and args.gpus < 0:
         parser.error("--gpus must be 0 or more")
@@ -355,17 +440,25 @@ def main(argv: list[str] | None = None) -> int:
         for check in checks:
             print(f"{check.shell}    # {check.title}; timeout {check.timeout_s} s")
         if gpus < 2:
-            print(f"# with 2 or more GPUs also: torchrun at world size N of tools/bench.py --device cuda ({gpus} planned for)")
+            print(
+                f"# with 2 or more GPUs also: torchrun at world size N of tools/bench.py --device cuda ({gpus} planned for)"
+            )
         return 0
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device is visible (torch.cuda.is_available() is False); run it on a GPU machine, "
-              "or with --dry-run to list its commands", file=sys.stderr)
+        print(
+            "gpu_check: no CUDA device is visible (torch.cuda.is_available() is False); run it on a GPU machine, "
+            "or with --dry-run to list its commands",
+            file=sys.stderr,
+        )
         return 2
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     env = environment()
-    print(f"[gpu_check] {env['device']}; torch {env['torch']}, CUDA {env['cuda']}; {len(checks)} checks, "
-          f"at most {sum(c.timeout_s for c in checks)} s", flush=True)
+    print(
+        f"[gpu_check] {env['device']}; torch {env['torch']}, CUDA {env['cuda']}; {len(checks)} checks, "
+        f"at most {sum(c.timeout_s for c in checks)} s",
+        flush=True,
+    )
     outcomes = []
     for index, check in enumerate(checks, 1):
         print(f"[gpu_check] {index}/{len(checks)} {check.title}: {check.shell}", flush=True)
@@ -378,7 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "tools/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
     write_report(out, render(outcomes, env, command, time.monotonic() - started))
     failed = [o.check.title for o in outcomes if not o.passed]
-    print(f"[gpu_check] wrote {out}; " + (f"failed: {', '.join(failed)}" if failed else "every check passed"), flush=True)
+    print(
+        f"[gpu_check] wrote {out}; " + (f"failed: {', '.join(failed)}" if failed else "every check passed"), flush=True
+    )
     return 1 if failed else 0
 
 

@@ -1,6 +1,6 @@
 """Summarise a shardpar checkpoint; with --verify, check every checksum, shape and piece.
 
-    python tools/inspect_ckpt.py CKPT_DIR [--verify]
+python tools/inspect_ckpt.py CKPT_DIR [--verify]
 """
 
 from __future__ import annotations

@@ -16,8 +16,13 @@ def main() -> None:
     parser.add_argument("ckpt_dir", help="checkpoint directory written by shardpar.save_checkpoint")
     parser.add_argument("out_dir", help="new checkpoint directory (replaced atomically if it is a checkpoint)")
     parser.add_argument("--world-size", type=int, required=True, help="number of rank files to write")
-    parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None,
-                        help="stage recorded in the manifest (default: unchanged)")
+    parser.add_argument(
+        "--stage",
+        type=int,
+        choices=[0, 1, 2, 3],
+        default=None,
+        help="stage recorded in the manifest (default: unchanged)",
+    )
     args = parser.parse_args()
 
     from shardpar.checkpoint.offline import reshard

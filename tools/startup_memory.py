@@ -41,9 +41,16 @@ MIB = 2**20
 def _config(args: argparse.Namespace):
     import transformers
 
-    return transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                                    num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8,
-                                    max_position_embeddings=256, tie_word_embeddings=True)
+    return transformers.LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
 
 
 def _rss_kib(field: str) -> int:
@@ -63,8 +70,11 @@ def worker(way: str, stage: int, directory: str, out: str) -> None:
     torch.distributed.init_process_group("gloo")
     config = transformers.AutoConfig.from_pretrained(directory)
     with torch.device("meta"):  # warm-up: the first wrap loads code, whatever the model
-        warm = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2))
+        warm = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2
+            )
+        )
     shardpar.wrap(warm, stage=stage, init_fn=warm._init_weights).engine.close()
     del warm
     torch.manual_seed(0)
@@ -84,8 +94,9 @@ def worker(way: str, stage: int, directory: str, out: str) -> None:
     peak = _rss_kib("VmHWM:")
     stats = model.memory_stats()
     rank = torch.distributed.get_rank()
-    Path(f"{out}-{rank}.json").write_text(json.dumps(
-        {"peak_increase": (peak - before) * 1024, "state": stats["params"] + stats["grads"]}))
+    Path(f"{out}-{rank}.json").write_text(
+        json.dumps({"peak_increase": (peak - before) * 1024, "state": stats["params"] + stats["grads"]})
+    )
     torch.distributed.destroy_process_group()
 
 
@@ -132,13 +143,31 @@ def main() -> None:
         estimate = shardpar.estimate_memory(shape, args.world_size, stage, **options)
         for way in WAYS:
             out = work / f"{way.replace(' ', '_').replace('+', '')}-{stage}"
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                            str(args.world_size), __file__, "--worker", way, str(stage), str(work / "hf"), str(out)],
-                           check=True, env=env, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc_per_node",
+                    str(args.world_size),
+                    __file__,
+                    "--worker",
+                    way,
+                    str(stage),
+                    str(work / "hf"),
+                    str(out),
+                ],
+                check=True,
+                env=env,
+                stdout=subprocess.DEVNULL,
+            )
             ranks = [json.loads(Path(f"{out}-{r}.json").read_text()) for r in range(args.world_size)]
             planned = estimate.startup_built if way == "built" else estimate.startup_meta
-            lines.append(f"| {way} | {stage} | {max(r['peak_increase'] for r in ranks) / MIB:.0f} | "
-                         f"{max(r['state'] for r in ranks) / MIB:.0f} | {planned / MIB:.0f} |")
+            lines.append(
+                f"| {way} | {stage} | {max(r['peak_increase'] for r in ranks) / MIB:.0f} | "
+                f"{max(r['state'] for r in ranks) / MIB:.0f} | {planned / MIB:.0f} |"
+            )
     table = "\n".join(lines)
     print(table)
     if args.out is not None:

@@ -60,14 +60,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="timed steps (default 30)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--candidate", type=Path, help="profile this checkout's shardpar instead of this one's")
-    parser.add_argument("--wrap-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="a shardpar.wrap option, as in tools/bench.py (repeatable)")
+    parser.add_argument(
+        "--wrap-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a shardpar.wrap option, as in tools/bench.py (repeatable)",
+    )
     parser.add_argument("--calls", action="store_true", help="count Python calls per step under cProfile")
     parser.add_argument("--top", type=int, default=0, help="with --calls: print the N functions with most calls")
-    parser.add_argument("--cycles", action="store_true",
-                        help="count objects per step that only the cyclic garbage collector frees")
-    parser.add_argument("--time", action="append", default=[], metavar="MODULE:QUALNAME",
-                        help="per-step calls, CPU ms and page faults of this shardpar function (repeatable)")
+    parser.add_argument(
+        "--cycles", action="store_true", help="count objects per step that only the cyclic garbage collector frees"
+    )
+    parser.add_argument(
+        "--time",
+        action="append",
+        default=[],
+        metavar="MODULE:QUALNAME",
+        help="per-step calls, CPU ms and page faults of this shardpar function (repeatable)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
@@ -120,6 +131,7 @@ class FunctionTimer:
                 self.calls[target] += 1
                 self.cpu_ns[target] += time.thread_time_ns() - cpu
                 self.faults[target] += resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults
+
         return timed
 
     def reset(self) -> None:
@@ -202,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     slowest = [None] * dist.get_world_size()
     dist.all_gather_object(slowest, per_step)
     if dist.get_rank() == 0:
-        print(f"{args.model} stage {args.stage}, shardpar of {checkout}, {dist.get_world_size()} rank(s), "
-              f"{args.steps} steps; per step, the slowest rank's:")
+        print(
+            f"{args.model} stage {args.stage}, shardpar of {checkout}, {dist.get_world_size()} rank(s), "
+            f"{args.steps} steps; per step, the slowest rank's:"
+        )
         for key in per_step:
             digits = 2 if key.endswith("CPU ms") else 1
             print(f"  {key}: {max(rank[key] for rank in slowest):.{digits}f}")

@@ -46,8 +46,9 @@ import os
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ from .protocol import Agree, settle
 
 _STAGING = HostStaging()
 """What this process's asynchronous saves write from; see [Note: staging a snapshot]."""
-_pending: "SaveHandle | None" = None
+_pending: SaveHandle | None = None
 """This process's latest asynchronous save, until it succeeded or its error was raised."""
 _exit_hook: list[bool] = []
 
@@ -78,7 +79,7 @@ class SaveHandle:
         self._raised = False
 
     @classmethod
-    def finished(cls, path: Path) -> "SaveHandle":
+    def finished(cls, path: Path) -> SaveHandle:
         return cls(path)
 
     def done(self) -> bool:
@@ -125,13 +126,15 @@ Written = tuple[StoredItem, "torch.Tensor | Callable[[], torch.Tensor]"]
 
 def stage(items: list[Written], device: torch.device) -> list[Written]:
     """The items with their values copied into host memory (this process's staging buffer)."""
-    copies = _STAGING.copy_in([(parse_dtype(item.dtype), item.end - item.start, values) for item, values in items],
-                              device)
+    copies = _STAGING.copy_in(
+        [(parse_dtype(item.dtype), item.end - item.start, values) for item, values in items], device
+    )
     return [(item, copy) for (item, _), copy in zip(items, copies)]
 
 
-def start_in_background(target: Path, rank: int, world_size: int, timeout_s: float, prefix: str,
-                        run: Callable[[Agree], None]) -> SaveHandle:
+def start_in_background(
+    target: Path, rank: int, world_size: int, timeout_s: float, prefix: str, run: Callable[[Agree], None]
+) -> SaveHandle:
     """Run ``run(agree)`` in a thread, its agreements made through the store under ``prefix``
     (unique to this save); the handle holds its outcome."""
     global _pending
@@ -156,8 +159,7 @@ def start_in_background(target: Path, rank: int, world_size: int, timeout_s: flo
             try:
                 exchange.close("save_checkpoint (done)")
             except Exception as error:  # the checkpoint's fate was agreed already
-                warnings.warn(f"rank {rank}: after the asynchronous save_checkpoint to {target}: {error}",
-                              stacklevel=1)
+                warnings.warn(f"rank {rank}: after the asynchronous save_checkpoint to {target}: {error}", stacklevel=1)
 
     handle._thread = threading.Thread(target=body, name=f"shardpar-save-{target.name}")  # not a daemon: see the note
     if not _exit_hook:
@@ -174,7 +176,10 @@ def _report_at_exit() -> None:
     error = None if _pending is None else _pending.unraised_error()
     if error is None:
         return
-    print(f"[rank{_pending.rank}] shardpar: {error} (the script exited without waiting for this save)",
-          file=sys.stderr, flush=True)
+    print(
+        f"[rank{_pending.rank}] shardpar: {error} (the script exited without waiting for this save)",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.stdout.flush()
     os._exit(1)

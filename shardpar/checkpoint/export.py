@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -40,8 +41,12 @@ def _chunk_ranges(start: int, end: int, element_size: int) -> Iterator[tuple[int
 
 
 @collective_phase("save_full")
-def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size: int | str = "5GB",
-              dtype: torch.dtype | str | None = None) -> list[str]:
+def save_full(
+    path: str | os.PathLike[str],
+    model: ShardedModule,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | str | None = None,
+) -> list[str]:
     """Write the whole model in the Hugging Face layout into the directory ``path``.
 
     Every rank calls it; rank 0 writes ``model.safetensors`` (or numbered shards plus
@@ -73,10 +78,15 @@ def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size
     # Pieces of tensors kept in another element order become the row-major ranges their ranks
     # write ([Note: reordered pieces] in reorder.py): the same plan on every rank.
     orders = engine.element_orders()
-    reordered = [MemoryPiece(("model", name), start, end, local.pop((name, start, end)))
-                 for name, start, end, _ in mine if orders[name].reorders]
-    held = [[(("model", name), start, end) for name, start, end, _ in listed if orders[name].reorders]
-            for listed in everyone]
+    reordered = [
+        MemoryPiece(("model", name), start, end, local.pop((name, start, end)))
+        for name, start, end, _ in mine
+        if orders[name].reorders
+    ]
+    held = [
+        [(("model", name), start, end) for name, start, end, _ in listed if orders[name].reorders]
+        for listed in everyone
+    ]
     for piece in to_row_major(reordered, held, orders, rank, group):
         local[(piece.ref[1], piece.start, piece.end)] = piece.values
 
@@ -141,8 +151,9 @@ def save_full(path: str | os.PathLike[str], model: ShardedModule, max_shard_size
     return agree(problem, "save_full", group, names)[0]
 
 
-def _save_full_state_dict(out_dir: Path, model: ShardedModule, max_shard_size: int | str,
-                          dtype: torch.dtype | str | None) -> list[str]:
+def _save_full_state_dict(
+    out_dir: Path, model: ShardedModule, max_shard_size: int | str, dtype: torch.dtype | str | None
+) -> list[str]:
     """:func:`save_full` of a model whose modules have state-dict hooks: what ``state_dict()``
     gives, the hooks run on full values (every rank then holds the whole model once, as plain
     torch's ``save_pretrained`` does), written by rank 0; entries sharing memory (tied weights)
@@ -163,8 +174,10 @@ def _save_full_state_dict(out_dir: Path, model: ShardedModule, max_shard_size: i
             tensors: list[tuple[str, torch.Tensor]] = []
             for name, value in state.items():
                 if not isinstance(value, torch.Tensor):
-                    raise ValueError(f"state-dict entry '{name}' is a {type(value).__name__}, which the safetensors "
-                                     "layout cannot hold (save_full writes tensors only)")
+                    raise ValueError(
+                        f"state-dict entry '{name}' is a {type(value).__name__}, which the safetensors "
+                        "layout cannot hold (save_full writes tensors only)"
+                    )
                 where = (value.data_ptr(), tuple(value.shape), value.dtype)
                 if where not in written:
                     written[where] = name

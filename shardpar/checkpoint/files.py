@@ -54,8 +54,9 @@ import shutil
 import stat
 import time
 import uuid
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Collection
+from typing import Any, BinaryIO
 
 from ..errors import CheckpointError
 
@@ -75,6 +76,7 @@ def check_file_name(name: Any, where: str, reserved: Collection[str] = ()) -> st
         raise CheckpointError(f"{where}: file name {name!r} is not a plain file name")
     return name
 
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -87,6 +89,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
     finally:
         os.close(fd)
 
+
 def write_failure(path: Path, error: OSError) -> CheckpointError:
     """The error for a failed write to ``path``: the OSError of a ``write`` or ``fsync`` names
     no file, and "No space left on device" alone does not say which disk is full."""
@@ -97,6 +100,7 @@ def write_failure(path: Path, error: OSError) -> CheckpointError:
     else:
         reason = error.strerror or str(error)
     return CheckpointError(f"cannot write {path}: {reason}")
+
 
 def write_text_synced(path: Path, text: str, name_in_errors: Path | None = None) -> None:
     """Create ``path`` (it must not exist) holding ``text``, fsynced; errors name
@@ -109,6 +113,7 @@ def write_text_synced(path: Path, text: str, name_in_errors: Path | None = None)
     except OSError as error:
         raise write_failure(name_in_errors or path, error) from error
 
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``path`` through a temporary file in the same directory and one ``os.replace``."""
     tmp = temp_sibling(path)
@@ -120,13 +125,21 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
     fsync_dir(path.parent)
 
-_FILE_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-               stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket"}
+
+_FILE_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFSOCK: "a socket",
+}
+
 
 def _check_regular(mode: int, path: Path, what: str) -> None:
     if not stat.S_ISREG(mode):
         kind = _FILE_KINDS.get(stat.S_IFMT(mode), "not a file")
         raise CheckpointError(f"{what} {path} is not a regular file ({kind}); refusing to read it")
+
 
 def open_regular_file(path: Path, what: str) -> BinaryIO:
     """``open(path, "rb", buffering=0)`` for a regular file only, refused before it could
@@ -144,6 +157,7 @@ def open_regular_file(path: Path, what: str) -> BinaryIO:
         os.close(fd)
         raise
 
+
 def read_regular_file(path: Path, what: str, max_bytes: int) -> bytes:
     """All bytes of a small regular file, refusing one larger than ``max_bytes`` before
     reading it (and one that grows past it while being read)."""
@@ -156,8 +170,11 @@ def read_regular_file(path: Path, what: str, max_bytes: int) -> bytes:
                 return bytes(data)
             data += chunk
     article = "an" if what[:1] in "aeiou" else "a"
-    raise CheckpointError(f"{what} {path} is {max(size, len(data))} bytes, more than the {max_bytes} bytes "
-                          f"{article} {what} may have; refusing to read it")
+    raise CheckpointError(
+        f"{what} {path} is {max(size, len(data))} bytes, more than the {max_bytes} bytes "
+        f"{article} {what} may have; refusing to read it"
+    )
+
 
 def _exchange_paths(a: Path, b: Path) -> bool:
     """Atomically swap two existing paths (Linux ``renameat2``); False where unsupported."""
@@ -174,14 +191,17 @@ def _exchange_paths(a: Path, b: Path) -> bool:
         return False
     raise OSError(err, os.strerror(err), str(b))
 
+
 TEMP_NAME = re.compile(r"\.(?P<target>.+)\.(?P<purpose>tmp|old)-[0-9a-f]{12}")
 """Every temporary shardpar makes (:func:`temp_sibling`); nothing else is ever swept."""
 ABANDONED_AFTER_S = 3600.0
 """A temporary of another target untouched this long is abandoned; see [Note: sweeping temporaries]."""
 
+
 def temp_sibling(target: Path, purpose: str = "tmp") -> Path:
     """A fresh hidden name next to ``target`` (same file system, so renames are atomic)."""
     return target.parent / f".{target.name}.{purpose}-{uuid.uuid4().hex[:12]}"
+
 
 def make_temp_dir(target: Path) -> Path:
     """A fresh temporary directory next to ``target``, its parents created; a file where a
@@ -195,6 +215,7 @@ def make_temp_dir(target: Path) -> Path:
     tmp.mkdir(parents=True)
     return tmp
 
+
 def _temporaries(parent: Path) -> list[tuple[os.DirEntry, str]]:
     """``(entry, target name)`` of every temporary in ``parent``."""
     try:
@@ -202,6 +223,7 @@ def _temporaries(parent: Path) -> list[tuple[os.DirEntry, str]]:
     except OSError:  # missing, or not a directory: nothing to sweep
         return []
     return [(entry, match["target"]) for entry in entries if (match := TEMP_NAME.fullmatch(entry.name))]
+
 
 def _remove_entry(entry: os.DirEntry) -> None:
     """A directory with its contents; anything else (a symlink included) is unlinked."""
@@ -212,6 +234,7 @@ def _remove_entry(entry: os.DirEntry) -> None:
             os.unlink(entry.path)
     except OSError:
         pass  # gone already, or not ours to remove: leave it
+
 
 def _last_modified(entry: os.DirEntry) -> float:
     """Newest mtime of a temporary and (for a directory) of its entries; +inf if it changes
@@ -226,11 +249,13 @@ def _last_modified(entry: os.DirEntry) -> float:
     except OSError:
         return math.inf
 
+
 def remove_stale_temps(target: Path) -> None:
     """Leftovers of interrupted saves to ``target`` (never visible as checkpoints)."""
     for entry, name in _temporaries(target.parent):
         if name == target.name:
             _remove_entry(entry)
+
 
 def remove_abandoned_temps(parent: Path, older_than_s: float = ABANDONED_AFTER_S) -> None:
     """Temporaries of *any* target in ``parent`` that nothing modified for ``older_than_s``;
@@ -239,6 +264,7 @@ def remove_abandoned_temps(parent: Path, older_than_s: float = ABANDONED_AFTER_S
     for entry, _ in _temporaries(parent):
         if _last_modified(entry) < cutoff:
             _remove_entry(entry)
+
 
 def commit_directory(tmp: Path, target: Path) -> None:
     """Make the complete directory ``tmp`` visible as ``target``; see [Note: atomic commit]."""
@@ -256,6 +282,7 @@ def commit_directory(tmp: Path, target: Path) -> None:
         return
     os.rename(tmp, target)
     fsync_dir(target.parent)
+
 
 def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> tuple[str, int]:
     """Streaming sha256 (bounded memory) and size of a file."""

@@ -13,9 +13,10 @@ import os
 import stat
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -52,14 +53,17 @@ file systems)."""
 
 # --------------------------------------------------------------------------- names
 
+
 def rank_file_name(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
 
 def piece_key(ref: tuple[str, ...], start: int, end: int) -> str:
     """Key of one stored piece: ``emb.weight[0:64]`` or ``optimizer/exp_avg/emb.weight[0:64]``."""
     if ref[0] == "model":
         return f"{ref[1]}[{start}:{end}]"
     return f"optimizer/{ref[2]}/{ref[1]}[{start}:{end}]"
+
 
 def check_replaceable(target: Path) -> None:
     """Refuse to replace something that is not a checkpoint (it might be anything)."""
@@ -70,11 +74,14 @@ def check_replaceable(target: Path) -> None:
             f"{target} exists and is not a shardpar checkpoint (no {MANIFEST}); refusing to replace it"
         )
 
+
 def write_latest(target: Path) -> None:
     """Point ``<parent>/latest`` at the checkpoint directory ``target`` (its name)."""
     write_text_atomic(target.parent / LATEST, target.name + "\n")
 
+
 # --------------------------------------------------------------------------- the manifest
+
 
 @dataclass(frozen=True)
 class FileRecord:
@@ -82,6 +89,7 @@ class FileRecord:
     bytes: int
     sha256: str
     rank: int | None = None
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -92,6 +100,7 @@ class Piece:
     key: str
     start: int
     end: int
+
 
 @dataclass
 class TensorEntry(TensorSize):
@@ -106,8 +115,11 @@ class TensorEntry(TensorSize):
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind} if self.kind else {}
-        out.update(dtype=dtype_name(self.dtype), shape=list(self.shape),
-                   pieces=[{"file": p.file, "key": p.key, "start": p.start, "end": p.end} for p in self.pieces])
+        out.update(
+            dtype=dtype_name(self.dtype),
+            shape=list(self.shape),
+            pieces=[{"file": p.file, "key": p.key, "start": p.start, "end": p.end} for p in self.pieces],
+        )
         return out
 
     def overlapping(self, start: int, end: int) -> Iterator[tuple[Piece, int, int]]:
@@ -117,47 +129,68 @@ class TensorEntry(TensorSize):
             if a < b:
                 yield piece, a, b
 
+
 def _expect(condition: bool, message: str) -> None:
     if not condition:
         raise CheckpointError(message)
 
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
 
 def _parse_entry(name: str, raw: Any, kind: str, files: dict[str, FileRecord], where: str) -> TensorEntry:
     _expect(isinstance(raw, dict), f"{where}: tensor '{name}' is not an object")
     dtype = parse_dtype(raw.get("dtype"), f"{where}: tensor '{name}': ")
     shape = raw.get("shape")
-    _expect(isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape),
-            f"{where}: tensor '{name}' has an invalid shape {shape!r}")
+    _expect(
+        isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape),
+        f"{where}: tensor '{name}' has an invalid shape {shape!r}",
+    )
     entry = TensorEntry(name, kind, dtype, tuple(shape))
     pieces = raw.get("pieces")
     _expect(isinstance(pieces, list), f"{where}: tensor '{name}' has no list of pieces")
     for p in pieces:
-        _expect(isinstance(p, dict) and isinstance(p.get("key"), str)
-                and _is_int(p.get("start")) and _is_int(p.get("end")),
-                f"{where}: tensor '{name}' has a malformed piece {p!r}")
-        _expect(isinstance(p.get("file"), str) and p["file"] in files,
-                f"{where}: tensor '{name}' has a piece in file {p.get('file')!r}, "
-                                        "which the manifest's file table does not list")
+        _expect(
+            isinstance(p, dict) and isinstance(p.get("key"), str) and _is_int(p.get("start")) and _is_int(p.get("end")),
+            f"{where}: tensor '{name}' has a malformed piece {p!r}",
+        )
+        _expect(
+            isinstance(p.get("file"), str) and p["file"] in files,
+            f"{where}: tensor '{name}' has a piece in file {p.get('file')!r}, "
+            "which the manifest's file table does not list",
+        )
         entry.pieces.append(Piece(p["file"], p["key"], p["start"], p["end"]))
     check_coverage(entry, where)
     return entry
+
 
 def check_coverage(entry: TensorEntry, where: str) -> None:
     """Pieces must tile ``[0, numel)`` exactly: no gap, no overlap, nothing outside."""
     position = 0
     for piece in sorted(entry.pieces, key=lambda p: (p.start, p.end)):
-        _expect(piece.start < piece.end, f"{where}: tensor '{entry.name}' has an empty or reversed piece "
-                                         f"[{piece.start}, {piece.end}) in {piece.file}")
-        _expect(piece.start <= position, f"{where}: piece coverage of tensor '{entry.name}' does not add up: "
-                                         f"elements [{position}, {piece.start}) are in no piece")
-        _expect(piece.start >= position, f"{where}: piece coverage of tensor '{entry.name}' does not add up: "
-                                         f"elements [{piece.start}, {min(position, piece.end)}) are stored twice")
+        _expect(
+            piece.start < piece.end,
+            f"{where}: tensor '{entry.name}' has an empty or reversed piece "
+            f"[{piece.start}, {piece.end}) in {piece.file}",
+        )
+        _expect(
+            piece.start <= position,
+            f"{where}: piece coverage of tensor '{entry.name}' does not add up: "
+            f"elements [{position}, {piece.start}) are in no piece",
+        )
+        _expect(
+            piece.start >= position,
+            f"{where}: piece coverage of tensor '{entry.name}' does not add up: "
+            f"elements [{piece.start}, {min(position, piece.end)}) are stored twice",
+        )
         position = piece.end
     if position != entry.numel:
-        raise CheckpointError(f"{where}: piece coverage of tensor '{entry.name}' does not add up: the pieces "
-                              f"cover elements [0, {position}), the tensor has {entry.numel}")
+        raise CheckpointError(
+            f"{where}: piece coverage of tensor '{entry.name}' does not add up: the pieces "
+            f"cover elements [0, {position}), the tensor has {entry.numel}"
+        )
+
 
 @dataclass
 class OptimizerRecord:
@@ -168,6 +201,7 @@ class OptimizerRecord:
     """Elementwise state: parameter name -> state key -> entry (the parameter's shape)."""
     scalar_state: dict[str, dict[str, Any]]
     """Per-parameter scalar state: parameter name -> state key -> encoded value."""
+
 
 @dataclass
 class Manifest:
@@ -196,16 +230,22 @@ class Manifest:
             for per_key in self.optimizer.state.values():
                 yield from per_key.values()
 
+
 def parse_manifest(raw: Any, directory: Path) -> Manifest:
     """Validate a manifest's JSON object; every problem is a CheckpointError naming it."""
     where = f"manifest {directory / MANIFEST}"
     _expect(isinstance(raw, dict), f"{where} is not a JSON object")
-    _expect(raw.get("format") == FORMAT_NAME, f"{where} is not a shardpar checkpoint manifest "
-                                              f"(format {raw.get('format')!r}, expected {FORMAT_NAME!r})")
+    _expect(
+        raw.get("format") == FORMAT_NAME,
+        f"{where} is not a shardpar checkpoint manifest (format {raw.get('format')!r}, expected {FORMAT_NAME!r})",
+    )
     version = raw.get("format_version")
     _expect(_is_int(version) and version >= 1, f"{where} has an invalid format_version {version!r}")
-    _expect(version <= FORMAT_VERSION, f"{where} has format_version {version}, newer than {FORMAT_VERSION}, the "
-                                       "newest this shardpar reads; upgrade shardpar to load it")
+    _expect(
+        version <= FORMAT_VERSION,
+        f"{where} has format_version {version}, newer than {FORMAT_VERSION}, the "
+        "newest this shardpar reads; upgrade shardpar to load it",
+    )
     check_manifest_digest(raw, where)
     for key in ("stage", "world_size"):
         _expect(_is_int(raw.get(key)), f"{where}: '{key}' is missing or not an integer")
@@ -215,8 +255,10 @@ def parse_manifest(raw: Any, directory: Path) -> Manifest:
     files: dict[str, FileRecord] = {}
     for name, record in files_raw.items():
         check_file_name(name, where, reserved=(MANIFEST,))
-        _expect(isinstance(record, dict) and _is_int(record.get("bytes")) and isinstance(record.get("sha256"), str),
-                f"{where}: file '{name}' needs integer 'bytes' and string 'sha256'")
+        _expect(
+            isinstance(record, dict) and _is_int(record.get("bytes")) and isinstance(record.get("sha256"), str),
+            f"{where}: file '{name}' needs integer 'bytes' and string 'sha256'",
+        )
         files[name] = FileRecord(name, record["bytes"], record["sha256"], record.get("rank"))
 
     tensors_raw = raw.get("tensors")
@@ -228,52 +270,83 @@ def parse_manifest(raw: Any, directory: Path) -> Manifest:
         tensors[name] = _parse_entry(name, entry, kind, files, where)
 
     aliases = raw.get("aliases", {})
-    _expect(isinstance(aliases, dict) and all(isinstance(v, str) and v in tensors for v in aliases.values()),
-            f"{where}: 'aliases' must map names to stored tensors")
+    _expect(
+        isinstance(aliases, dict) and all(isinstance(v, str) and v in tensors for v in aliases.values()),
+        f"{where}: 'aliases' must map names to stored tensors",
+    )
 
     optimizer = None
     opt_raw = raw.get("optimizer")
     if opt_raw is not None:
-        _expect(isinstance(opt_raw, dict) and isinstance(opt_raw.get("class"), str)
-                and isinstance(opt_raw.get("param_groups"), list),
-                f"{where}: 'optimizer' needs 'class' and 'param_groups'")
+        _expect(
+            isinstance(opt_raw, dict)
+            and isinstance(opt_raw.get("class"), str)
+            and isinstance(opt_raw.get("param_groups"), list),
+            f"{where}: 'optimizer' needs 'class' and 'param_groups'",
+        )
         for index, group in enumerate(opt_raw["param_groups"]):
-            _expect(isinstance(group, dict) and isinstance(group.get("params"), list)
-                    and all(isinstance(name, str) for name in group["params"])
-                    and isinstance(group.get("hyperparameters"), dict),
-                    f"{where}: optimizer param group {index} needs 'params' (names) and 'hyperparameters'")
+            _expect(
+                isinstance(group, dict)
+                and isinstance(group.get("params"), list)
+                and all(isinstance(name, str) for name in group["params"])
+                and isinstance(group.get("hyperparameters"), dict),
+                f"{where}: optimizer param group {index} needs 'params' (names) and 'hyperparameters'",
+            )
             for key, value in group["hyperparameters"].items():
                 decode_value(value, where=f"{where}: optimizer param group {index} hyperparameter '{key}'")
         state: dict[str, dict[str, TensorEntry]] = {}
         state_raw = opt_raw.get("state") or {}
         _expect(isinstance(state_raw, dict), f"{where}: optimizer 'state' must be an object")
         for param, per_key in state_raw.items():
-            _expect(param in tensors and isinstance(per_key, dict),
-                    f"{where}: optimizer state for unknown tensor '{param}'")
+            _expect(
+                param in tensors and isinstance(per_key, dict), f"{where}: optimizer state for unknown tensor '{param}'"
+            )
             state[param] = {}
             for key, entry in per_key.items():
                 parsed = _parse_entry(f"{param} {key}", entry, "", files, where)
-                _expect(parsed.shape == tensors[param].shape,
-                        f"{where}: optimizer state '{key}' of '{param}' has shape {list(parsed.shape)}, "
-                        f"the parameter {list(tensors[param].shape)}")
+                _expect(
+                    parsed.shape == tensors[param].shape,
+                    f"{where}: optimizer state '{key}' of '{param}' has shape {list(parsed.shape)}, "
+                    f"the parameter {list(tensors[param].shape)}",
+                )
                 state[param][key] = parsed
         scalar = opt_raw.get("scalar_state") or {}
-        _expect(isinstance(scalar, dict) and all(isinstance(v, dict) for v in scalar.values()),
-                f"{where}: 'scalar_state' must map parameter names to objects")
+        _expect(
+            isinstance(scalar, dict) and all(isinstance(v, dict) for v in scalar.values()),
+            f"{where}: 'scalar_state' must map parameter names to objects",
+        )
         for param, per_key in scalar.items():
             for key, value in per_key.items():
                 decode_value(value, where=f"{where}: optimizer scalar state '{key}' of '{param}'")
         optimizer = OptimizerRecord(opt_raw["class"], opt_raw["param_groups"], state, scalar)
 
     hf_config = raw.get("hf_config")
-    _expect(hf_config is None or (isinstance(hf_config, dict) and isinstance(hf_config.get("config"), dict)
-                                  and set(hf_config) <= set(HF_CONFIG_KEYS)
-                                  and all(isinstance(v, dict) for v in hf_config.values())),
-            f"{where}: 'hf_config' must be null or an object with a 'config' object and optionally a "
-            "'generation_config' object")
+    _expect(
+        hf_config is None
+        or (
+            isinstance(hf_config, dict)
+            and isinstance(hf_config.get("config"), dict)
+            and set(hf_config) <= set(HF_CONFIG_KEYS)
+            and all(isinstance(v, dict) for v in hf_config.values())
+        ),
+        f"{where}: 'hf_config' must be null or an object with a 'config' object and optionally a "
+        "'generation_config' object",
+    )
 
-    return Manifest(directory, raw, version, raw["stage"], raw["world_size"], files, tensors,
-                    dict(aliases), optimizer, raw.get("extra"), hf_config)
+    return Manifest(
+        directory,
+        raw,
+        version,
+        raw["stage"],
+        raw["world_size"],
+        files,
+        tensors,
+        dict(aliases),
+        optimizer,
+        raw.get("extra"),
+        hf_config,
+    )
+
 
 def manifest_digest(raw: dict[str, Any]) -> str:
     """sha256 (hex) of the manifest without its ``manifest_sha256`` field, serialised
@@ -286,6 +359,7 @@ def manifest_digest(raw: dict[str, Any]) -> str:
         raise CheckpointError(f"the manifest is not standard JSON: {error}") from None
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
+
 def check_manifest_digest(raw: dict[str, Any], where: str) -> None:
     """A manifest with a ``manifest_sha256`` must match it: the shard files are checked by the
     sha256s the manifest lists, and this covers the manifest itself, so a flipped digit in a
@@ -295,8 +369,12 @@ def check_manifest_digest(raw: dict[str, Any], where: str) -> None:
         return
     recorded = raw[MANIFEST_DIGEST]
     actual = manifest_digest(raw)
-    _expect(recorded == actual, f"{where} does not match its checksum (sha256 {actual}, '{MANIFEST_DIGEST}' says "
-                                f"{recorded!r}): the manifest was modified or is corrupted")
+    _expect(
+        recorded == actual,
+        f"{where} does not match its checksum (sha256 {actual}, '{MANIFEST_DIGEST}' says "
+        f"{recorded!r}): the manifest was modified or is corrupted",
+    )
+
 
 def check_is_directory(directory: Path, what: str) -> None:
     """A missing directory and a file where one is expected are different mistakes; say which."""
@@ -304,6 +382,7 @@ def check_is_directory(directory: Path, what: str) -> None:
         raise CheckpointError(f"{what} {directory} does not exist")
     if not directory.is_dir():
         raise CheckpointError(f"{what} {directory} is not a directory")
+
 
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     """Read and validate ``<directory>/shardpar.json`` (at most :data:`MAX_MANIFEST_BYTES`)."""
@@ -313,8 +392,9 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     try:
         text = read_regular_file(path, "manifest", MAX_MANIFEST_BYTES).decode("utf-8")
     except FileNotFoundError:
-        raise CheckpointError(f"{directory} has no manifest {MANIFEST}: not a shardpar checkpoint "
-                              "(or an interrupted save)") from None
+        raise CheckpointError(
+            f"{directory} has no manifest {MANIFEST}: not a shardpar checkpoint (or an interrupted save)"
+        ) from None
     except (OSError, UnicodeDecodeError) as error:
         raise CheckpointError(f"cannot read manifest {path}: {error}") from None
     try:
@@ -323,14 +403,18 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         raise CheckpointError(f"manifest {path} is not valid JSON: {error}") from None
     return parse_manifest(raw, directory)
 
+
 def is_valid_checkpoint(directory: Path) -> bool:
     """Cheap validity: the manifest parses and every file exists with its recorded size."""
     try:
         manifest = read_manifest(directory)
-        return all(stat.S_ISREG((info := (directory / f.name).stat()).st_mode) and info.st_size == f.bytes
-                   for f in manifest.files.values())
+        return all(
+            stat.S_ISREG((info := (directory / f.name).stat()).st_mode) and info.st_size == f.bytes
+            for f in manifest.files.values()
+        )
     except (CheckpointError, OSError):
         return False
+
 
 def _read_latest(root: Path) -> str | None:
     """The name ``root/latest`` holds, or None. A pointer that is not a regular file or is
@@ -343,6 +427,7 @@ def _read_latest(root: Path) -> str | None:
     except (OSError, UnicodeDecodeError):
         pass
     return None
+
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The newest valid checkpoint under ``root``: the one ``root/latest`` names if valid,
@@ -369,7 +454,9 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         best = key if best is None or key > best else best
     return root / best[1] if best is not None else None
 
+
 # --------------------------------------------------------------------------- manifest assembly
+
 
 @dataclass(frozen=True)
 class StoredItem:
@@ -382,10 +469,19 @@ class StoredItem:
     end: int
     dtype: str
 
+
 def assemble_manifest(
-    *, stage: int, world_size: int, model: list[tuple[str, str, str, list[int]]], aliases: dict[str, str],
-    files: list[FileRecord], items: dict[str, list[StoredItem]], optimizer: dict[str, Any] | None,
-    extra: Any, layout: Any = None, torch_version: str | None = None,
+    *,
+    stage: int,
+    world_size: int,
+    model: list[tuple[str, str, str, list[int]]],
+    aliases: dict[str, str],
+    files: list[FileRecord],
+    items: dict[str, list[StoredItem]],
+    optimizer: dict[str, Any] | None,
+    extra: Any,
+    layout: Any = None,
+    torch_version: str | None = None,
     hf_config: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The manifest JSON object from what every file holds; validated before it is returned.
@@ -406,10 +502,12 @@ def assemble_manifest(
             else:
                 _, name, key = item.ref
                 entry = state.setdefault(name, {}).setdefault(
-                    key, {"dtype": item.dtype, "shape": shapes[name], "pieces": []})
+                    key, {"dtype": item.dtype, "shape": shapes[name], "pieces": []}
+                )
             if entry["pieces"] and entry["dtype"] != item.dtype:
                 raise CheckpointError(
-                    f"pieces of {item.ref[1:]} have different dtypes ({entry['dtype']}, {item.dtype})")
+                    f"pieces of {item.ref[1:]} have different dtypes ({entry['dtype']}, {item.dtype})"
+                )
             entry["dtype"] = item.dtype
             entry["pieces"].append({"file": record.name, "key": item.key, "start": item.start, "end": item.end})
     for entry in list(tensors.values()) + [e for per in state.values() for e in per.values()]:
@@ -422,8 +520,10 @@ def assemble_manifest(
         "shardpar_version": __version__,
         "stage": stage,
         "world_size": world_size,
-        "files": {f.name: {"bytes": f.bytes, "sha256": f.sha256, **({"rank": f.rank} if f.rank is not None else {})}
-                  for f in files},
+        "files": {
+            f.name: {"bytes": f.bytes, "sha256": f.sha256, **({"rank": f.rank} if f.rank is not None else {})}
+            for f in files
+        },
         "tensors": tensors,
         "aliases": aliases,
         "layout": layout,
@@ -434,6 +534,7 @@ def assemble_manifest(
     parse_manifest(json.loads(to_json_text(manifest, "the manifest")), Path("."))  # self-check
     return manifest
 
+
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Sign and write the manifest; one a reader would refuse for its size is refused here."""
     path = directory / MANIFEST
@@ -441,6 +542,8 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     text = to_json_text(manifest, "the manifest")
     size = len(text.encode("utf-8"))
     if size > MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"the manifest of {directory} would be {size} bytes, more than the "
-                              f"{MAX_MANIFEST_BYTES} bytes a reader accepts (MAX_MANIFEST_BYTES)")
+        raise CheckpointError(
+            f"the manifest of {directory} would be {size} bytes, more than the "
+            f"{MAX_MANIFEST_BYTES} bytes a reader accepts (MAX_MANIFEST_BYTES)"
+        )
     write_text_synced(path, text)

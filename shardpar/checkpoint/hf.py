@@ -22,9 +22,10 @@ import math
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -63,7 +64,9 @@ def shard_file_name(k: int, count: int) -> str:
     """The name of the ``k``-th of ``count`` model files (1-based)."""
     return SINGLE_FILE if count == 1 else f"model-{k:05d}-of-{count:05d}.safetensors"
 
+
 # --------------------------------------------------------------------------- reading
+
 
 @dataclass(frozen=True)
 class RangeRead:
@@ -74,6 +77,7 @@ class RangeRead:
     start: int
     end: int
     dest: torch.Tensor
+
 
 def _read_index(path: Path) -> dict[str, str]:
     """The weight map of ``model.safetensors.index.json``: tensor name -> file name, every
@@ -97,6 +101,7 @@ def _read_index(path: Path) -> dict[str, str]:
         check_file_name(file_name, f"{where}: tensor {tensor!r}")
     return index["weight_map"]
 
+
 def _locate(path: Path) -> tuple[Path, Path | None, Path | None]:
     """``(directory, single file or None, index or None)`` for what the user pointed at. In a
     directory holding both, ``model.safetensors`` wins, as in ``transformers``."""
@@ -113,16 +118,19 @@ def _locate(path: Path) -> tuple[Path, Path | None, Path | None]:
         return path.parent, None, path
     return path.parent, path, None
 
-def _check_weight_map(weight_map: Mapping[str, str], tensors: Mapping[str, StoredTensor], directory: Path,
-                      index: Path) -> None:
+
+def _check_weight_map(
+    weight_map: Mapping[str, str], tensors: Mapping[str, StoredTensor], directory: Path, index: Path
+) -> None:
     for name, file in weight_map.items():
         held = tensors.get(name)
         if held is None or held.file != file:
-            raise CheckpointError(f"index {index} lists tensor {name!r} in {directory / file}, which does not "
-                                  "hold it")
+            raise CheckpointError(f"index {index} lists tensor {name!r} in {directory / file}, which does not hold it")
 
-def open_hf_checkpoint(path: str | os.PathLike[str], *, max_open: int = MAX_OPEN_FILES,
-                       chunk_bytes: int = CHUNK_BYTES) -> "HFCheckpoint":
+
+def open_hf_checkpoint(
+    path: str | os.PathLike[str], *, max_open: int = MAX_OPEN_FILES, chunk_bytes: int = CHUNK_BYTES
+) -> HFCheckpoint:
     """Validate a Hugging Face safetensors checkpoint and open it for ranged reads.
 
     ``path``: a directory holding ``model.safetensors`` or ``model.safetensors.index.json``
@@ -140,12 +148,14 @@ def open_hf_checkpoint(path: str | os.PathLike[str], *, max_open: int = MAX_OPEN
         headers[name] = read_header(directory / name)
         for key, tensor in headers[name].tensors.items():
             if key in tensors:
-                raise CheckpointError(f"tensor {key!r} is stored twice: in {directory / tensors[key].file} and in "
-                                      f"{directory / name}")
+                raise CheckpointError(
+                    f"tensor {key!r} is stored twice: in {directory / tensors[key].file} and in {directory / name}"
+                )
             tensors[key] = tensor
     if weight_map is not None:
         _check_weight_map(weight_map, tensors, directory, index)
     return HFCheckpoint(directory, headers, tensors, max_open=max_open, chunk_bytes=chunk_bytes)
+
 
 class HFCheckpoint:
     """A validated Hugging Face checkpoint, open for ranged reads (:func:`open_hf_checkpoint`).
@@ -153,9 +163,15 @@ class HFCheckpoint:
     Use as a context manager, or call :meth:`close`, to release the open files.
     """
 
-    def __init__(self, directory: Path, headers: Mapping[str, SafetensorsHeader],
-                 tensors: Mapping[str, StoredTensor], *, max_open: int = MAX_OPEN_FILES,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        headers: Mapping[str, SafetensorsHeader],
+        tensors: Mapping[str, StoredTensor],
+        *,
+        max_open: int = MAX_OPEN_FILES,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.directory = directory
@@ -166,7 +182,7 @@ class HFCheckpoint:
         self._chunk_bytes = chunk_bytes
         self._closed = False
 
-    def __enter__(self) -> "HFCheckpoint":
+    def __enter__(self) -> HFCheckpoint:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -203,10 +219,12 @@ class HFCheckpoint:
         """:meth:`check_shape` for many tensors, reporting every mismatch at once. Names the
         checkpoint lacks are the caller's missing keys (:func:`~shardpar.checkpoint.hf_keys.match_keys`),
         not checked here."""
-        wrong = [f"tensor {name!r} has shape {list(self._stored[name].shape)} in {self.path_of(name)}, "
-                 f"the model expects {list(shape)}"
-                 for name, shape in expected.items()
-                 if name in self._stored and self._stored[name].shape != tuple(shape)]
+        wrong = [
+            f"tensor {name!r} has shape {list(self._stored[name].shape)} in {self.path_of(name)}, "
+            f"the model expects {list(shape)}"
+            for name, shape in expected.items()
+            if name in self._stored and self._stored[name].shape != tuple(shape)
+        ]
         if wrong:
             raise CheckpointError("shape mismatch: " + "; ".join(wrong))
 
@@ -231,21 +249,28 @@ class HFCheckpoint:
 
     def _check_read(self, stored: StoredTensor, read: RangeRead) -> None:
         if not 0 <= read.start <= read.end <= stored.numel:
-            raise ValueError(f"range [{read.start}, {read.end}) is outside tensor {stored.name!r} "
-                             f"({stored.numel} elements)")
+            raise ValueError(
+                f"range [{read.start}, {read.end}) is outside tensor {stored.name!r} ({stored.numel} elements)"
+            )
         if read.dest.dim() != 1 or read.dest.numel() != read.end - read.start:
-            raise ValueError(f"reading {stored.name!r}[{read.start}:{read.end}] needs a 1-D destination of "
-                             f"{read.end - read.start} elements, got shape {list(read.dest.shape)}")
+            raise ValueError(
+                f"reading {stored.name!r}[{read.start}:{read.end}] needs a 1-D destination of "
+                f"{read.end - read.start} elements, got shape {list(read.dest.shape)}"
+            )
         if read.dest.dtype != stored.dtype and not (read.dest.is_floating_point() and stored.dtype.is_floating_point):
-            raise CheckpointError(f"tensor {stored.name!r} in {self.directory / stored.file} is "
-                                  f"{dtype_name(stored.dtype)}; it cannot be loaded into {read.dest.dtype} "
-                                  "(only floating-point tensors are cast)")
+            raise CheckpointError(
+                f"tensor {stored.name!r} in {self.directory / stored.file} is "
+                f"{dtype_name(stored.dtype)}; it cannot be loaded into {read.dest.dtype} "
+                "(only floating-point tensors are cast)"
+            )
 
     def close(self) -> None:
         self._open.close()
         self._closed = True
 
+
 # --------------------------------------------------------------------------- writing
+
 
 def export_directory(out_dir: str | os.PathLike[str]) -> Path:
     """The directory an export goes to, symlinks resolved (the exchange must swap the real
@@ -255,11 +280,13 @@ def export_directory(out_dir: str | os.PathLike[str]) -> Path:
         raise CheckpointError(f"{out_dir} is not a directory; an export is a directory of files")
     return target
 
+
 def _link_or_copy(source: str | os.PathLike[str], destination: str | os.PathLike[str]) -> None:
     try:
         os.link(source, destination, follow_symlinks=False)  # same file system: no copy
     except (OSError, NotImplementedError):  # another file system, or no linkat on this platform
         shutil.copy2(source, destination, follow_symlinks=False)
+
 
 def _carry_over(old_dir: Path, new_dir: Path, replaced: Callable[[str], bool]) -> None:
     """Put what ``old_dir`` holds besides the export (a tokenizer, a README) into ``new_dir``,
@@ -278,6 +305,7 @@ def _carry_over(old_dir: Path, new_dir: Path, replaced: Callable[[str], bool]) -
             else:
                 _link_or_copy(entry.path, destination)
 
+
 class HFLayoutWriter:
     """Writes a state dict, tensor by tensor and chunk by chunk, in the Hugging Face layout:
     ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` plus
@@ -291,8 +319,13 @@ class HFLayoutWriter:
     export in ``out_dir`` are replaced; other files there are kept.
     """
 
-    def __init__(self, out_dir: Path, entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
-                 max_shard_bytes: int, json_files: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        max_shard_bytes: int,
+        json_files: dict[str, Any] | None = None,
+    ) -> None:
         self.out_dir = export_directory(out_dir)
         shards: list[list[tuple[str, torch.dtype, Sequence[int]]]] = []
         current: list[tuple[str, torch.dtype, Sequence[int]]] = []
@@ -348,12 +381,16 @@ class HFLayoutWriter:
             while self._writer is not None:
                 self._next_file()
             if len(self.names) > 1:
-                write_text_synced(self._dir / INDEX_FILE, json.dumps(
-                    {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map}, indent=2) + "\n")
+                write_text_synced(
+                    self._dir / INDEX_FILE,
+                    json.dumps({"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map}, indent=2)
+                    + "\n",
+                )
             for name, content in self._json_files.items():
                 write_text_synced(self._dir / name, json.dumps(content, indent=2, sort_keys=True) + "\n")
-            _carry_over(self.out_dir, self._dir, lambda name: bool(_EXPORT_FILE.fullmatch(name))
-                        or name in self._json_files)
+            _carry_over(
+                self.out_dir, self._dir, lambda name: bool(_EXPORT_FILE.fullmatch(name)) or name in self._json_files
+            )
             commit_directory(self._dir, self.out_dir)
         except BaseException:
             self.abort()

@@ -42,8 +42,9 @@ def hf_config_of(module: nn.Module) -> dict[str, dict[str, Any]] | None:
     return found
 
 
-def config_files(hf_config: dict[str, dict[str, Any]] | None,
-                 weights_dtype: torch.dtype | None) -> dict[str, dict[str, Any]]:
+def config_files(
+    hf_config: dict[str, dict[str, Any]] | None, weights_dtype: torch.dtype | None
+) -> dict[str, dict[str, Any]]:
     """File name -> JSON object for an export; the config's dtype records the dtype of the
     exported weights (``--dtype bf16`` exports load as bf16), as ``save_pretrained`` does."""
     if hf_config is None:

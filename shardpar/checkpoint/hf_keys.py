@@ -25,7 +25,8 @@ key renaming):
 from __future__ import annotations
 
 import re
-from typing import Iterable, Mapping, NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 from torch import nn
 
@@ -35,6 +36,7 @@ class KeyReport(NamedTuple):
     """Model state-dict keys the checkpoint does not provide, in the model's order."""
     unexpected_keys: list[str]
     """Stored names the model has no key for, in the checkpoint's order."""
+
 
 def tied_groups(aliases: Mapping[str, str]) -> dict[str, frozenset[str]]:
     """Each tied name -> every name tied with it (chains of aliases included)."""
@@ -54,12 +56,20 @@ def tied_groups(aliases: Mapping[str, str]) -> dict[str, frozenset[str]]:
         groups.update(dict.fromkeys(group, frozenset(group)))
     return groups
 
+
 def _pattern(patterns: Iterable[str]) -> re.Pattern[str] | None:
     patterns = list(patterns)
     return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
 
-def match_keys(stored_names: Iterable[str], model_keys: Iterable[str], aliases: Mapping[str, str], *,
-               ignore_missing: Iterable[str] = (), ignore_unexpected: Iterable[str] = ()) -> KeyReport:
+
+def match_keys(
+    stored_names: Iterable[str],
+    model_keys: Iterable[str],
+    aliases: Mapping[str, str],
+    *,
+    ignore_missing: Iterable[str] = (),
+    ignore_unexpected: Iterable[str] = (),
+) -> KeyReport:
     """Missing and unexpected keys as ``transformers``' ``from_pretrained`` reports them.
 
     ``model_keys``: the model's state-dict keys; ``aliases``: tied name -> the name it is
@@ -80,6 +90,7 @@ def match_keys(stored_names: Iterable[str], model_keys: Iterable[str], aliases: 
         [key for key in missing if skip_missing is None or not skip_missing.search(key)],
         [key for key in unexpected if skip_unexpected is None or not skip_unexpected.search(key)],
     )
+
 
 def hf_ignore_patterns(module: nn.Module) -> tuple[list[str], list[str]]:
     """``(ignore_missing, ignore_unexpected)`` patterns a ``transformers`` model applies when

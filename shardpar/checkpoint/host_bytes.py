@@ -12,7 +12,8 @@ blocking).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -121,8 +122,11 @@ class HostStaging:
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
 
-    def copy_in(self, sources: Sequence[tuple[torch.dtype, int, torch.Tensor | Callable[[], torch.Tensor]]],
-                device: torch.device) -> list[torch.Tensor]:
+    def copy_in(
+        self,
+        sources: Sequence[tuple[torch.dtype, int, torch.Tensor | Callable[[], torch.Tensor]]],
+        device: torch.device,
+    ) -> list[torch.Tensor]:
         """Copies of ``sources`` (``(dtype, numel, 1-D tensor or what makes it)``, each made
         only when copied; on ``device``, or the CPU) as 1-D views into the buffer, complete
         when this returns."""

@@ -56,9 +56,10 @@ import math
 import os
 import struct
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
+from typing import Any, BinaryIO
 
 import torch
 
@@ -87,7 +88,9 @@ def chunks_of(tensor: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[
     for start in range(0, flat.numel(), step):
         yield flat[start : start + step]
 
+
 # --------------------------------------------------------------------------- writing
+
 
 class SafetensorsWriter:
     """Streams one ``.safetensors`` file: the header (every tensor's dtype, shape and offsets)
@@ -98,7 +101,9 @@ class SafetensorsWriter:
     """
 
     def __init__(
-        self, path: Path, entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        self,
+        path: Path,
+        entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
         metadata: dict[str, str] | None = None,
     ) -> None:
         meta = {"format": "pt", **(metadata or {})}
@@ -110,15 +115,20 @@ class SafetensorsWriter:
             if key in header:
                 raise ValueError(f"tensor {key!r} appears twice in {path.name}")
             nbytes = math.prod(shape) * dtype.itemsize
-            header[key] = {"dtype": safetensors_code(dtype), "shape": [int(s) for s in shape],
-                           "data_offsets": [offset, offset + nbytes]}
+            header[key] = {
+                "dtype": safetensors_code(dtype),
+                "shape": [int(s) for s in shape],
+                "data_offsets": [offset, offset + nbytes],
+            }
             self._sizes.append((key, nbytes, dtype))
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
         if len(raw) > MAX_HEADER_BYTES:
-            raise CheckpointError(f"cannot write {path}: its safetensors header would be {len(raw)} bytes, more "
-                                  f"than the {MAX_HEADER_BYTES} bytes a reader accepts (MAX_HEADER_BYTES)")
+            raise CheckpointError(
+                f"cannot write {path}: its safetensors header would be {len(raw)} bytes, more "
+                f"than the {MAX_HEADER_BYTES} bytes a reader accepts (MAX_HEADER_BYTES)"
+            )
         self.path = path
         try:
             self._file = open(path, "xb", buffering=0)
@@ -189,7 +199,9 @@ class SafetensorsWriter:
     def abort(self) -> None:
         self._file.close()
 
+
 # --------------------------------------------------------------------------- reading
+
 
 @dataclass(frozen=True)
 class StoredTensor(TensorSize):
@@ -202,6 +214,7 @@ class StoredTensor(TensorSize):
     shape: tuple[int, ...]
     offset: int  # absolute byte offset of element 0 in the file
 
+
 @dataclass(frozen=True)
 class FileStamp:
     """Identity of a validated file, to detect it being replaced or changed afterwards."""
@@ -212,8 +225,9 @@ class FileStamp:
     mtime_ns: int
 
     @classmethod
-    def of(cls, status: os.stat_result) -> "FileStamp":
+    def of(cls, status: os.stat_result) -> FileStamp:
         return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
@@ -222,6 +236,7 @@ class SafetensorsHeader:
     stamp: FileStamp
     tensors: dict[str, StoredTensor]
 
+
 def _read_exact(file: BinaryIO, offset: int, view: memoryview, where: str) -> None:
     """Read exactly ``view.nbytes`` bytes at ``offset`` into ``view``. The one place this
     module reads file data: every byte read goes through here."""
@@ -229,15 +244,19 @@ def _read_exact(file: BinaryIO, offset: int, view: memoryview, where: str) -> No
     while view.nbytes:
         n = file.readinto(view)
         if not n:
-            raise CheckpointError(f"{where} ends early: wanted bytes up to {offset + view.nbytes}, got EOF "
-                                  "(was it truncated after it was opened?)")
+            raise CheckpointError(
+                f"{where} ends early: wanted bytes up to {offset + view.nbytes}, got EOF "
+                "(was it truncated after it was opened?)"
+            )
         offset += n
         view = view[n:]
+
 
 def _read_bytes(file: BinaryIO, offset: int, n: int, where: str) -> bytes:
     buffer = bytearray(n)
     _read_exact(file, offset, memoryview(buffer), where)
     return bytes(buffer)
+
 
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """``json.loads`` hook: a repeated key is an error (``json`` would keep the last one)."""
@@ -248,8 +267,10 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out[key] = value
     return out
 
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
 
 def _read_header(file: BinaryIO, size: int, where: str) -> tuple[dict[str, Any], int]:
     """The JSON header of a safetensors file and the byte where its data starts."""
@@ -257,11 +278,15 @@ def _read_header(file: BinaryIO, size: int, where: str) -> tuple[dict[str, Any],
         raise CheckpointError(f"{where} is truncated or not a safetensors file ({size} bytes)")
     length = int.from_bytes(_read_bytes(file, 0, 8, where), "little")
     if length > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{where} has a header length of {length} bytes, over the {MAX_HEADER_BYTES} "
-                              "bytes limit: not a safetensors file, or corrupted")
+        raise CheckpointError(
+            f"{where} has a header length of {length} bytes, over the {MAX_HEADER_BYTES} "
+            "bytes limit: not a safetensors file, or corrupted"
+        )
     if 8 + length > size:
-        raise CheckpointError(f"{where} is truncated or not a safetensors file: its header of {length} bytes "
-                              f"ends past the end of the file ({size} bytes)")
+        raise CheckpointError(
+            f"{where} is truncated or not a safetensors file: its header of {length} bytes "
+            f"ends past the end of the file ({size} bytes)"
+        )
     try:
         header = json.loads(_read_bytes(file, 8, length, where), object_pairs_hook=unique_keys)
     except ValueError as error:  # UnicodeDecodeError included
@@ -270,9 +295,11 @@ def _read_header(file: BinaryIO, size: int, where: str) -> tuple[dict[str, Any],
         raise CheckpointError(f"{where} has a header that is not a JSON object")
     return header, 8 + length
 
+
 def _check_metadata(metadata: Any, where: str) -> None:
     if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise CheckpointError(f"{where}: '__metadata__' must map names to strings, got {metadata!r}")
+
 
 def _parse_entry(name: str, info: Any, file: str, data_start: int, data_size: int, where: str) -> StoredTensor:
     """One header entry, checked against the data area of ``data_size`` bytes."""
@@ -287,13 +314,18 @@ def _parse_entry(name: str, info: Any, file: str, data_start: int, data_size: in
         raise CheckpointError(f"{at} has invalid data_offsets {offsets!r}")
     begin, end = offsets
     if not begin <= end <= data_size:
-        raise CheckpointError(f"{at} has data_offsets [{begin}, {end}) outside the file's {data_size} data bytes "
-                              "(truncated or corrupted file)")
+        raise CheckpointError(
+            f"{at} has data_offsets [{begin}, {end}) outside the file's {data_size} data bytes "
+            "(truncated or corrupted file)"
+        )
     expected = math.prod(shape) * dtype.itemsize
     if end - begin != expected:
-        raise CheckpointError(f"{at} has data_offsets [{begin}, {end}) ({end - begin} bytes), but shape {shape} "
-                              f"of {dtype_name(dtype)} needs {expected} bytes")
+        raise CheckpointError(
+            f"{at} has data_offsets [{begin}, {end}) ({end - begin} bytes), but shape {shape} "
+            f"of {dtype_name(dtype)} needs {expected} bytes"
+        )
     return StoredTensor(name, file, dtype, tuple(shape), data_start + begin)
+
 
 def _check_tiling(tensors: Iterable[StoredTensor], data_start: int, data_size: int, where: str) -> None:
     """The tensors' bytes must cover the data area exactly, one after another, as
@@ -302,14 +334,20 @@ def _check_tiling(tensors: Iterable[StoredTensor], data_start: int, data_size: i
     for tensor in sorted(tensors, key=lambda t: (t.offset, t.nbytes)):
         begin = tensor.offset - data_start
         if begin != position:
-            problem = ("overlaps the tensor before it" if begin < position
-                       else f"leaves bytes [{position}, {begin}) unused")
-            raise CheckpointError(f"{where}: the data of tensor {tensor.name!r} starts at byte {begin} and {problem} "
-                                  "(tensors must tile the data area)")
+            problem = (
+                "overlaps the tensor before it" if begin < position else f"leaves bytes [{position}, {begin}) unused"
+            )
+            raise CheckpointError(
+                f"{where}: the data of tensor {tensor.name!r} starts at byte {begin} and {problem} "
+                "(tensors must tile the data area)"
+            )
         position = begin + tensor.nbytes
     if position != data_size:
-        raise CheckpointError(f"{where} has {data_size - position} bytes after the last tensor's data "
-                              "(the header does not describe the whole file)")
+        raise CheckpointError(
+            f"{where} has {data_size - position} bytes after the last tensor's data "
+            "(the header does not describe the whole file)"
+        )
+
 
 def _parse_header(file: BinaryIO, status: os.stat_result, name: str, where: str) -> SafetensorsHeader:
     header, data_start = _read_header(file, status.st_size, where)
@@ -323,6 +361,7 @@ def _parse_header(file: BinaryIO, status: os.stat_result, name: str, where: str)
     _check_tiling(tensors.values(), data_start, data_size, where)
     return SafetensorsHeader(FileStamp.of(status), tensors)
 
+
 class SafetensorsReader:
     """One ``.safetensors`` file open for ranged reads; see [Note: byte-range reading].
     ``what`` names the file in errors (``"shard file"``).
@@ -334,9 +373,16 @@ class SafetensorsReader:
     longer the one that header was read from.
     """
 
-    def __init__(self, path: Path, what: str = "safetensors file", *, header: SafetensorsHeader | None = None,
-                 expected_bytes: int | None = None, expected_sha256: str | None = None,
-                 progress: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        what: str = "safetensors file",
+        *,
+        header: SafetensorsHeader | None = None,
+        expected_bytes: int | None = None,
+        expected_sha256: str | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
         self.path = path
         self.where = f"{what} {path}"
         try:
@@ -358,18 +404,21 @@ class SafetensorsReader:
             self._file.close()
             raise
 
-    def _verify(self, size: int, expected_bytes: int | None, expected_sha256: str | None,
-                progress: Callable[[int], None] | None) -> None:
+    def _verify(
+        self, size: int, expected_bytes: int | None, expected_sha256: str | None, progress: Callable[[int], None] | None
+    ) -> None:
         if expected_bytes is not None and size != expected_bytes:
             state = "truncated" if size < expected_bytes else "longer than recorded"
             raise CheckpointError(f"{self.where} is {state}: {size} bytes, the manifest says {expected_bytes}")
         if expected_sha256 is not None:
             digest, _ = sha256_file(self.path, progress)
             if digest != expected_sha256:
-                raise CheckpointError(f"checksum mismatch in {self.where}: sha256 {digest}, the manifest says "
-                                      f"{expected_sha256} (the file is corrupted)")
+                raise CheckpointError(
+                    f"checksum mismatch in {self.where}: sha256 {digest}, the manifest says "
+                    f"{expected_sha256} (the file is corrupted)"
+                )
 
-    def __enter__(self) -> "SafetensorsReader":
+    def __enter__(self) -> SafetensorsReader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -393,7 +442,8 @@ class SafetensorsReader:
             return
         if dest.dtype == stored.dtype and dest.device.type == "cuda" and dest.is_contiguous():
             PinnedBounce(stored.dtype, dest.device, dest.numel(), chunk_bytes).from_file(
-                dest, lambda at, view: _read_exact(self._file, at, view, where), offset)
+                dest, lambda at, view: _read_exact(self._file, at, view, where), offset
+            )
             return
         step = max(1, chunk_bytes // itemsize)
         buffer = torch.empty(min(step, dest.numel()), dtype=stored.dtype)  # the one bounded chunk
@@ -405,10 +455,12 @@ class SafetensorsReader:
     def close(self) -> None:
         self._file.close()
 
+
 def read_header(path: Path, what: str = "safetensors file") -> SafetensorsHeader:
     """Open one safetensors file, validate its header, and close it again."""
     with SafetensorsReader(path, what) as reader:
         return reader.header
+
 
 class OpenFiles:
     """Readers of many files, at most ``max_open`` of them open at once, the least recently

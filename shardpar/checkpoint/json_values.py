@@ -22,10 +22,14 @@ def encode_value(value: Any, where: str) -> Any:
     """A JSON form of a scalar optimizer state value or hyperparameter (tensors included)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise TypeError(f"{where} is a tensor of shape {list(value.shape)}; only single values are "
-                            "stored as scalar state")
-        return {"tensor": encode_value(value.item(), where), "dtype": dtype_name(value.dtype),
-                "shape": list(value.shape)}
+            raise TypeError(
+                f"{where} is a tensor of shape {list(value.shape)}; only single values are stored as scalar state"
+            )
+        return {
+            "tensor": encode_value(value.item(), where),
+            "dtype": dtype_name(value.dtype),
+            "shape": list(value.shape),
+        }
     if isinstance(value, float) and not math.isfinite(value):
         return {"float": repr(value)}  # 'nan', 'inf', '-inf': JSON has no literal for them
     if isinstance(value, (list, tuple)):
@@ -40,8 +44,9 @@ def decode_value(value: Any, device: torch.device | str = "cpu", where: str = "a
     if isinstance(value, dict) and "tensor" in value:
         try:
             number = decode_value(value["tensor"], where=where)
-            return torch.tensor(number, dtype=parse_dtype(value.get("dtype"), f"{where}: "),
-                                device=device).reshape(value.get("shape", []))
+            return torch.tensor(number, dtype=parse_dtype(value.get("dtype"), f"{where}: "), device=device).reshape(
+                value.get("shape", [])
+            )
         except (TypeError, ValueError, RuntimeError, OverflowError) as error:
             raise CheckpointError(f"{where}: {value!r} is not a valid encoded tensor ({error})") from None
     if isinstance(value, dict) and "float" in value:
@@ -81,8 +86,12 @@ def encode_tree(value: Any, where: str) -> Any:
     if isinstance(value, dict):
         if all(isinstance(key, str) for key in value):
             return {"dict": {key: encode_tree(item, f"{where}[{key!r}]") for key, item in value.items()}}
-        return {"items": [[encode_tree(key, f"a key of {where}"), encode_tree(item, f"{where}[{key!r}]")]
-                          for key, item in value.items()]}
+        return {
+            "items": [
+                [encode_tree(key, f"a key of {where}"), encode_tree(item, f"{where}[{key!r}]")]
+                for key, item in value.items()
+            ]
+        }
     if isinstance(value, tuple):
         return {"tuple": [encode_tree(item, f"{where}[{index}]") for index, item in enumerate(value)]}
     if isinstance(value, list):

@@ -52,9 +52,15 @@ def _model_mismatch(manifest: Manifest, engine: Engine) -> str | None:
     unexpected = [name for name in stored if name not in wanted]
     if not (missing or unexpected or shapes):
         return None
-    parts = [f"{label}: {', '.join(names)}" for label, names in
-             (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected), ("shape mismatch", shapes))
-             if names]
+    parts = [
+        f"{label}: {', '.join(names)}"
+        for label, names in (
+            ("missing in checkpoint", missing),
+            ("unexpected in checkpoint", unexpected),
+            ("shape mismatch", shapes),
+        )
+        if names
+    ]
     return f"checkpoint {manifest.directory} does not match the model: " + "; ".join(parts)
 
 
@@ -64,17 +70,22 @@ def _check_optimizer_matches(manifest: Manifest, optimizer: ShardedOptimizer) ->
         raise CheckpointError(f"checkpoint {manifest.directory} has no optimizer state (saved without an optimizer)")
     expected = optimizer.class_name
     if record.class_name != expected:
-        raise CheckpointError(f"checkpoint {manifest.directory} holds state of optimizer {record.class_name}, "
-                              f"not of {expected}")
+        raise CheckpointError(
+            f"checkpoint {manifest.directory} holds state of optimizer {record.class_name}, not of {expected}"
+        )
     if len(record.param_groups) != len(optimizer.pieces()):
-        raise CheckpointError(f"checkpoint {manifest.directory} has {len(record.param_groups)} optimizer param "
-                              f"groups, the optimizer {len(optimizer.pieces())}")
+        raise CheckpointError(
+            f"checkpoint {manifest.directory} has {len(record.param_groups)} optimizer param "
+            f"groups, the optimizer {len(optimizer.pieces())}"
+        )
     group_of = {n: i for i, g in enumerate(record.param_groups) for n in g["params"]}
     for index, tensors in enumerate(optimizer.pieces()):
         for piece in tensors:
             if group_of.get(piece.name, index) != index:
-                raise CheckpointError(f"parameter '{piece.name}' is in optimizer param group {index}, but in group "
-                                      f"{group_of[piece.name]} in checkpoint {manifest.directory}")
+                raise CheckpointError(
+                    f"parameter '{piece.name}' is in optimizer param group {index}, but in group "
+                    f"{group_of[piece.name]} in checkpoint {manifest.directory}"
+                )
 
 
 def _state_device(group: dict[str, Any], owner: torch.Tensor) -> torch.device:
@@ -82,9 +93,13 @@ def _state_device(group: dict[str, Any], owner: torch.Tensor) -> torch.device:
     return owner.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
 
 
-def _plan_optimizer(reader: CheckpointReader, manifest: Manifest, optimizer: ShardedOptimizer,
-                    orders: dict[str, ElementOrder],
-                    reordered: ReorderedReads) -> tuple[list[list[dict[str, Any]]], list[PieceRead]]:
+def _plan_optimizer(
+    reader: CheckpointReader,
+    manifest: Manifest,
+    optimizer: ShardedOptimizer,
+    orders: dict[str, ElementOrder],
+    reordered: ReorderedReads,
+) -> tuple[list[list[dict[str, Any]]], list[PieceRead]]:
     """Fresh state for every piece this rank's optimizer updates (``states[g][i]`` for
     ``optimizer.pieces()[g][i]``), and the reads that fill its tensors (those of reordered
     tensors go to ``reordered``). State of a whole parameter (stage 0) has its strides, as
@@ -108,16 +123,18 @@ def _plan_optimizer(reader: CheckpointReader, manifest: Manifest, optimizer: Sha
                     tensor = order.empty(dtype, owner.tensor.device)
                 else:
                     tensor = torch.empty(owner.tensor.shape, dtype=dtype, device=owner.tensor.device)
-                reads += reordered.reads_for(order, start, end, in_param_space(tensor, order),
-                                             functools.partial(reader.plan, entry))
+                reads += reordered.reads_for(
+                    order, start, end, in_param_space(tensor, order), functools.partial(reader.plan, entry)
+                )
                 state[key] = tensor
             states[-1].append(state)
     return states, reads
 
 
 @collective_phase("load_checkpoint")
-def load_checkpoint(path: str | os.PathLike[str], model: ShardedModule,
-                    optimizer: ShardedOptimizer | None = None) -> Any:
+def load_checkpoint(
+    path: str | os.PathLike[str], model: ShardedModule, optimizer: ShardedOptimizer | None = None
+) -> Any:
     """Load a checkpoint saved at any world size and stage; return its ``extra``.
 
     Every rank calls it and reads only the ranges it needs (full parameters at stages 0-2,
@@ -143,14 +160,20 @@ def load_checkpoint(path: str | os.PathLike[str], model: ShardedModule,
             engine.wait_for_params()
             reader = CheckpointReader(manifest)
             inventory, _ = model_tensors(engine)
-            source = {name: manifest.tensors[name if name in manifest.tensors else manifest.aliases[name]]
-                      for name, _, _ in inventory}
+            source = {
+                name: manifest.tensors[name if name in manifest.tensors else manifest.aliases[name]]
+                for name, _, _ in inventory
+            }
             orders = engine.element_orders()
             reads: list[PieceRead] = []
             reordered = ReorderedReads()  # pieces of tensors kept in another element order
             for piece in engine.load_pieces():
-                reads += reordered.reads_for(orders[piece.name], *piece.param_range, piece.tensor,
-                                             functools.partial(reader.plan, source[piece.name]))
+                reads += reordered.reads_for(
+                    orders[piece.name],
+                    *piece.param_range,
+                    piece.tensor,
+                    functools.partial(reader.plan, source[piece.name]),
+                )
             staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # buffers that cannot be read into in place
             for name, kind, tensor in inventory:
                 if kind == "buffer":
@@ -170,7 +193,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: ShardedModule,
             reader.close()
     engine.after_load()
     if optimizer is not None:
-        options = [{k: decode_value(v) for k, v in saved["hyperparameters"].items()}
-                   for saved in manifest.optimizer.param_groups]
+        options = [
+            {k: decode_value(v) for k, v in saved["hyperparameters"].items()}
+            for saved in manifest.optimizer.param_groups
+        ]
         optimizer.load_state_pieces(new_states, options)
     return manifest.extra

@@ -36,12 +36,24 @@ from .reader import CheckpointReader
 
 def _bar(total: int, desc: str, enabled: bool) -> tqdm:
     """A byte progress bar on stderr, shown only on a terminal (None: tqdm's TTY check)."""
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000,
-                disable=None if enabled else True, leave=False)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1000,
+        disable=None if enabled else True,
+        leave=False,
+    )
 
 
-def consolidate(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], max_shard_size: int | str = "5GB",
-                dtype: str | torch.dtype | None = None, progress: bool = True) -> list[str]:
+def consolidate(
+    ckpt_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    max_shard_size: int | str = "5GB",
+    dtype: str | torch.dtype | None = None,
+    progress: bool = True,
+) -> list[str]:
     """Sharded checkpoint -> Hugging Face layout (``model.safetensors`` or numbered shards +
     index), model tensors only, tied weights once; ``dtype`` casts floating-point tensors.
     The model's ``config.json`` (and ``generation_config.json``) go beside the weights when
@@ -88,8 +100,13 @@ def even_split(numels: list[int], world_size: int) -> list[list[tuple[int, int, 
     return out
 
 
-def reshard(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], world_size: int,
-            stage: int | None = None, progress: bool = True) -> Path:
+def reshard(
+    ckpt_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    world_size: int,
+    stage: int | None = None,
+    progress: bool = True,
+) -> Path:
     """Rewrite a checkpoint into ``world_size`` rank files (offline; any world size/stage loads
     either one). Parameters -- and frozen ones too at stage 3 -- are cut into ``world_size``
     near-equal contiguous ranges of their concatenation (the layout of a single unpadded
@@ -135,8 +152,14 @@ def reshard(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], w
     return target
 
 
-def _write_resharded(manifest: Manifest, plan: list[list[tuple[tuple[str, ...], TensorEntry, int, int]]],
-                     tmp: Path, stage: int, world_size: int, progress: bool) -> None:
+def _write_resharded(
+    manifest: Manifest,
+    plan: list[list[tuple[tuple[str, ...], TensorEntry, int, int]]],
+    tmp: Path,
+    stage: int,
+    world_size: int,
+    progress: bool,
+) -> None:
     """The rank files of ``plan`` and their manifest, into the directory ``tmp``."""
     files: list[FileRecord] = []
     items: dict[str, list[StoredItem]] = {}
@@ -144,11 +167,14 @@ def _write_resharded(manifest: Manifest, plan: list[list[tuple[tuple[str, ...], 
     with CheckpointReader(manifest) as reader, _bar(total, "reshard", progress) as bar:
         for rank, pieces in enumerate(plan):
             name = rank_file_name(rank, world_size)
-            stored = [StoredItem(ref, piece_key(ref, s, e), s, e, dtype_name(entry.dtype))
-                      for ref, entry, s, e in pieces]
-            writer = SafetensorsWriter(tmp / name, [(i.key, entry.dtype, (i.end - i.start,))
-                                                   for i, (_, entry, _, _) in zip(stored, pieces)],
-                                       {"shardpar_format": "1", "rank": str(rank), "world_size": str(world_size)})
+            stored = [
+                StoredItem(ref, piece_key(ref, s, e), s, e, dtype_name(entry.dtype)) for ref, entry, s, e in pieces
+            ]
+            writer = SafetensorsWriter(
+                tmp / name,
+                [(i.key, entry.dtype, (i.end - i.start,)) for i, (_, entry, _, _) in zip(stored, pieces)],
+                {"shardpar_format": "1", "rank": str(rank), "world_size": str(world_size)},
+            )
             try:
                 for _, entry, start, end in pieces:
                     for chunk in reader.iter_range(entry, start, end):
@@ -163,14 +189,23 @@ def _write_resharded(manifest: Manifest, plan: list[list[tuple[tuple[str, ...], 
     optimizer = None
     if manifest.optimizer is not None:
         record = manifest.optimizer
-        optimizer = {"class": record.class_name, "param_groups": record.param_groups,
-                     "scalar_state": record.scalar_state}
+        optimizer = {
+            "class": record.class_name,
+            "param_groups": record.param_groups,
+            "scalar_state": record.scalar_state,
+        }
     manifest_json = assemble_manifest(
-        stage=stage, world_size=world_size,
+        stage=stage,
+        world_size=world_size,
         model=[(e.name, e.kind, dtype_name(e.dtype), list(e.shape)) for e in manifest.tensors.values()],
-        aliases=manifest.aliases, files=files, items=items, optimizer=optimizer, extra=manifest.extra,
+        aliases=manifest.aliases,
+        files=files,
+        items=items,
+        optimizer=optimizer,
+        extra=manifest.extra,
         layout={"even_split": {"world_size": world_size, "resharded_from": manifest.world_size}},
-        torch_version=manifest.raw.get("torch_version"), hf_config=manifest.hf_config,
+        torch_version=manifest.raw.get("torch_version"),
+        hf_config=manifest.hf_config,
     )
     write_manifest(tmp, manifest_json)
 
@@ -204,16 +239,21 @@ def summary(manifest: Manifest) -> list[tuple[str, str]]:
         ("files", f"{len(manifest.files)}, {sum(f.bytes for f in manifest.files.values()):,} bytes"),
     ]
     for kind, entries in kinds.items():
-        rows.append((f"{kind} tensors", f"{len(entries)}, {sum(e.numel for e in entries):,} elements, "
-                                         f"{sum(e.nbytes for e in entries):,} bytes"))
+        rows.append(
+            (
+                f"{kind} tensors",
+                f"{len(entries)}, {sum(e.numel for e in entries):,} elements, {sum(e.nbytes for e in entries):,} bytes",
+            )
+        )
     if manifest.aliases:
         rows.append(("aliases", ", ".join(f"{a} -> {c}" for a, c in manifest.aliases.items())))
     record = manifest.optimizer
     if record is None:
         rows.append(("optimizer", "none"))
     else:
-        keys = sorted({k for per in record.state.values() for k in per}
-                      | {k for per in record.scalar_state.values() for k in per})
+        keys = sorted(
+            {k for per in record.state.values() for k in per} | {k for per in record.scalar_state.values() for k in per}
+        )
         state_bytes = sum(e.nbytes for per in record.state.values() for e in per.values())
         rows.append(("optimizer", f"{record.class_name}; state {', '.join(keys) or 'none'} ({state_bytes:,} bytes)"))
         for index, group in enumerate(record.param_groups):

@@ -56,8 +56,12 @@ def load_pretrained(model: Any, path: str | os.PathLike[str], strict: bool = Tru
             except Exception as error:
                 problem = error
             agree(problem, "load_pretrained", group)
-            read_on_every_rank(lambda: (checkpoint.read_ranges(reads), reordered.run(checkpoint.read_ranges)),
-                               staged, "load_pretrained", group)
+            read_on_every_rank(
+                lambda: (checkpoint.read_ranges(reads), reordered.run(checkpoint.read_ranges)),
+                staged,
+                "load_pretrained",
+                group,
+            )
         finally:
             if checkpoint is not None:
                 checkpoint.close()
@@ -97,13 +101,19 @@ def _load_through_hooks(model: Any, path: str | os.PathLike[str], strict: bool) 
 
         def check(result: Any) -> KeyReport:
             # torch's keys, filtered as transformers filters them (nothing provided, nothing known)
-            report = match_keys(result.unexpected_keys, result.missing_keys, {},
-                                ignore_missing=ignore_missing, ignore_unexpected=ignore_unexpected)
+            report = match_keys(
+                result.unexpected_keys,
+                result.missing_keys,
+                {},
+                ignore_missing=ignore_missing,
+                ignore_unexpected=ignore_unexpected,
+            )
             if strict and (report.missing_keys or report.unexpected_keys):
                 raise CheckpointError(
                     f"{checkpoint.directory}: missing keys {report.missing_keys or 'none'}; unexpected keys "
                     f"{report.unexpected_keys or 'none'} (after the model's load hooks; "
-                    "load_pretrained(..., strict=False) loads what matches)")
+                    "load_pretrained(..., strict=False) loads what matches)"
+                )
             return report
 
         problem = None
@@ -116,17 +126,24 @@ def _load_through_hooks(model: Any, path: str | os.PathLike[str], strict: bool) 
     return report
 
 
-def _plan(engine: Any, checkpoint: Any, strict: bool,
-          reordered: ReorderedReads) -> tuple[KeyReport, list[RangeRead], list]:
+def _plan(
+    engine: Any, checkpoint: Any, strict: bool, reordered: ReorderedReads
+) -> tuple[KeyReport, list[RangeRead], list]:
     inventory, aliases = model_tensors(engine)
     stored = checkpoint.tensors
     ignore_missing, ignore_unexpected = hf_ignore_patterns(engine.module)
-    report = match_keys(stored, [name for name, _, _ in inventory] + list(aliases), aliases,
-                        ignore_missing=ignore_missing, ignore_unexpected=ignore_unexpected)
+    report = match_keys(
+        stored,
+        [name for name, _, _ in inventory] + list(aliases),
+        aliases,
+        ignore_missing=ignore_missing,
+        ignore_unexpected=ignore_unexpected,
+    )
     if strict and (report.missing_keys or report.unexpected_keys):
         raise CheckpointError(
             f"{checkpoint.directory}: missing keys {report.missing_keys or 'none'}; unexpected keys "
-            f"{report.unexpected_keys or 'none'} (load_pretrained(..., strict=False) loads what matches)")
+            f"{report.unexpected_keys or 'none'} (load_pretrained(..., strict=False) loads what matches)"
+        )
     # Which stored tensor supplies each of the model's tensors: its own name, else any name tied to it.
     tied = tied_groups(aliases)
     source: dict[str, str] = {}
@@ -142,8 +159,10 @@ def _plan(engine: Any, checkpoint: Any, strict: bool,
     reads = []
     for piece in engine.load_pieces():
         if piece.name in source:
+
             def plan(start: int, end: int, dest: torch.Tensor, stored: str = source[piece.name]) -> list[RangeRead]:
                 return [RangeRead(stored, start, end, dest)]
+
             reads += reordered.reads_for(orders[piece.name], *piece.param_range, piece.tensor, plan)
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, kind, tensor in inventory:

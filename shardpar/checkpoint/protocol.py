@@ -13,7 +13,8 @@ own exception, the others a CheckpointError naming that rank) or every rank goes
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ def collective_phase(name: str) -> Callable:
     """Run a checkpoint function as a phase every rank enters together: the ranks first meet
     through the store, so a call on some ranks only is named instead of pairing its
     collectives with training's (see [Note: ranks out of step] in shardpar.comm.watch)."""
+
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def run(path: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -39,7 +41,9 @@ def collective_phase(name: str) -> Callable:
             with watch.operation(name):
                 watch.meet(group, name)
                 return fn(path, model, *args, **kwargs)
+
         return run
+
     return decorate
 
 
@@ -52,8 +56,13 @@ Agree = Callable[[BaseException | None, str, Any], list[Any]]
 """``agree(problem, what, payload)`` over some channel: every rank's payload, or every rank raises."""
 
 
-def settle(problem: BaseException | None, what: str, gather: Callable[[Any], list[Any]], payload: Any = None,
-           name_own_rank: int | None = None) -> list[Any]:
+def settle(
+    problem: BaseException | None,
+    what: str,
+    gather: Callable[[Any], list[Any]],
+    payload: Any = None,
+    name_own_rank: int | None = None,
+) -> list[Any]:
     """:func:`agree` with ``gather`` (this rank's ``[verdict, payload]`` -> every rank's) as the
     channel. ``name_own_rank``: the failing rank raises a CheckpointError naming it, caused by
     its own exception, instead of that exception (an asynchronous save: its error surfaces
@@ -71,8 +80,9 @@ def settle(problem: BaseException | None, what: str, gather: Callable[[Any], lis
     return [p for _, p in gathered]
 
 
-def read_on_every_rank(run_reads: Callable[[], None], staged: list[tuple[torch.Tensor, torch.Tensor]], what: str,
-                       group: Any) -> None:
+def read_on_every_rank(
+    run_reads: Callable[[], None], staged: list[tuple[torch.Tensor, torch.Tensor]], what: str, group: Any
+) -> None:
     """Run the planned reads, copy staged buffers back, and agree on the outcome (a failure on
     any rank raises on every rank; the model may then be partially loaded)."""
     problem: BaseException | None = None

@@ -6,8 +6,9 @@ its size and sha256 are checked against the manifest.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -40,15 +41,20 @@ class CheckpointReader:
     ``max_open`` files stay open at once.
     """
 
-    def __init__(self, manifest: Manifest, verify: bool = True, max_open: int = MAX_OPEN_FILES,
-                 progress: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        verify: bool = True,
+        max_open: int = MAX_OPEN_FILES,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
         self.manifest = manifest
         self.verify = verify
         self.progress = progress
         self._files = OpenFiles(self._open, max_open)
         self._verified: set[str] = set()
 
-    def __enter__(self) -> "CheckpointReader":
+    def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -57,8 +63,13 @@ class CheckpointReader:
     def _open(self, name: str) -> SafetensorsReader:
         record = self.manifest.files[name]
         verify = self.verify and name not in self._verified
-        reader = SafetensorsReader(self.manifest.directory / name, "shard file", expected_bytes=record.bytes,
-                                   expected_sha256=record.sha256 if verify else None, progress=self.progress)
+        reader = SafetensorsReader(
+            self.manifest.directory / name,
+            "shard file",
+            expected_bytes=record.bytes,
+            expected_sha256=record.sha256 if verify else None,
+            progress=self.progress,
+        )
         self._verified.add(name)
         return reader
 
@@ -79,15 +90,19 @@ class CheckpointReader:
             raise CheckpointError(f"{file.where} has no tensor {piece.key!r} (the manifest says it does)")
         numel = piece.end - piece.start
         if stored.dtype != entry.dtype or stored.numel != numel:
-            raise CheckpointError(f"tensor {piece.key!r} in {file.where} is {dtype_name(stored.dtype)} "
-                                  f"{list(stored.shape)}, the manifest says {dtype_name(entry.dtype)} [{numel}]")
+            raise CheckpointError(
+                f"tensor {piece.key!r} in {file.where} is {dtype_name(stored.dtype)} "
+                f"{list(stored.shape)}, the manifest says {dtype_name(entry.dtype)} [{numel}]"
+            )
         return stored
 
     def plan(self, entry: TensorEntry, start: int, end: int, dest: torch.Tensor) -> list[PieceRead]:
         """Reads that fill ``dest`` (1-D, ``end - start`` elements) with ``entry[start:end]``."""
         assert dest.numel() == end - start, (entry.name, start, end, dest.numel())
-        return [PieceRead(entry, piece, a - piece.start, dest[a - start : b - start])
-                for piece, a, b in entry.overlapping(start, end)]
+        return [
+            PieceRead(entry, piece, a - piece.start, dest[a - start : b - start])
+            for piece, a, b in entry.overlapping(start, end)
+        ]
 
     def run(self, reads: list[PieceRead]) -> None:
         """Execute reads grouped by file, in file order (sequential access per file)."""

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -100,8 +101,10 @@ def _plan(held: Sequence[Sequence[tuple[Ref, int, int]]], orders: Mapping[str, E
                 continue  # it begins on a block boundary: all of it is written here
             writer = bisect.bisect_right(starts, first) - 1  # the range holding the block's first element
             if writer < 0 or ranges[writer][1] <= first:
-                raise CheckpointError(f"cannot save {'/'.join(ref)} row-major: no rank holds its element {first} "
-                                      "(memory order), where a block begins")
+                raise CheckpointError(
+                    f"cannot save {'/'.join(ref)} row-major: no rank holds its element {first} "
+                    "(memory order), where a block begins"
+                )
             transfers.append(_Transfer(ref, rank, ranges[writer][2], start, cut))
             arriving[writer].append((start, cut))
         for index, (start, end, _) in enumerate(ranges):  # each writer's last block must arrive whole
@@ -115,13 +118,20 @@ def _plan(held: Sequence[Sequence[tuple[Ref, int, int]]], orders: Mapping[str, E
                 covered = b
             if covered < last:
                 missing = min([a for a, _ in arriving[index] if a > covered] + [last])
-                raise CheckpointError(f"cannot save {'/'.join(ref)} row-major: no rank holds its elements "
-                                      f"[{covered}, {missing}) (memory order)")
+                raise CheckpointError(
+                    f"cannot save {'/'.join(ref)} row-major: no rank holds its elements "
+                    f"[{covered}, {missing}) (memory order)"
+                )
     return transfers
 
 
-def to_row_major(pieces: Sequence[MemoryPiece], held: Sequence[Sequence[tuple[Ref, int, int]]],
-                 orders: Mapping[str, ElementOrder], rank: int, group: Any) -> list[RowMajorPiece]:
+def to_row_major(
+    pieces: Sequence[MemoryPiece],
+    held: Sequence[Sequence[tuple[Ref, int, int]]],
+    orders: Mapping[str, ElementOrder],
+    rank: int,
+    group: Any,
+) -> list[RowMajorPiece]:
     """This rank's ``pieces`` (of reordered tensors) as the row-major pieces it writes (see
     [Note: reordered pieces]). ``held[r]`` lists rank r's ``(ref, start, end)`` of such pieces;
     every rank calls this with the same ``held`` (a collective: it runs the transfers)."""
@@ -129,15 +139,19 @@ def to_row_major(pieces: Sequence[MemoryPiece], held: Sequence[Sequence[tuple[Re
     for piece in pieces:
         first, last = row_major_range(orders[piece.ref[1]], piece.start, piece.end)
         if first < last and last > piece.end:  # it writes blocks, the last of which goes on past it
-            tails[piece.ref, piece.start] = torch.empty(last - piece.end, dtype=piece.tensor.dtype,
-                                                        device=piece.tensor.device)
+            tails[piece.ref, piece.start] = torch.empty(
+                last - piece.end, dtype=piece.tensor.dtype, device=piece.tensor.device
+            )
 
     def arriving(transfer: _Transfer) -> torch.Tensor:
         """Where a transfer to this rank lands: in the tail of the piece whose last block it completes."""
         for piece in pieces:
-            if piece.ref == transfer.ref and (piece.ref, piece.start) in tails \
-                    and piece.end <= transfer.start < piece.end + tails[piece.ref, piece.start].numel():
-                return tails[piece.ref, piece.start][transfer.start - piece.end: transfer.end - piece.end]
+            if (
+                piece.ref == transfer.ref
+                and (piece.ref, piece.start) in tails
+                and piece.end <= transfer.start < piece.end + tails[piece.ref, piece.start].numel()
+            ):
+                return tails[piece.ref, piece.start][transfer.start - piece.end : transfer.end - piece.end]
         raise AssertionError(f"no piece of {transfer.ref} on rank {rank} ends before {transfer.start}")
 
     with torch.no_grad():
@@ -157,7 +171,7 @@ def to_row_major(pieces: Sequence[MemoryPiece], held: Sequence[Sequence[tuple[Re
         first, last = row_major_range(order, piece.start, piece.end)
         if first >= last:
             continue  # all of it went to the writers of the blocks it lies in
-        own = piece.tensor[first - piece.start:]
+        own = piece.tensor[first - piece.start :]
         tail = tails.get((piece.ref, piece.start))
 
         def values(order: ElementOrder = order, own: torch.Tensor = own, tail: torch.Tensor | None = tail):
@@ -178,8 +192,14 @@ class ReorderedReads:
         self._chunks: list[tuple[list[Any], Callable[[], None]]] = []
         self._staging: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
-    def reads_for(self, order: ElementOrder, start: int, end: int, dest: torch.Tensor,
-                  plan: Callable[[int, int, torch.Tensor], list[Any]]) -> list[Any]:
+    def reads_for(
+        self,
+        order: ElementOrder,
+        start: int,
+        end: int,
+        dest: torch.Tensor,
+        plan: Callable[[int, int, torch.Tensor], list[Any]],
+    ) -> list[Any]:
         """The reads that fill ``dest`` (1-D) with elements ``[start, end)`` in param space of a
         tensor of ``order`` stored row-major: ``plan``'s own where the order is row-major;
         otherwise none, and the range is read here (by :meth:`run`)."""
@@ -188,8 +208,14 @@ class ReorderedReads:
         self.add(order, start, end, dest, plan)
         return []
 
-    def add(self, order: ElementOrder, start: int, end: int, dest: torch.Tensor,
-            plan: Callable[[int, int, torch.Tensor], list[Any]]) -> None:
+    def add(
+        self,
+        order: ElementOrder,
+        start: int,
+        end: int,
+        dest: torch.Tensor,
+        plan: Callable[[int, int, torch.Tensor], list[Any]],
+    ) -> None:
         """Fill ``dest`` (1-D) with elements ``[start, end)`` (memory order) of a tensor of ``order``."""
         first, last = order.block_span(start, end)
         block = order.block
@@ -199,10 +225,11 @@ class ReorderedReads:
             staging = self._staging_for(dest, chunk_end - chunk_start)
             low, high = max(start, chunk_start), min(end, chunk_end)
 
-            def finish(staging: torch.Tensor = staging, low: int = low, high: int = high,
-                       chunk_start: int = chunk_start) -> None:
+            def finish(
+                staging: torch.Tensor = staging, low: int = low, high: int = high, chunk_start: int = chunk_start
+            ) -> None:
                 permuted = order.to_memory_order(staging)
-                dest[low - start: high - start].copy_(permuted[low - chunk_start: high - chunk_start])
+                dest[low - start : high - start].copy_(permuted[low - chunk_start : high - chunk_start])
 
             self._chunks.append((plan(chunk_start, chunk_end, staging), finish))
 

@@ -98,7 +98,7 @@ def _items_to_write(
     scalar: dict[str, dict[str, Any]] = {}
     group_names: list[list[str]] = []
     if optimizer is not None:
-        for index, tensors in enumerate(optimizer.pieces()):
+        for tensors in optimizer.pieces():
             group_names.append([t.name for t in tensors])
             for owner in tensors:
                 for key, value in optimizer.state_of(owner).items():
@@ -123,13 +123,16 @@ def _held(pieces: list[MemoryPiece]) -> list[tuple[tuple[str, ...], int, int]]:
 def _row_major_items(pieces: list[MemoryPiece], held: list[Any], engine: Engine) -> list[Written]:
     """The items this rank writes of reordered tensors (a collective; see [Note: reordered
     pieces]): values made when written, one piece at a time."""
-    return [(_stored_item(p.ref, p.start, p.end, p.dtype), p.values)
-            for p in to_row_major(pieces, held, engine.element_orders(), engine.rank, engine.group)]
+    return [
+        (_stored_item(p.ref, p.start, p.end, p.dtype), p.values)
+        for p in to_row_major(pieces, held, engine.element_orders(), engine.rank, engine.group)
+    ]
 
 
 def _write_rank_file(path: Path, items: list[Written], rank: int, world_size: int) -> FileRecord:
     writer = SafetensorsWriter(
-        path, [(item.key, parse_dtype(item.dtype), (item.end - item.start,)) for item, _ in items],
+        path,
+        [(item.key, parse_dtype(item.dtype), (item.end - item.start,)) for item, _ in items],
         {"shardpar_format": "1", "rank": str(rank), "world_size": str(world_size)},
     )
     try:
@@ -146,8 +149,10 @@ def _write_rank_file(path: Path, items: list[Written], rank: int, world_size: in
 
 def _hyperparameters(optimizer: ShardedOptimizer) -> list[dict[str, Any]]:
     """Every param group's options but ``params``, as JSON (TypeError if one is not)."""
-    return [{k: encode_value(v, f"param group {index} option '{k}'") for k, v in group.items()}
-            for index, group in enumerate(optimizer.group_options())]
+    return [
+        {k: encode_value(v, f"param group {index} option '{k}'") for k, v in group.items()}
+        for index, group in enumerate(optimizer.group_options())
+    ]
 
 
 @dataclass
@@ -167,16 +172,29 @@ class _ManifestInputs:
     hf_config: dict[str, dict[str, Any]] | None
 
     @classmethod
-    def of(cls, model: ShardedModule, optimizer: ShardedOptimizer | None,
-           hyperparameters: list[dict[str, Any]] | None, extra: Any) -> "_ManifestInputs":
+    def of(
+        cls,
+        model: ShardedModule,
+        optimizer: ShardedOptimizer | None,
+        hyperparameters: list[dict[str, Any]] | None,
+        extra: Any,
+    ) -> _ManifestInputs:
         engine = model.engine
         inventory, aliases = model_tensors(engine)
-        return cls(engine.stage, engine.world_size,
-                   [(n, kind, dtype_name(t.dtype), list(t.shape)) for n, kind, t in inventory], aliases,
-                   None if optimizer is None else optimizer.class_name, hyperparameters,
-                   [n for n, _ in engine.named_params], extra, engine.layout_summary(), hf_config_of(model.module))
+        return cls(
+            engine.stage,
+            engine.world_size,
+            [(n, kind, dtype_name(t.dtype), list(t.shape)) for n, kind, t in inventory],
+            aliases,
+            None if optimizer is None else optimizer.class_name,
+            hyperparameters,
+            [n for n, _ in engine.named_params],
+            extra,
+            engine.layout_summary(),
+            hf_config_of(model.module),
+        )
 
-    def optimizer_section(self, reports: list["_RankReport"]) -> dict[str, Any] | None:
+    def optimizer_section(self, reports: list[_RankReport]) -> dict[str, Any] | None:
         """The manifest's ``optimizer`` object (elementwise state is added from the pieces)."""
         if self.optimizer_class is None:
             return None
@@ -189,8 +207,11 @@ class _ManifestInputs:
         for report in reports:  # lowest rank first; equal on every rank holding a piece
             for name, values in report.scalar_state.items():
                 scalar.setdefault(name, values)
-        return {"class": self.optimizer_class, "param_groups": groups,
-                "scalar_state": {n: scalar[n] for n in sorted(scalar, key=position.__getitem__)}}
+        return {
+            "class": self.optimizer_class,
+            "param_groups": groups,
+            "scalar_state": {n: scalar[n] for n in sorted(scalar, key=position.__getitem__)},
+        }
 
 
 @dataclass
@@ -207,7 +228,7 @@ class _RankReport:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> "_RankReport":
+    def from_json(cls, raw: dict[str, Any]) -> _RankReport:
         items = [StoredItem(**{**item, "ref": tuple(item["ref"])}) for item in raw["items"]]
         return cls(FileRecord(**raw["file"]), items, raw["scalar_state"], raw["group_names"])
 
@@ -232,8 +253,14 @@ class _SavePlan:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimizer: ShardedOptimizer | None = None,
-                    extra: Any = None, *, async_save: bool = False) -> SaveHandle:
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: ShardedModule,
+    optimizer: ShardedOptimizer | None = None,
+    extra: Any = None,
+    *,
+    async_save: bool = False,
+) -> SaveHandle:
     """Save the model (and optimizer) into the directory ``path``, every rank in parallel.
 
     Every rank calls it. Each writes ``rank-0000r-of-0000N.safetensors`` with its pieces;
@@ -257,8 +284,9 @@ def save_checkpoint(path: str | os.PathLike[str], model: ShardedModule, optimize
 
 
 @collective_phase("save_checkpoint")
-def _save(path: str | os.PathLike[str], model: ShardedModule, optimizer: ShardedOptimizer | None, extra: Any,
-          async_save: bool) -> SaveHandle:
+def _save(
+    path: str | os.PathLike[str], model: ShardedModule, optimizer: ShardedOptimizer | None, extra: Any, async_save: bool
+) -> SaveHandle:
     engine = model.engine
     plan = _prepare(Path(path).absolute(), model, optimizer, extra)
     if not async_save:
@@ -274,9 +302,14 @@ def _save(path: str | os.PathLike[str], model: ShardedModule, optimizer: Sharded
     except Exception:
         plan.discard()
         raise
-    return start_in_background(plan.target, engine.rank, engine.world_size, engine.config.timeout_s,
-                               f"shardpar/async-save/{plan.tmp.name}",
-                               lambda agree_: _write_and_commit(plan, agree_))
+    return start_in_background(
+        plan.target,
+        engine.rank,
+        engine.world_size,
+        engine.config.timeout_s,
+        f"shardpar/async-save/{plan.tmp.name}",
+        lambda agree_: _write_and_commit(plan, agree_),
+    )
 
 
 def _prepare(target: Path, model: ShardedModule, optimizer: ShardedOptimizer | None, extra: Any) -> _SavePlan:
@@ -325,13 +358,16 @@ def _write_and_commit(plan: _SavePlan, agree_: Agree) -> None:
     problem: BaseException | None = None
     try:
         try:
-            record = _write_rank_file(plan.tmp / rank_file_name(rank, plan.world_size), plan.items, rank,
-                                      plan.world_size)
+            record = _write_rank_file(
+                plan.tmp / rank_file_name(rank, plan.world_size), plan.items, rank, plan.world_size
+            )
             report = _RankReport(record, [item for item, _ in plan.items], plan.scalar_state, plan.group_names)
         except Exception as error:
             problem, report = error, None
-        reports = [_RankReport.from_json(r) for r in
-                   agree_(problem, "save_checkpoint (writing files)", report and report.to_json())]
+        reports = [
+            _RankReport.from_json(r)
+            for r in agree_(problem, "save_checkpoint (writing files)", report and report.to_json())
+        ]
 
         try:
             _verify_written(plan.tmp, reports, rank)
@@ -354,9 +390,15 @@ def _commit(plan: _SavePlan, reports: list[_RankReport]) -> None:
     """Rank 0: the manifest, then the one rename that makes the checkpoint visible, then ``latest``."""
     inputs = plan.manifest
     manifest = assemble_manifest(
-        stage=inputs.stage, world_size=inputs.world_size, model=inputs.model, aliases=inputs.aliases,
-        files=[r.file for r in reports], items={r.file.name: r.items for r in reports},
-        optimizer=inputs.optimizer_section(reports), extra=inputs.extra, layout=inputs.layout,
+        stage=inputs.stage,
+        world_size=inputs.world_size,
+        model=inputs.model,
+        aliases=inputs.aliases,
+        files=[r.file for r in reports],
+        items={r.file.name: r.items for r in reports},
+        optimizer=inputs.optimizer_section(reports),
+        extra=inputs.extra,
+        layout=inputs.layout,
         hf_config=inputs.hf_config,
     )
     write_manifest(plan.tmp, manifest)
@@ -371,8 +413,10 @@ def _verify_written(tmp: Path, reports: list[_RankReport], rank: int) -> None:
     other = reports[(rank + 1) % len(reports)].file
     digest, size = sha256_file(tmp / other.name)
     if (digest, size) != (other.sha256, other.bytes):
-        raise CheckpointError(f"{tmp / other.name} reads back as {size} bytes, sha256 {digest}; rank "
-                              f"{other.rank} wrote {other.bytes} bytes, sha256 {other.sha256}")
+        raise CheckpointError(
+            f"{tmp / other.name} reads back as {size} bytes, sha256 {digest}; rank "
+            f"{other.rank} wrote {other.bytes} bytes, sha256 {other.sha256}"
+        )
     if rank == 0:
         for report in reports:
             file = tmp / report.file.name

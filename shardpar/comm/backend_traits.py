@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -70,8 +70,9 @@ def traits(group: ProcessGroup | None, device: torch.device | None = None) -> Ba
         name = served["cuda"]
     else:
         name = str(dist.get_backend(group)).lower()
-    found = _KNOWN_BACKENDS.get(name) or BackendTraits(name, averages=False, emulated_split=False,
-                                                       tolerant_gathers=False, aligns=True)
+    found = _KNOWN_BACKENDS.get(name) or BackendTraits(
+        name, averages=False, emulated_split=False, tolerant_gathers=False, aligns=True
+    )
     if _forced_native:
         found = dataclasses.replace(found, emulated_split=False, tolerant_gathers=False)
     return found

@@ -234,8 +234,14 @@ def broadcast(
     return _finish(Handle(work, op=f"broadcast from rank {src}", group=group), async_op)
 
 
-def all_gather_objects(obj: Any, *, group: ProcessGroup | None = None, device: torch.device | None = None,
-                       stats: CommStats | None = None, kind: str = "control") -> list[Any]:
+def all_gather_objects(
+    obj: Any,
+    *,
+    group: ProcessGroup | None = None,
+    device: torch.device | None = None,
+    stats: CommStats | None = None,
+    kind: str = "control",
+) -> list[Any]:
     """Every rank's ``obj`` (small, picklable metadata such as a model signature): two
     all-gathers (sizes, then the pickles padded to the longest) whose waits are bounded like
     any other, counted under ``kind`` in ``stats`` (the pickles' padding as padding).
@@ -253,14 +259,16 @@ def all_gather_objects(obj: Any, *, group: ProcessGroup | None = None, device: t
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()].copy_(payload)
     gathered = torch.empty(world_size * longest, dtype=torch.uint8, device=device)
-    all_gather(gathered, padded, group=group, stats=stats, padding_numel=world_size * longest - int(sizes.sum()),
-               kind=kind)
+    all_gather(
+        gathered, padded, group=group, stats=stats, padding_numel=world_size * longest - int(sizes.sum()), kind=kind
+    )
     rows = gathered.view(world_size, longest).cpu()
     return [pickle.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(world_size)]
 
 
-def broadcast_object(obj: Any, src: int = 0, *, group: ProcessGroup | None = None,
-                     device: torch.device | None = None) -> Any:
+def broadcast_object(
+    obj: Any, src: int = 0, *, group: ProcessGroup | None = None, device: torch.device | None = None
+) -> Any:
     """Rank ``src``'s ``obj`` (a group rank; small and picklable: a path, a decision) on every
     rank; what the other ranks pass is ignored, never pickled. Two broadcasts (the size, then
     the pickle) whose waits are bounded like any other; ``device`` as in

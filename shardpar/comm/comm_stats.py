@@ -59,8 +59,18 @@ import torch
 # GradScaler's of its overflow flag; "control" the gathers that carry no model values, only
 # agreement between ranks (pickles of a size no closed form gives): the launch order of the
 # first synchronising backward, the bucket rebuild's proposal, stage 3's tag probes and fillers.
-SEND_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "used_flags": 2, "rebuild": 1,
-                "clip_norm": 2, "found_inf": 2, "control": 1, "closure_loss": 2}
+SEND_FACTOR = {
+    "all_reduce": 2,
+    "reduce_scatter": 1,
+    "all_gather": 1,
+    "broadcast": 1,
+    "used_flags": 2,
+    "rebuild": 1,
+    "clip_norm": 2,
+    "found_inf": 2,
+    "control": 1,
+    "closure_loss": 2,
+}
 
 
 SHARD_GROUP = "shard_group"
@@ -165,9 +175,7 @@ class CommStats:
         return out
 
 
-def record_traffic(
-    stats: CommStats | None, op: str, tensor: torch.Tensor, padding_numel: int, world_size: int
-) -> None:
+def record_traffic(stats: CommStats | None, op: str, tensor: torch.Tensor, padding_numel: int, world_size: int) -> None:
     """Count ``tensor`` (``padding_numel`` of its elements padding) under ``op`` in ``stats``, if any."""
     if stats is not None:
         stats.record(op, tensor.numel(), padding_numel, tensor.element_size(), world_size)
@@ -194,6 +202,7 @@ def tally(collectives: Iterable[Collective]) -> dict[str, dict[str, dict[str, fl
     snapshot ([Note: one description of a step's collectives])."""
     by_group: dict[str, CommStats] = {}
     for c in collectives:
-        by_group.setdefault(c.group, CommStats()).record_bytes(c.op, c.payload_bytes, c.padding_bytes, c.group_size,
-                                                              c.calls)
+        by_group.setdefault(c.group, CommStats()).record_bytes(
+            c.op, c.payload_bytes, c.padding_bytes, c.group_size, c.calls
+        )
     return {group: stats.snapshot() for group, stats in by_group.items()}

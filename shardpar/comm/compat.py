@@ -21,7 +21,8 @@ than either torch name directly.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,20 +54,23 @@ def _takes(fn: Callable[..., Any] | None, keyword: str) -> bool:
 _AVAILABLE = dist.is_available()
 _REDUCE_SCATTER = (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor) if _AVAILABLE else None
 _ALL_GATHER = (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor) if _AVAILABLE else None
-_GROUP_RANK_KEYWORDS = _AVAILABLE and _takes(dist.broadcast, "group_src") and _takes(dist.isend, "group_dst") \
+_GROUP_RANK_KEYWORDS = (
+    _AVAILABLE
+    and _takes(dist.broadcast, "group_src")
+    and _takes(dist.isend, "group_dst")
     and _takes(dist.irecv, "group_src")
+)
 
 
-def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = None, group: Any = None,
-                          async_op: bool = False) -> Any:
+def reduce_scatter_single(
+    output: torch.Tensor, input: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False
+) -> Any:
     """``dist.reduce_scatter_single`` (2.13+), otherwise ``dist.reduce_scatter_tensor``. Both take
     the same arguments and do the same thing."""
-    return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM if op is None else op, group=group,
-                           async_op=async_op)
+    return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=async_op)
 
 
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any = None,
-                      async_op: bool = False) -> Any:
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
     """``dist.all_gather_single`` (2.13+), otherwise ``dist.all_gather_into_tensor``."""
     return _ALL_GATHER(output, input, group=group, async_op=async_op)
 

@@ -40,8 +40,9 @@ refuses (two ranks on one GPU) or hangs on.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,8 +98,9 @@ def rank_device(group: ProcessGroup | None = None) -> RankDevice:
     if local is not None and local < visible:
         return RankDevice(torch.device("cuda", local), f"LOCAL_RANK={local}")
     if local is not None:
-        return RankDevice(torch.device("cuda", 0), f"the only GPU visible to this rank (LOCAL_RANK={local}, "
-                                                   f"{visible} visible)")
+        return RankDevice(
+            torch.device("cuda", 0), f"the only GPU visible to this rank (LOCAL_RANK={local}, {visible} visible)"
+        )
     return RankDevice(torch.device("cuda", 0), "torch.cuda.current_device()")
 
 
@@ -172,8 +174,9 @@ def object_device(group: ProcessGroup | None, device: torch.device | None = None
 # --------------------------------------------------------------------------- checks
 
 
-def check_module_device(device: torch.device, *, rank: int, expected: RankDevice,
-                        backends: Mapping[str, str], backend_text: str = "") -> None:
+def check_module_device(
+    device: torch.device, *, rank: int, expected: RankDevice, backends: Mapping[str, str], backend_text: str = ""
+) -> None:
     """Raise ValueError if a model on ``device`` cannot train on rank ``rank``: its device type
     has no backend in the group (``backends``, as :func:`parse_backends` gives; empty: not
     known, not checked; ``backend_text`` is how the message names the group's backend), or
@@ -185,14 +188,18 @@ def check_module_device(device: torch.device, *, rank: int, expected: RankDevice
     if backends and device.type not in backends:
         served = " and ".join(sorted(backends))
         if device.type == "cpu" and expected.device.type == "cuda":
-            fix = (f"move the model to this rank's GPU before wrapping (model.to('{expected.device}'), "
-                   f"{expected.source}), or create the group with a CPU backend too "
-                   "(torch.distributed.init_process_group(backend='cpu:gloo,cuda:nccl'), or 'gloo')")
+            fix = (
+                f"move the model to this rank's GPU before wrapping (model.to('{expected.device}'), "
+                f"{expected.source}), or create the group with a CPU backend too "
+                "(torch.distributed.init_process_group(backend='cpu:gloo,cuda:nccl'), or 'gloo')"
+            )
         elif device.type == "cpu":
             fix = "create the group with a CPU backend: torch.distributed.init_process_group(backend='gloo')"
         else:
-            fix = (f"create the group with a backend for {device.type} (backend='nccl' or "
-                   f"'cpu:gloo,cuda:nccl' for CUDA), or move the model to the {served}")
+            fix = (
+                f"create the group with a backend for {device.type} (backend='nccl' or "
+                f"'cpu:gloo,cuda:nccl' for CUDA), or move the model to the {served}"
+            )
         raise ValueError(
             f"shardpar.wrap on rank {rank}: the model is on {device}, but the process group's backend "
             f"'{named}' serves only {served} tensors, so every collective on the model's tensors would fail; "
@@ -215,5 +222,6 @@ def check_rank_device(device: torch.device, group: ProcessGroup | None = None) -
     if not _group_exists() or dist.get_world_size(group) <= 1:
         return
     text = backend_config(group)
-    check_module_device(device, rank=dist.get_rank(group), expected=rank_device(group),
-                        backends=parse_backends(text), backend_text=text)
+    check_module_device(
+        device, rank=dist.get_rank(group), expected=rank_device(group), backends=parse_backends(text), backend_text=text
+    )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import watch
 from .process_group import ProcessGroup
@@ -14,8 +15,14 @@ class Handle:
     and failures explained as [Note: ranks out of step] in ``shardpar.comm.watch`` says."""
 
     def __init__(
-        self, work: Any = None, then: Callable[[], Any] | None = None, *, op: str = "collective",
-        group: ProcessGroup | None = None, issued: int | None = None, collective: bool = True,
+        self,
+        work: Any = None,
+        then: Callable[[], Any] | None = None,
+        *,
+        op: str = "collective",
+        group: ProcessGroup | None = None,
+        issued: int | None = None,
+        collective: bool = True,
     ) -> None:
         """``work``: one torch work object, a list of them, or None (already done); ``then``
         runs once after every work finished (e.g. a local sum that completes the op);

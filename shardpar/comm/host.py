@@ -28,7 +28,7 @@ behind an event.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -76,7 +76,7 @@ def flags_to_device(flags: bytearray, tail: Sequence[int], device: torch.device)
     if flags:
         host[: len(flags)].copy_(torch.frombuffer(flags, dtype=torch.uint8))
     if tail:
-        host[len(flags):].copy_(torch.tensor(tail, dtype=torch.int32))
+        host[len(flags) :].copy_(torch.tensor(tail, dtype=torch.int32))
     return _send(host, device)
 
 
@@ -85,7 +85,7 @@ class DeviceToHost:
     the work that produces ``tensor`` is ordered before the current stream (a collective's
     ``wait()``); ``stream``: copy on that stream instead (it must wait for the producer)."""
 
-    def __init__(self, tensor: torch.Tensor, stream: "torch.cuda.Stream | None" = None) -> None:
+    def __init__(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
         self.event: torch.cuda.Event | None = None
         if tensor.device.type == "cpu":
             self.host = tensor

@@ -124,8 +124,13 @@ def attempt_store(timeout: datetime.timedelta) -> Any:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launched_world_size(),
-                          is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        launched_world_size(),
+        is_master=False,
+        timeout=timeout,
+    )
     return dist.PrefixStore(f"shardpar/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
@@ -145,7 +150,8 @@ def sibling_group(group: ProcessGroup | None, timeout_s: float) -> ProcessGroup 
     parent = group if group is not None else dist.group.WORLD
     if parent not in _SIBLING_GROUPS:
         _SIBLING_GROUPS[parent] = dist.new_group(
-            ranks=dist.get_process_group_ranks(parent), timeout=backend_timeout(timeout_s, dist.get_backend(parent)),
+            ranks=dist.get_process_group_ranks(parent),
+            timeout=backend_timeout(timeout_s, dist.get_backend(parent)),
             use_local_synchronization=True,
         )
     return _SIBLING_GROUPS[parent]

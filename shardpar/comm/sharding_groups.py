@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Union
+from typing import Any, Union
 
 import torch.distributed as dist
 
@@ -79,7 +80,7 @@ class ShardingGroups:
     """How the user asked for it, for messages."""
 
     @classmethod
-    def whole(cls, group: ProcessGroup | None) -> "ShardingGroups":
+    def whole(cls, group: ProcessGroup | None) -> ShardingGroups:
         """Full sharding over ``group`` itself (None: the default group, or world size 1 without
         one), with no collective and no group created: what every stage has without
         ``shard_group_size``. The shard group is ``group`` as given, so collectives keep
@@ -102,14 +103,17 @@ class ShardingGroups:
         elif self.shard_size == 1:
             layout = f"no sharding: every rank holds everything, {self.world_size} replicas"
         else:
-            layout = (f"hybrid sharding: shard groups of {self.shard_size} ranks, "
-                      f"replicated across {self.replica_size} groups")
-        return (f"{layout} ({self.source}); this rank is {self.shard_rank} of shard group "
-                f"{list(self.shard_ranks)} and {self.replica_rank} of replica group {list(self.replica_ranks)}")
+            layout = (
+                f"hybrid sharding: shard groups of {self.shard_size} ranks, "
+                f"replicated across {self.replica_size} groups"
+            )
+        return (
+            f"{layout} ({self.source}); this rank is {self.shard_rank} of shard group "
+            f"{list(self.shard_ranks)} and {self.replica_rank} of replica group {list(self.replica_ranks)}"
+        )
 
 
-def resolve_shard_group_size(choice: ShardGroupSize, world_size: int,
-                             environ: Mapping[str, str] = os.environ) -> int:
+def resolve_shard_group_size(choice: ShardGroupSize, world_size: int, environ: Mapping[str, str] = os.environ) -> int:
     """G for ``shard_group_size=choice`` on ``world_size`` ranks (None: G = N); ValueError
     naming the problem when G is not a positive divisor of the world size, or ``"node"`` has
     no ``LOCAL_WORLD_SIZE`` to read or one that does not divide the world size."""
@@ -120,7 +124,8 @@ def resolve_shard_group_size(choice: ShardGroupSize, world_size: int,
         if text is None:
             raise ValueError(
                 "shard_group_size='node' reads LOCAL_WORLD_SIZE (the ranks per node, which torchrun "
-                "sets), and it is not set; launch with torchrun or pass the number of ranks per node")
+                "sets), and it is not set; launch with torchrun or pass the number of ranks per node"
+            )
         try:
             local = int(text)
         except ValueError:
@@ -128,7 +133,8 @@ def resolve_shard_group_size(choice: ShardGroupSize, world_size: int,
         if local < 1 or world_size % local:
             raise ValueError(
                 f"shard_group_size='node': the world size {world_size} is not a multiple of "
-                f"LOCAL_WORLD_SIZE={local}; every node must run the same number of ranks")
+                f"LOCAL_WORLD_SIZE={local}; every node must run the same number of ranks"
+            )
         return local
     if isinstance(choice, bool) or not isinstance(choice, int):
         raise ValueError(f"shard_group_size must be None, an int or 'node', got {choice!r}")
@@ -136,7 +142,8 @@ def resolve_shard_group_size(choice: ShardGroupSize, world_size: int,
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(
             f"shard_group_size={choice} must be a positive divisor of the world size {world_size} "
-            f"(one of {', '.join(map(str, divisors))})")
+            f"(one of {', '.join(map(str, divisors))})"
+        )
     return choice
 
 
@@ -166,8 +173,13 @@ class _Proposal:
     cached: bool
 
 
-def sharding_groups(shard_group_size: ShardGroupSize = None, *, mesh: Any = None,
-                    group: ProcessGroup | None = None, timeout_s: float | None = None) -> ShardingGroups:
+def sharding_groups(
+    shard_group_size: ShardGroupSize = None,
+    *,
+    mesh: Any = None,
+    group: ProcessGroup | None = None,
+    timeout_s: float | None = None,
+) -> ShardingGroups:
     """Resolve ``shard_group_size`` (or a 2-D ``mesh`` (replicate, shard)) on the parent
     ``group`` (None: the default group) into this rank's :class:`ShardingGroups`.
 
@@ -213,7 +225,8 @@ def _propose(choice: ShardGroupSize, mesh: Any, parent: ProcessGroup, world_size
             # new_group is collective over the whole job: ranks outside the parent would not take part.
             raise ValueError(
                 f"shard_group_size={choice!r} with a process_group that is not the whole job: build a 2-D "
-                "DeviceMesh (replicate, shard) over the group's ranks and pass mesh= instead")
+                "DeviceMesh (replicate, shard) over the group's ranks and pass mesh= instead"
+            )
     except ValueError as problem:
         return _Proposal(kind, None, str(problem), None, False)
     node = os.environ.get("GROUP_RANK") if choice == NODE else None
@@ -240,26 +253,34 @@ def _check_agreement(proposals: list[_Proposal], choice: ShardGroupSize) -> None
         raise ValueError("; ".join(f"rank {rank}: {problem}" for rank, problem in problems))
     kinds = _by_value([p.kind for p in proposals])
     if len(kinds) > 1:
-        raise ValueError("the ranks disagree on how hybrid sharding is given: "
-                         + "; ".join(f"{'a mesh' if kind == 'mesh' else 'shard_group_size'} on ranks {_ranks(ranks)}"
-                                     for kind, ranks in kinds.items()))
+        raise ValueError(
+            "the ranks disagree on how hybrid sharding is given: "
+            + "; ".join(
+                f"{'a mesh' if kind == 'mesh' else 'shard_group_size'} on ranks {_ranks(ranks)}"
+                for kind, ranks in kinds.items()
+            )
+        )
     sizes = _by_value([p.shard_size for p in proposals])
     if len(sizes) > 1:
-        raise ValueError("the ranks disagree on the shard group size: "
-                         + "; ".join(f"G={size} on ranks {_ranks(ranks)}" for size, ranks in sizes.items())
-                         + "; every rank must pass the same shard_group_size (with 'node', every node "
-                           "the same number of ranks)")
+        raise ValueError(
+            "the ranks disagree on the shard group size: "
+            + "; ".join(f"G={size} on ranks {_ranks(ranks)}" for size, ranks in sizes.items())
+            + "; every rank must pass the same shard_group_size (with 'node', every node "
+            "the same number of ranks)"
+        )
     shard_size = proposals[0].shard_size
     if choice == NODE and all(p.node is not None for p in proposals):
         for start in range(0, len(proposals), shard_size):
-            nodes = _by_value([p.node for p in proposals[start:start + shard_size]])
+            nodes = _by_value([p.node for p in proposals[start : start + shard_size]])
             if len(nodes) > 1:
                 raise ValueError(
                     f"shard_group_size='node': ranks {start}..{start + shard_size - 1} form one shard group "
                     "but run on different nodes (GROUP_RANK "
-                    + ", ".join(f"{node} on ranks {_ranks([start + r for r in ranks])}"
-                                for node, ranks in nodes.items())
-                    + "); launch with torchrun, which numbers the ranks of a node consecutively")
+                    + ", ".join(
+                        f"{node} on ranks {_ranks([start + r for r in ranks])}" for node, ranks in nodes.items()
+                    )
+                    + "); launch with torchrun, which numbers the ranks of a node consecutively"
+                )
 
 
 def _by_value(values: list[Any]) -> dict[Any, list[int]]:
@@ -279,16 +300,21 @@ def _check_mesh(mesh: Any, parent_ranks: list[int]) -> int:
     if getattr(mesh, "ndim", None) != 2:
         raise ValueError(
             "mesh must be a 2-D DeviceMesh with dims (replicate, shard), as FSDP2's HSDP takes it; got "
-            + (f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}" if hasattr(mesh, "ndim") else type(mesh).__name__))
+            + (f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}" if hasattr(mesh, "ndim") else type(mesh).__name__)
+        )
     names = mesh.mesh_dim_names
     if names is not None and ("shard" in names[0].lower() or "replica" in names[1].lower()):
-        raise ValueError(f"mesh dims are named {tuple(names)}; the first must be the replicate dim and the "
-                         "second the shard dim, as FSDP2's HSDP takes them: (replicate, shard)")
+        raise ValueError(
+            f"mesh dims are named {tuple(names)}; the first must be the replicate dim and the "
+            "second the shard dim, as FSDP2's HSDP takes them: (replicate, shard)"
+        )
     ranks = sorted(mesh.mesh.flatten().tolist())
     if ranks != sorted(parent_ranks):
-        raise ValueError(f"the mesh of shape {tuple(mesh.shape)} holds ranks {ranks}, but the process group has "
-                         f"{len(parent_ranks)} ranks {sorted(parent_ranks)}: the mesh must cover exactly the "
-                         "group's ranks")
+        raise ValueError(
+            f"the mesh of shape {tuple(mesh.shape)} holds ranks {ranks}, but the process group has "
+            f"{len(parent_ranks)} ranks {sorted(parent_ranks)}: the mesh must cover exactly the "
+            "group's ranks"
+        )
     return int(mesh.size(1))
 
 
@@ -297,12 +323,16 @@ def _from_mesh(mesh: Any, world_size: int, source: str) -> ShardingGroups:
     shard_group = mesh.get_group(1) if shard_size > 1 else None
     replica_group = mesh.get_group(0) if replica_size > 1 else None
     return ShardingGroups(
-        world_size, shard_size, replica_size,
+        world_size,
+        shard_size,
+        replica_size,
         dist.get_rank(shard_group) if shard_group is not None else 0,
         dist.get_rank(replica_group) if replica_group is not None else 0,
         tuple(dist.get_process_group_ranks(shard_group)) if shard_group is not None else (dist.get_rank(),),
         tuple(dist.get_process_group_ranks(replica_group)) if replica_group is not None else (dist.get_rank(),),
-        shard_group, replica_group, source,
+        shard_group,
+        replica_group,
+        source,
     )
 
 
@@ -328,8 +358,17 @@ def _create(parent: ProcessGroup, world_size: int, shard_size: int, timeout_s: f
             if me in members:
                 mine[name] = (tuple(ranks), created)
     (shard_ranks, shard_group), (replica_ranks, replica_group) = mine["shard"], mine["replica"]
-    return ShardingGroups(world_size, shard_size, world_size // shard_size, me % shard_size, me // shard_size,
-                          shard_ranks, replica_ranks, shard_group, replica_group)
+    return ShardingGroups(
+        world_size,
+        shard_size,
+        world_size // shard_size,
+        me % shard_size,
+        me // shard_size,
+        shard_ranks,
+        replica_ranks,
+        shard_group,
+        replica_group,
+    )
 
 
 __all__ = [

@@ -154,8 +154,13 @@ def judge(positions: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
     held_up: dict[int, list[tuple[int, str]]] = {}
     for rank, position in positions.items():
         waiting = position["waiting"]
-        held_up[rank] = [(other, why) for other in waiting["ranks"] if other != rank and other in positions
-                         for why in [_holdup(positions[other], waiting)] if why is not None]
+        held_up[rank] = [
+            (other, why)
+            for other in waiting["ranks"]
+            if other != rank and other in positions
+            for why in [_holdup(positions[other], waiting)]
+            if why is not None
+        ]
         if not held_up[rank]:
             return None
     return _verdict(positions, held_up)
@@ -175,39 +180,56 @@ def _verdict(positions: dict[int, dict[str, Any]], held_up: dict[int, list[tuple
         waiting = positions[rank]["waiting"]
         why = "; ".join(f"rank {other} {text}" for other, text in held_up[rank])
         lines.append(f"  rank {rank}: {positions[rank]['doing']}; waiting in {waiting['op']} ({why})")
-        reports[str(rank)] = {"doing": positions[rank]["doing"], "waiting_in": waiting["op"],
-                              "cause": f"every rank waits for another: {why}"}
+        reports[str(rank)] = {
+            "doing": positions[rank]["doing"],
+            "waiting_in": waiting["op"],
+            "cause": f"every rank waits for another: {why}",
+        }
     advice = []
     if len({tuple(ops) for ops in operations.values()}) > 1:
         kind = "operation"
         names = sorted({op for ops in operations.values() for op in ops})
         inside = [rank for rank in ranks if operations[rank]]
         outside = [rank for rank in ranks if not operations[rank]]
-        headline = (f"ranks stopped meeting in their collectives: {_ranks(inside)} in {' / '.join(names)}"
-                    + (f", which {_ranks(outside, verb=False)} did not start" if outside else "")
-                    + ", and every rank waits for another.")
+        headline = (
+            f"ranks stopped meeting in their collectives: {_ranks(inside)} in {' / '.join(names)}"
+            + (f", which {_ranks(outside, verb=False)} did not start" if outside else "")
+            + ", and every rank waits for another."
+        )
         calls = sorted({name.split()[0] for name in names})
-        advice.append(f"{' and '.join(calls)} {'is a collective' if len(calls) == 1 else 'are collectives'}: call "
-                      f"{'it' if len(calls) == 1 else 'them'} on every rank, at the same point of training.")
+        advice.append(
+            f"{' and '.join(calls)} {'is a collective' if len(calls) == 1 else 'are collectives'}: call "
+            f"{'it' if len(calls) == 1 else 'them'} on every rank, at the same point of training."
+        )
         if "full_state_dict" in calls:
             advice.append("To save on one rank, gather on every rank (model.state_dict()) and write on rank 0 only.")
-    elif len({tuple(_pass_of(positions[rank]["engines"])) for rank in ranks}) == 1 \
-            and any(_is_unit_gather(positions[rank]["waiting"]["op"]) for rank in ranks):
+    elif len({tuple(_pass_of(positions[rank]["engines"])) for rank in ranks}) == 1 and any(
+        _is_unit_gather(positions[rank]["waiting"]["op"]) for rank in ranks
+    ):
         kind = "units"
-        headline = ("stage 3: units ran in a different order on different ranks (a unit skipped, repeated or run "
-                    "on some ranks only), so their collectives no longer pair up and every rank waits for another.")
-        advice.append("Every rank must run the same units in the same order in every forward and backward (put "
-                      "the modules a data-dependent branch chooses between in one unit).")
+        headline = (
+            "stage 3: units ran in a different order on different ranks (a unit skipped, repeated or run "
+            "on some ranks only), so their collectives no longer pair up and every rank waits for another."
+        )
+        advice.append(
+            "Every rank must run the same units in the same order in every forward and backward (put "
+            "the modules a data-dependent branch chooses between in one unit)."
+        )
     else:
         kind = "training"
-        headline = ("ranks stopped meeting in their collectives: they are at different points of training, and "
-                    "every rank waits for another.")
-        advice.append("Every rank must run the same sequence of forward/backward passes, optimizer steps and "
-                      "checkpoint calls.")
+        headline = (
+            "ranks stopped meeting in their collectives: they are at different points of training, and "
+            "every rank waits for another."
+        )
+        advice.append(
+            "Every rank must run the same sequence of forward/backward passes, optimizer steps and checkpoint calls."
+        )
     if any("without autograd" in positions[rank]["doing"] for rank in ranks):
-        advice.append("A forward without autograd on some ranks only, or more of them on some ranks, is an evaluation "
-                      "or a generation that differs between ranks: at stage 3 every forward gathers from every rank "
-                      "(Hugging Face generate: pass synced_gpus=True).")
+        advice.append(
+            "A forward without autograd on some ranks only, or more of them on some ranks, is an evaluation "
+            "or a generation that differs between ranks: at stage 3 every forward gathers from every rank "
+            "(Hugging Face generate: pass synced_gpus=True)."
+        )
     advice.append(f"(Found once every rank had waited {STALL_S:g} s, without waiting for timeout_s.)")
     message = "\n".join([headline, "Where each rank is:", *lines, " ".join(advice)])
     return {"kind": kind, "message": message, "reports": reports}

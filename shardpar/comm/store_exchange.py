@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -97,8 +98,9 @@ class StoreExchange:
         step, self._step = self._step, self._step + 1
         keys = [f"{self.prefix}/{step}/rank-{r}" for r in range(self.world_size)]
         self._call(what, lambda: self.store.set(keys[self.rank], text))
-        self._wait_until(lambda: self.store.check(keys), lambda: [r for r, k in enumerate(keys)
-                                                                  if not self.store.check([k])], what)
+        self._wait_until(
+            lambda: self.store.check(keys), lambda: [r for r, k in enumerate(keys) if not self.store.check([k])], what
+        )
         texts = self._call(what, lambda: [self.store.get(key).decode() for key in keys])
         if step > 0:  # every rank set its key of this step after reading the previous one
             self._call(what, lambda: self.store.delete_key(f"{self.prefix}/{step - 1}/rank-{self.rank}"))
@@ -113,8 +115,11 @@ class StoreExchange:
                 return
             done = [f"{self.prefix}/done/rank-{r}" for r in range(self.world_size)]
             self._call(what, lambda: self.store.set(done[self.rank], ""))
-            self._wait_until(lambda: self.store.check(done),
-                             lambda: [r for r, k in enumerate(done) if not self.store.check([k])], what)
+            self._wait_until(
+                lambda: self.store.check(done),
+                lambda: [r for r, k in enumerate(done) if not self.store.check([k])],
+                what,
+            )
             self._call(what, lambda: self.store.delete_key(f"{self.prefix}/{self._step - 1}/rank-{self.rank}"))
         finally:
             self._stop()
@@ -134,8 +139,10 @@ class StoreExchange:
             return call()
         except Exception as error:
             self._broken = True
-            raise RanksOutOfStep(f"{what}: rank {self.rank} lost the store the ranks meet through "
-                                 f"(its host, rank 0 or the launcher, may be gone): {error}") from error
+            raise RanksOutOfStep(
+                f"{what}: rank {self.rank} lost the store the ranks meet through "
+                f"(its host, rank 0 or the launcher, may be gone): {error}"
+            ) from error
 
     def _wait_until(self, ready: Callable[[], bool], missing: Callable[[], list[int]], what: str) -> None:
         """Poll ``ready`` until it holds; a rank of ``missing()`` silent for
@@ -149,21 +156,24 @@ class StoreExchange:
             if now - started >= self.timeout_s:
                 late = self._call(what, missing) or "some"
                 self._broken = True
-                raise RanksOutOfStep(f"{what}: rank {self.rank} waited timeout_s={self.timeout_s:g} s for rank(s) "
-                                     f"{late} and gave up")
+                raise RanksOutOfStep(
+                    f"{what}: rank {self.rank} waited timeout_s={self.timeout_s:g} s for rank(s) {late} and gave up"
+                )
             if now >= next_look:
                 next_look = now + HEARTBEAT_S
                 gone = []
                 for rank in self._call(what, missing):
-                    beat = int(self._call(what, lambda: self.store.add(self._alive_key(rank), 0)))
+                    beat = int(self._call(what, lambda: self.store.add(self._alive_key(rank), 0)))  # noqa: B023 (called now)
                     if rank not in beats or beats[rank][0] != beat:
                         beats[rank] = (beat, now)
                     elif now - beats[rank][1] >= SILENT_AFTER_S:
                         gone.append(rank)
                 if gone:
                     self._broken = True
-                    raise RanksOutOfStep(f"{what}: rank(s) {', '.join(map(str, gone))} gave no sign of life for "
-                                         f"{SILENT_AFTER_S:g} s (the process died, or is stopped), seen from "
-                                         f"rank {self.rank}")
+                    raise RanksOutOfStep(
+                        f"{what}: rank(s) {', '.join(map(str, gone))} gave no sign of life for "
+                        f"{SILENT_AFTER_S:g} s (the process died, or is stopped), seen from "
+                        f"rank {self.rank}"
+                    )
             time.sleep(pause)
             pause = min(2 * pause, POLL_S)

@@ -34,7 +34,8 @@ undefined (the caller raises or gathers again).
 from __future__ import annotations
 
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -43,7 +44,6 @@ from .backend_traits import traits
 from .comm_stats import CommStats, record_traffic
 from .handle import Handle
 from .process_group import ProcessGroup, get_rank, get_world_size
-
 
 TAG_BYTES = 16
 """Bytes of the tag each rank prefixes to its shard in :func:`all_gather_tagged`."""
@@ -101,8 +101,16 @@ def all_gather_tagged(
     ``stats`` (the tags as padding). One gather; :class:`TaggedAllGather` prepares the gathers
     into one ``full`` buffer once."""
     payload_bytes = send.numel() - TAG_BYTES
-    return TaggedAllGather(full, payload_bytes, max_shard_bytes=max_shard_bytes, group=group, stats=stats,
-                           padding_numel=padding_numel, what=what, kind=kind).start(send, tag)
+    return TaggedAllGather(
+        full,
+        payload_bytes,
+        max_shard_bytes=max_shard_bytes,
+        group=group,
+        stats=stats,
+        padding_numel=padding_numel,
+        what=what,
+        kind=kind,
+    ).start(send, tag)
 
 
 _TAG = struct.Struct("=2q")
@@ -116,30 +124,50 @@ class TaggedAllGather:
     every unit twice per step. The windows are views of ``full``'s storage, so they follow it
     through a ``resize_(0)`` and back; make one while ``full``'s storage is allocated."""
 
-    def __init__(self, full: torch.Tensor, payload_bytes: int, *, max_shard_bytes: int,
-                 group: ProcessGroup | None = None, stats: CommStats | None = None, padding_numel: int = 0,
-                 what: str = "", kind: str = "all_gather") -> None:
+    def __init__(
+        self,
+        full: torch.Tensor,
+        payload_bytes: int,
+        *,
+        max_shard_bytes: int,
+        group: ProcessGroup | None = None,
+        stats: CommStats | None = None,
+        padding_numel: int = 0,
+        what: str = "",
+        kind: str = "all_gather",
+    ) -> None:
         self.world_size, self.rank = get_world_size(group), get_rank(group)
         if full.numel() * full.element_size() != payload_bytes * self.world_size:
-            raise ValueError(f"all_gather_tagged: output of {full.numel()} x {full.dtype} is not "
-                             f"{self.world_size} x the {payload_bytes} payload bytes sent")
+            raise ValueError(
+                f"all_gather_tagged: output of {full.numel()} x {full.dtype} is not "
+                f"{self.world_size} x the {payload_bytes} payload bytes sent"
+            )
         assert payload_bytes <= max_shard_bytes, "max_shard_bytes must cover this shard"
         self.payload_bytes, self.max_shard_bytes = payload_bytes, max_shard_bytes
         self.group, self.stats, self.kind = group, stats, kind
         element = full.element_size()
-        self._counted = ((full.numel() - padding_numel) * element, padding_numel * element + self.world_size * TAG_BYTES)
+        self._counted = (
+            (full.numel() - padding_numel) * element,
+            padding_numel * element + self.world_size * TAG_BYTES,
+        )
         self._full_bytes = full.view(torch.uint8)
         self._chunk_bytes = self._full_bytes.view(self.world_size, -1)
         self._gloo = self.world_size > 1 and traits(group, full.device).tolerant_gathers
         """Broadcasts into buffers sized for the largest shard; else the backend's all-gathers
         (see [Note: tagged all-gather]): a tag all-gather, then the payload in place."""
         # Peers received straight into ``full`` (gloo only; the rest through a receive buffer).
-        self._in_place = (in_place_windows(full, self.rank, self.world_size, payload_bytes, max_shard_bytes)
-                          if self._gloo else {})
+        self._in_place = (
+            in_place_windows(full, self.rank, self.world_size, payload_bytes, max_shard_bytes) if self._gloo else {}
+        )
         self._peers = [src for src in range(self.world_size) if src != self.rank]
         self._through_buffer = [src for src in self._peers if src not in self._in_place]
-        self.receive_bytes = (len(self._through_buffer) * (TAG_BYTES + max_shard_bytes) if self._gloo
-                              else self.world_size * TAG_BYTES if self.world_size > 1 else 0)
+        self.receive_bytes = (
+            len(self._through_buffer) * (TAG_BYTES + max_shard_bytes)
+            if self._gloo
+            else self.world_size * TAG_BYTES
+            if self.world_size > 1
+            else 0
+        )
         """Bytes of receive buffers one gather holds while in flight (the planner counts them too)."""
         self._op = f"tagged all_gather of {what}" if what else "tagged all_gather"
 
@@ -162,14 +190,17 @@ class TaggedAllGather:
         # unit's message always fits.
         windows: list[torch.Tensor | None] = [None] * self.world_size
         if self._through_buffer:
-            received = torch.empty(len(self._through_buffer), TAG_BYTES + self.max_shard_bytes, dtype=torch.uint8,
-                                   device=send.device)
+            received = torch.empty(
+                len(self._through_buffer), TAG_BYTES + self.max_shard_bytes, dtype=torch.uint8, device=send.device
+            )
             for src, row in zip(self._through_buffer, received):
                 windows[src] = row
         for src, window in self._in_place.items():
             windows[src] = window
-        works = [compat.broadcast(send if src == self.rank else windows[src], group_src=src, group=self.group,
-                                async_op=True) for src in range(self.world_size)]
+        works = [
+            compat.broadcast(send if src == self.rank else windows[src], group_src=src, group=self.group, async_op=True)
+            for src in range(self.world_size)
+        ]
 
         def check_then_copy() -> list[list[int]]:
             # Every tag is read before anything is written: a peer's tag may sit in this rank's
@@ -196,12 +227,12 @@ class TaggedAllGather:
         holds the gathered payload only if they agree."""
         device = own.device
         tags = torch.empty(self.world_size * 2, dtype=torch.int64, device=device)
-        tag_work = compat.all_gather_single(tags, host.to_device(mine, torch.int64, device), group=self.group,
-                                               async_op=True)
+        tag_work = compat.all_gather_single(
+            tags, host.to_device(mine, torch.int64, device), group=self.group, async_op=True
+        )
         gathered = GatheredTags(tag_work, tags, op=self._op, group=self.group)
         self._chunk_bytes[self.rank].copy_(own)
-        work = compat.all_gather_single(self._full_bytes, self._chunk_bytes[self.rank], group=self.group,
-                                           async_op=True)
+        work = compat.all_gather_single(self._full_bytes, self._chunk_bytes[self.rank], group=self.group, async_op=True)
         payload_number = None if gathered.number is None else gathered.number + 1
         if device.type != "cpu":
             return Handle([work], then=lambda: gathered, op=self._op, group=self.group)
@@ -209,7 +240,7 @@ class TaggedAllGather:
         # On the CPU a wait blocks the host (on a GPU only the stream), and a payload another
         # rank never posted would block it until the timeout: the tags, which every rank posted,
         # are read first, and a mismatch is returned at once for the caller to raise.
-        def payload_if_tags_agree() -> "list[list[int]] | GatheredTags":
+        def payload_if_tags_agree() -> list[list[int]] | GatheredTags:
             rows = gathered.rows_now()
             if any(row != mine for row in rows):
                 return rows
@@ -219,8 +250,14 @@ class TaggedAllGather:
         return Handle([tag_work], then=payload_if_tags_agree, op=self._op, group=self.group, issued=gathered.number)
 
 
-def all_gather_tags(tag: Sequence[int], *, group: ProcessGroup | None, device: torch.device,
-                    stats: CommStats | None = None, kind: str = "control") -> Handle:
+def all_gather_tags(
+    tag: Sequence[int],
+    *,
+    group: ProcessGroup | None,
+    device: torch.device,
+    stats: CommStats | None = None,
+    kind: str = "control",
+) -> Handle:
     """Every rank's ``tag`` (two ints) alone, by one all-gather; ``wait()`` returns them as N
     two-int lists, read on the host (it waits for the device: set-up and probes only). Its
     bytes are counted under ``kind`` in ``stats``."""
@@ -229,8 +266,7 @@ def all_gather_tags(tag: Sequence[int], *, group: ProcessGroup | None, device: t
         return Handle(then=lambda: [list(tag)])
     tags = torch.empty(world_size * 2, dtype=torch.int64, device=device)
     record_traffic(stats, kind, tags, 0, world_size)
-    work = compat.all_gather_single(tags, host.to_device(list(tag), torch.int64, device), group=group,
-                                       async_op=True)
+    work = compat.all_gather_single(tags, host.to_device(list(tag), torch.int64, device), group=group, async_op=True)
 
     return Handle(work, then=lambda: _tag_rows(host.DeviceToHost(tags).values()), op="tag all_gather", group=group)
 
@@ -295,8 +331,9 @@ def _tag_stream(device: torch.device) -> Any:
     return _TAG_STREAMS[device]
 
 
-def in_place_windows(full: torch.Tensor, rank: int, world_size: int, payload_bytes: int,
-                     max_shard_bytes: int) -> dict[int, torch.Tensor]:
+def in_place_windows(
+    full: torch.Tensor, rank: int, world_size: int, payload_bytes: int, max_shard_bytes: int
+) -> dict[int, torch.Tensor]:
     """The peers whose tagged message ``full`` can receive in place, each with its window (the
     16 bytes before the peer's chunk and the chunk); see [Note: tagged all-gather]."""
     if payload_bytes != max_shard_bytes or payload_bytes < TAG_BYTES:

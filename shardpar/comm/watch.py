@@ -49,7 +49,8 @@ import json
 import os
 import time
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch.distributed as dist
 
@@ -73,7 +74,7 @@ _limits: dict[str, tuple[float, bool]] = {}
 _incidents = 0
 """Incidents this process took part in (each rank counts the same ones)."""
 _meetings: dict[tuple[str, str], int] = {}
-_counted: dict[int, "_Counted"] = {}
+_counted: dict[int, _Counted] = {}
 """Per bounded group (by ``id``): how to count the collectives this rank issued on it."""
 
 
@@ -153,7 +154,7 @@ class _Counted:
             return None
 
 
-def _counted_entry(pg: Any) -> "_Counted | None":
+def _counted_entry(pg: Any) -> _Counted | None:
     entry = _counted.get(id(pg))
     return entry if entry is not None and entry.group() is pg else None
 
@@ -306,8 +307,13 @@ def _stall(store: Any, group: Any, op: str, waiting: dict[str, Any]) -> stalls.S
     stalled waits] in stalls.py): what it waits for, and where it is."""
     pg = group if group is not None else dist.group.WORLD
     waiting = {"group": pg.group_name, "ranks": dist.get_process_group_ranks(pg), "op": op, **waiting}
-    position = {"waiting": waiting, "issued": _issued_on_every_group(), "doing": doing(),
-                "operations": list(_operations), "engines": _engine_positions()}
+    position = {
+        "waiting": waiting,
+        "issued": _issued_on_every_group(),
+        "doing": doing(),
+        "operations": list(_operations),
+        "engines": _engine_positions(),
+    }
     return stalls.Stall(store, f"{_incident_key()}/stalled", position, SLICE_S)
 
 
@@ -374,15 +380,19 @@ def _message(me: int, reports: dict[int, dict[str, str] | None], missing: list[i
     for rank in sorted(reports):
         report = reports[rank]
         if report is None:
-            lines.append(f"  rank {rank}: no report -- it exited or died, or it is busy outside shardpar's collectives "
-                         "(computing, or in a collective of the script's own such as dist.barrier())")
+            lines.append(
+                f"  rank {rank}: no report -- it exited or died, or it is busy outside shardpar's collectives "
+                "(computing, or in a collective of the script's own such as dist.barrier())"
+            )
         else:
             lines.append(f"  rank {rank}: {report['doing']}; waiting in {report['waiting_in']} ({report['cause']})")
     if missing:
         lines.append(f"Rank(s) {', '.join(map(str, missing))} did not report.")
-    elif len({r['doing'] for r in reports.values() if r is not None}) > 1:
-        lines.append("The ranks are at different points of training: every rank must run the same sequence of "
-                     "forward/backward passes, optimizer steps and checkpoint calls.")
+    elif len({r["doing"] for r in reports.values() if r is not None}) > 1:
+        lines.append(
+            "The ranks are at different points of training: every rank must run the same sequence of "
+            "forward/backward passes, optimizer steps and checkpoint calls."
+        )
     if store_problem is not None:
         lines.append(f"(The store that collects reports failed too: {store_problem}.)")
     return "\n".join(lines)

@@ -31,14 +31,13 @@ the same for every F (``comm_stats()`` is unchanged).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
 from ..comm import collectives as C
 from .reducer import ParamSpace
-
 
 ReduceDtype = Callable[[ParamSpace], torch.dtype]
 
@@ -57,8 +56,9 @@ class Averaging:
     the factor asked for."""
 
 
-def averaging(dtype: torch.dtype, world_size: int, backend_averages: bool, divide_before: bool,
-              divide_factor: float | None = None) -> Averaging:
+def averaging(
+    dtype: torch.dtype, world_size: int, backend_averages: bool, divide_before: bool, divide_factor: float | None = None
+) -> Averaging:
     """See [Note: averaging]; ``divide_before``: the result is the whole bucket (all-reduce),
     so dividing before costs no more than after. ``divide_factor``: what the sum over the
     ``world_size`` ranks is divided by (None: ``world_size``, the mean)."""
@@ -74,8 +74,14 @@ def averaging(dtype: torch.dtype, world_size: int, backend_averages: bool, divid
     return Averaging(before=1.0 / factor) if divide_before else Averaging(after=1.0 / factor)
 
 
-def averaging_per_space(spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype, world_size: int, group,
-                        divide_before: bool, divide_factor: float | None = None) -> dict[ParamSpace, Averaging]:
+def averaging_per_space(
+    spaces: Sequence[ParamSpace],
+    reduce_dtype: ReduceDtype,
+    world_size: int,
+    group,
+    divide_before: bool,
+    divide_factor: float | None = None,
+) -> dict[ParamSpace, Averaging]:
     """:func:`averaging` of each space, decided once: the backend, dtypes and factor never change."""
     backend = C.backend_averages(group, spaces[0].device if spaces else None)
     return {s: averaging(reduce_dtype(s), world_size, backend, divide_before, divide_factor) for s in spaces}

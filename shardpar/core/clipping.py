@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -90,8 +90,13 @@ def result_dtype(grads: Sequence[torch.Tensor]) -> torch.dtype:
 
 
 def total_norm(
-    pieces: Sequence[torch.Tensor], norm_type: float, *, device: torch.device, dtype: torch.dtype,
-    all_reduce: AllReduce | None = None, foreach: bool | None = None,
+    pieces: Sequence[torch.Tensor],
+    norm_type: float,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    all_reduce: AllReduce | None = None,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """The norm of order ``norm_type`` of all ``pieces`` taken as one vector; with
     ``all_reduce``, of every rank's pieces (see [Note: a norm per piece]). ``device`` and
@@ -104,8 +109,11 @@ def total_norm(
             return torch.zeros((), dtype=dtype, device=device)
         return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
     # 1-D, one fp64 norm per piece (a zero where this rank holds none)
-    stacked = torch.stack([n.to(device=device, dtype=torch.float64) for n in norms]) if norms else \
-        torch.zeros(1, dtype=torch.float64, device=device)
+    stacked = (
+        torch.stack([n.to(device=device, dtype=torch.float64) for n in norms])
+        if norms
+        else torch.zeros(1, dtype=torch.float64, device=device)
+    )
     if norm_type == math.inf:
         local = stacked.max()
         # A MAX reduction may drop a NaN (max(1, nan) is 1 for gloo and others), so a NaN in one
@@ -122,8 +130,9 @@ def total_norm(
     return total.to(dtype)
 
 
-def clip_with_norm_(pieces: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor,
-                    foreach: bool | None = None) -> None:
+def clip_with_norm_(
+    pieces: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor, foreach: bool | None = None
+) -> None:
     """Scale ``pieces`` in place by ``min(max_norm / (total + 1e-6), 1)``, as torch's
     ``clip_grads_with_norm_`` scales gradients: the coefficient stays a tensor (no host sync)
     and the tensors are multiplied by it whether or not it clips."""

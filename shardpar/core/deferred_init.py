@@ -64,8 +64,9 @@ instead of writing into them, and the values must still be the reference's:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -146,8 +147,9 @@ class _AsBuilt:
 class InitWalk:
     """``module.apply(init)``, one visit at a time (see the Note)."""
 
-    def __init__(self, module: nn.Module, init_fn: InitFn | None, group: Any,
-                 device: torch.device | None = None) -> None:
+    def __init__(
+        self, module: nn.Module, init_fn: InitFn | None, group: Any, device: torch.device | None = None
+    ) -> None:
         """``device``: where the model trains (None: :func:`target_device`); rank 0's generator
         state travels to the other ranks on the device the group's object collectives use."""
         self.module = module
@@ -155,8 +157,11 @@ class InitWalk:
         self.visits = list(_apply_order(module))
         self.done = 0
         self._as_built: dict[nn.Module, _AsBuilt] = {
-            sub: _AsBuilt(name, dict(sub._parameters),
-                          {n: (p.shape, p.dtype) for n, p in sub._parameters.items() if p is not None})
+            sub: _AsBuilt(
+                name,
+                dict(sub._parameters),
+                {n: (p.shape, p.dtype) for n, p in sub._parameters.items() if p is not None},
+            )
             for name, sub in module.named_modules()
         }
         self._holders: dict[int, list[int]] = {}
@@ -285,13 +290,20 @@ class InitWalk:
 
 
 _PLANNED = "the shards and buckets are planned from the model as built on the meta device"
-_SHARED_STORAGE = ("shardpar keeps each parameter in its own place in a flat buffer, so the two would train apart; "
-                   "tie them by registration in the constructor (module.{name} = other_module.{name}, one Parameter) "
-                   "or copy the values (param.copy_(other))")
+_SHARED_STORAGE = (
+    "shardpar keeps each parameter in its own place in a flat buffer, so the two would train apart; "
+    "tie them by registration in the constructor (module.{name} = other_module.{name}, one Parameter) "
+    "or copy the values (param.copy_(other))"
+)
 
 
-def _slot_problem(built: _AsBuilt | None, name: str, now: nn.Parameter | None, label: str,
-                  storages: dict[int, tuple[str, nn.Parameter]]) -> tuple[str, str] | None:
+def _slot_problem(
+    built: _AsBuilt | None,
+    name: str,
+    now: nn.Parameter | None,
+    label: str,
+    storages: dict[int, tuple[str, nn.Parameter]],
+) -> tuple[str, str] | None:
     """(what happened, with {} for the parameter; what to do instead) where slot ``name`` of a
     module (``built``: as built; None: a module the init added) holds what cannot be kept."""
     was = built.params.get(name) if built is not None else None
@@ -305,35 +317,46 @@ def _slot_problem(built: _AsBuilt | None, name: str, now: nn.Parameter | None, l
         return changed
     first = storages.setdefault(now.untyped_storage().data_ptr(), (label, now))
     if first[1] is not now:
-        return (f"made parameter {{}} share its storage with parameter {first[0]} (a .data assignment of the "
-                "other's tensor)", _SHARED_STORAGE)
+        return (
+            f"made parameter {{}} share its storage with parameter {first[0]} (a .data assignment of the "
+            "other's tensor)",
+            _SHARED_STORAGE,
+        )
     return None
 
 
 def _slot_change(was: nn.Parameter | None, now: nn.Parameter | None) -> tuple[str, str]:
     """(what happened, with {} for the parameter; what to do instead) when a slot holds another object."""
     if was is None:
-        return ("added parameter {}", f"{_PLANNED}, so register it in the constructor and only initialise it in the init")
+        return (
+            "added parameter {}",
+            f"{_PLANNED}, so register it in the constructor and only initialise it in the init",
+        )
     if now is None:
         return ("set parameter {} to None", f"{_PLANNED}, so remove it in the constructor instead")
-    return ("replaced parameter {} by a new nn.Parameter",
-            "shardpar keeps the Parameter objects the model was built with (ties, optimizers and the shards hold "
-            "them), so initialise it in place (nn.init.*, param.copy_(values)) or assign values of the same shape "
-            "and dtype to its .data (module.{name}.data = values)")
+    return (
+        "replaced parameter {} by a new nn.Parameter",
+        "shardpar keeps the Parameter objects the model was built with (ties, optimizers and the shards hold "
+        "them), so initialise it in place (nn.init.*, param.copy_(values)) or assign values of the same shape "
+        "and dtype to its .data (module.{name}.data = values)",
+    )
 
 
 def _data_change(param: nn.Parameter, shape: torch.Size, dtype: torch.dtype) -> tuple[str, str] | None:
     """(what happened; what to do instead) when a parameter's ``.data`` cannot be kept, else None."""
     if param.shape != shape or param.dtype != dtype:
-        return (f"assigned a tensor of shape {list(param.shape)} and dtype {param.dtype} to parameter {{}}, built "
-                f"with shape {list(shape)} and dtype {dtype}",
-                f"{_PLANNED}, so build it with that shape and dtype there (e.g. model.to(dtype) before wrap), or "
-                "write values of the built shape into it (param.copy_(values) casts the dtype)")
+        return (
+            f"assigned a tensor of shape {list(param.shape)} and dtype {param.dtype} to parameter {{}}, built "
+            f"with shape {list(shape)} and dtype {dtype}",
+            f"{_PLANNED}, so build it with that shape and dtype there (e.g. model.to(dtype) before wrap), or "
+            "write values of the built shape into it (param.copy_(values) casts the dtype)",
+        )
     return None
 
 
-def materialise_whole(module: nn.Module, init_fn: InitFn | None, group: Any,
-                      device: torch.device | None = None) -> None:
+def materialise_whole(
+    module: nn.Module, init_fn: InitFn | None, group: Any, device: torch.device | None = None
+) -> None:
     """Stages 0-2: the whole module, initialised as the Note says, then moved to ``device``
     (None: :func:`target_device`)."""
     device = device if device is not None else target_device(group)

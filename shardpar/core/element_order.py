@@ -67,7 +67,7 @@ class ElementOrder:
     """The tensor's own strides where they are not row-major ones; None: row-major."""
 
     @staticmethod
-    def of(shape: torch.Size, strides: Strides) -> "ElementOrder":
+    def of(shape: torch.Size, strides: Strides) -> ElementOrder:
         """The order of a dense tensor with these strides (check :func:`is_dense` first)."""
         shape, strides = torch.Size(shape), tuple(strides)
         assert is_dense(shape, strides), (shape, strides)
@@ -98,7 +98,7 @@ class ElementOrder:
     @property
     def block(self) -> int:
         """Elements per block: ranges of whole blocks are the same in both orders."""
-        return math.prod(self.shape[self._leading_dims:]) if self.reorders else 1
+        return math.prod(self.shape[self._leading_dims :]) if self.reorders else 1
 
     def block_span(self, start: int, end: int) -> tuple[int, int]:
         """The smallest range of whole blocks containing ``[start, end)``."""

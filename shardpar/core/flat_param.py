@@ -27,7 +27,8 @@ ever needs the full group except while it is gathered.
 from __future__ import annotations
 
 import enum
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,7 +50,7 @@ class ShardState(enum.Enum):
 class _PendingGather:
     """Guard of a parameter whose group is gathering: reading it waits (see param_guard)."""
 
-    def __init__(self, group: "FlatParamGroup") -> None:
+    def __init__(self, group: FlatParamGroup) -> None:
         self.group = group
 
     def on_access(self, param: nn.Parameter, operation: str) -> None:
@@ -71,7 +72,7 @@ class ShardedParameterAccess(RuntimeError):
 class _Sharded:
     """Guard of a sharded stage-3 parameter: reading it is an error naming it and its unit."""
 
-    def __init__(self, group: "FlatParamGroup", name: str) -> None:
+    def __init__(self, group: FlatParamGroup, name: str) -> None:
         self.group = group
         self.name = name
 
@@ -85,7 +86,8 @@ class _Sharded:
             "registration), and read full values outside forward with model.full_state_dict(). Code that needs "
             "whole parameters and their gradients between backward and step (per-parameter clipping such as "
             "timm's adaptive gradient clipping) needs stage=0: only stage 0 keeps whole gradients",
-            self.name, self.group.unit,
+            self.name,
+            self.group.unit,
         )
 
     def __str__(self) -> str:
@@ -112,16 +114,16 @@ class GatherChannel:
     gather's tag and meters the full buffers). A group hands itself to the channel it is
     gathered by; the base does nothing but issue and wait."""
 
-    def issue_gather(self, flat: "FlatParamGroup") -> C.Handle:
+    def issue_gather(self, flat: FlatParamGroup) -> C.Handle:
         raise NotImplementedError
 
-    def before_gather_wait(self, flat: "FlatParamGroup") -> None:
+    def before_gather_wait(self, flat: FlatParamGroup) -> None:
         """A wait for ``flat``'s gather begins (stage 3 completes the gathers issued before it)."""
 
     def wait_gather(self, handle: C.Handle) -> Any:
         return handle.wait()
 
-    def gather_received(self, flat: "FlatParamGroup", result: Any) -> None:
+    def gather_received(self, flat: FlatParamGroup, result: Any) -> None:
         """``flat``'s gather completed; ``result`` is what its handle returned."""
 
     def full_storage_changed(self, nbytes: int) -> None:
@@ -167,10 +169,14 @@ class FlatParamGroup:
         # Guards made once: a transition only switches each parameter's class and guard.
         self._pending = _PendingGather(self)
         self._sharded = {name: _Sharded(self, name) for name in self.params}
-        self._placeholders = {
-            name: storageless(order.shape, full.dtype, full.device, order.strides)
-            for name, order in layout.orders().items()
-        } if frees_storage else {}
+        self._placeholders = (
+            {
+                name: storageless(order.shape, full.dtype, full.device, order.strides)
+                for name, order in layout.orders().items()
+            }
+            if frees_storage
+            else {}
+        )
 
     # ------------------------------------------------------------------ sizes and spaces
 

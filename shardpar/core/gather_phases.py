@@ -5,7 +5,8 @@ gatherer is in gatherer.py).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -49,8 +50,10 @@ class GatherPhases:
 
     def exchange(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values``, in rank order (collective): one object all-gather."""
-        return [list(v) for v in C.all_gather_objects(values, group=self.group, device=self.device,
-                                                           stats=self.comm, kind="control")]
+        return [
+            list(v)
+            for v in C.all_gather_objects(values, group=self.group, device=self.device, stats=self.comm, kind="control")
+        ]
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes of its own to report beside ``memory_stats()``'s common kinds."""
@@ -72,8 +75,9 @@ class PostStepGatherer(GatherPhases, GatherChannel):
     """Stages 1-2: all-gather every bucket's updated slices after ``step()``; completed lazily
     (see [Note: lazy parameter gather] in replicated.py)."""
 
-    def __init__(self, groups: list[FlatParamGroup], group: Any, comm: C.CommStats, wait_clock: WaitClock,
-                 device: torch.device) -> None:
+    def __init__(
+        self, groups: list[FlatParamGroup], group: Any, comm: C.CommStats, wait_clock: WaitClock, device: torch.device
+    ) -> None:
         self.group = group
         self.comm = comm
         self.wait_clock = wait_clock
@@ -85,8 +89,14 @@ class PostStepGatherer(GatherPhases, GatherChannel):
         self.groups = groups
 
     def issue_gather(self, flat: FlatParamGroup) -> C.Handle:
-        return C.all_gather(flat.full, flat.own_slice(), group=self.group, async_op=True, stats=self.comm,
-                            padding_numel=flat.layout.padding)
+        return C.all_gather(
+            flat.full,
+            flat.own_slice(),
+            group=self.group,
+            async_op=True,
+            stats=self.comm,
+            padding_numel=flat.layout.padding,
+        )
 
     def start_all(self) -> None:
         with torch.no_grad():
@@ -108,4 +118,3 @@ class PostStepGatherer(GatherPhases, GatherChannel):
 
     def gathers_per_step(self) -> list[tuple[int, torch.dtype]]:
         return [(flat.layout.numel, flat.dtype) for flat in self.groups]
-

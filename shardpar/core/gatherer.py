@@ -52,7 +52,8 @@ double backward (``torch.autograd.grad(..., create_graph=True)``, a gradient pen
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -130,8 +131,7 @@ class UnitGatherer(GatherPhases, GatherChannel):
         self.rank = rank
         self.on_forward_use = on_forward_use
         self.on_backward_start = on_backward_start
-        self.order = UnitOrder(units, state, comm, group, rank, wait_clock, gather=self.wait,
-                               retire_group=retire_group)
+        self.order = UnitOrder(units, state, comm, group, rank, wait_clock, gather=self.wait, retire_group=retire_group)
         """The gathers' tags, their checks and the recovery of [Note: unit order across ranks]."""
         self.flats, self.unit_of = self.order.flats, self.order.unit_of
         self.wait_clock = wait_clock
@@ -294,7 +294,8 @@ class UnitGatherer(GatherPhases, GatherChannel):
                 continue
             for flat in unit.flats:
                 if flat.state is ShardState.GATHERING or (
-                    flat.state is ShardState.UNSHARDED and not self.hold_for_double_backward
+                    flat.state is ShardState.UNSHARDED
+                    and not self.hold_for_double_backward
                     and (self.reshard_after_forward or not torch.is_grad_enabled())
                 ):
                     flat.reshard()
@@ -453,4 +454,3 @@ class UnitGatherer(GatherPhases, GatherChannel):
             self._last_backward = self._backward_uses
         self._backward_uses = []
         self.order.end_backward()
-

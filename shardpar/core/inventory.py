@@ -3,7 +3,7 @@ and frozen, the dtypes they were built with, and the signature ranks compare at 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -145,8 +145,9 @@ def model_signature(module: nn.Module, fingerprint: str) -> list[tuple[str, str]
         # element order, or rank 0's values would be read in another order elsewhere.
         strides = tuple(p.stride())
         layout = "" if strides == row_major_strides(p.shape) else f" strides={strides}"
-        rows.append((f"parameter '{name}'",
-                     f"shape={tuple(p.shape)} dtype={p.dtype} requires_grad={p.requires_grad}{layout}"))
+        rows.append(
+            (f"parameter '{name}'", f"shape={tuple(p.shape)} dtype={p.dtype} requires_grad={p.requires_grad}{layout}")
+        )
     for name, b in module.named_buffers():
         rows.append((f"buffer '{name}'", f"shape={tuple(b.shape)} dtype={b.dtype}"))
     return rows
@@ -201,7 +202,10 @@ def state_dict_hook_modules(module: nn.Module, load: bool) -> list[str]:
         hooks, method = ("_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"), "_load_from_state_dict"
     else:
         hooks, method = ("_state_dict_pre_hooks", "_state_dict_hooks"), "_save_to_state_dict"
-    return [name or "(the model)" for name, sub in module.named_modules()
-            if any(getattr(sub, attr, None) for attr in hooks)
-            or getattr(type(sub), method) is not getattr(nn.Module, method)
-            or type(sub).get_extra_state is not nn.Module.get_extra_state]
+    return [
+        name or "(the model)"
+        for name, sub in module.named_modules()
+        if any(getattr(sub, attr, None) for attr in hooks)
+        or getattr(type(sub), method) is not getattr(nn.Module, method)
+        or type(sub).get_extra_state is not nn.Module.get_extra_state
+    ]

@@ -18,7 +18,7 @@ launch in the order they complete in that record (:meth:`LaunchOrder.adopt`).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 class LaunchOrder:

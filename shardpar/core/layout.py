@@ -45,8 +45,9 @@ offsets as in the whole buffer.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -68,11 +69,11 @@ class Range:
     def size(self) -> int:
         return self.end - self.start
 
-    def intersect(self, other: "Range") -> "Range | None":
+    def intersect(self, other: Range) -> Range | None:
         start, end = max(self.start, other.start), min(self.end, other.end)
         return Range(start, end) if start < end else None
 
-    def shift(self, offset: int) -> "Range":
+    def shift(self, offset: int) -> Range:
         return Range(self.start + offset, self.end + offset)
 
     def of(self, flat: torch.Tensor) -> torch.Tensor:

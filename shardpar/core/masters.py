@@ -13,7 +13,8 @@ replicated storage (core/replicated.py), the column of the stage table that stag
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..comm import collectives as C
 from .gather_phases import PostStepGatherer
@@ -29,13 +30,13 @@ class FullMaster:
 
     sharded = False
 
-    def finish_setup(self, storage: "ReplicatedStorage", group: Any, comm: C.CommStats, wait_clock: WaitClock) -> None:
+    def finish_setup(self, storage: ReplicatedStorage, group: Any, comm: C.CommStats, wait_clock: WaitClock) -> None:
         """Nothing to shard: every rank keeps every value."""
 
-    def after_relayout(self, storage: "ReplicatedStorage") -> None:
+    def after_relayout(self, storage: ReplicatedStorage) -> None:
         """Nothing tracks the buckets."""
 
-    def optimizer_pieces(self, storage: "ReplicatedStorage", names: Sequence[str], strategy: Any) -> list[TensorPiece]:
+    def optimizer_pieces(self, storage: ReplicatedStorage, names: Sequence[str], strategy: Any) -> list[TensorPiece]:
         """Whole parameters (their full-precision copies under mixed precision)."""
         pieces = []
         for name in names:
@@ -48,7 +49,7 @@ class FullMaster:
                 pieces.append(TensorPiece(name, buf.layout.view(buf.values, name), (0, param.numel()), master_grad))
         return pieces
 
-    def load_pieces(self, storage: "ReplicatedStorage") -> list[TensorPiece]:
+    def load_pieces(self, storage: ReplicatedStorage) -> list[TensorPiece]:
         return [
             TensorPiece(name, buf.layout.slots[name].range.of(buf.values), (0, param.numel()))
             for buf in storage.buffers
@@ -64,31 +65,34 @@ class ShardedMaster:
 
     sharded = True
 
-    def finish_setup(self, storage: "ReplicatedStorage", group: Any, comm: C.CommStats, wait_clock: WaitClock) -> None:
+    def finish_setup(self, storage: ReplicatedStorage, group: Any, comm: C.CommStats, wait_clock: WaitClock) -> None:
         """After the broadcast: keep only this rank's master shard, and track the buckets."""
         for buf in storage.buffers:
             buf.shard_master(storage.rank)
         storage.groups = [g for buf in storage.buffers for g in buf.bucket_groups(storage.rank)]
         storage.gatherer = PostStepGatherer(storage.groups, group, comm, wait_clock, storage.buffers[0].device)
 
-    def after_relayout(self, storage: "ReplicatedStorage") -> None:
+    def after_relayout(self, storage: ReplicatedStorage) -> None:
         """New buckets, new flat groups to gather."""
         storage.groups = [g for buf in storage.buffers for g in buf.bucket_groups(storage.rank)]
         storage.gatherer.track(storage.groups)
 
-    def optimizer_pieces(self, storage: "ReplicatedStorage", names: Sequence[str], strategy: Any) -> list[TensorPiece]:
+    def optimizer_pieces(self, storage: ReplicatedStorage, names: Sequence[str], strategy: Any) -> list[TensorPiece]:
         """This rank's pieces of the named parameters (names it owns nothing of drop out)."""
         wanted = set(names)
         found = {}
         for buf in storage.buffers:
             for piece in buf.layout.pieces(storage.rank):
                 if piece.name in wanted:
-                    found[piece.name] = TensorPiece(piece.name, buf.master_piece(piece),
-                                                    (piece.param_range.start, piece.param_range.end),
-                                                    strategy.piece_grad(buf, piece))
+                    found[piece.name] = TensorPiece(
+                        piece.name,
+                        buf.master_piece(piece),
+                        (piece.param_range.start, piece.param_range.end),
+                        strategy.piece_grad(buf, piece),
+                    )
         return [found[name] for name in names if name in found]
 
-    def load_pieces(self, storage: "ReplicatedStorage") -> list[TensorPiece]:
+    def load_pieces(self, storage: ReplicatedStorage) -> list[TensorPiece]:
         return [
             TensorPiece(p.name, buf.master_piece(p), (p.param_range.start, p.param_range.end))
             for buf in storage.buffers

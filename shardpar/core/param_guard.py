@@ -23,7 +23,8 @@ torch raise ("data is not allocated yet") instead of reading freed memory.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -40,10 +41,30 @@ class Guard(Protocol):
 # like, arrive as ``__get__``/``__set__``).
 _METADATA = frozenset(
     {
-        "__get__", "__set__", "__hash__", "numel", "nelement", "size", "dim", "ndimension",
-        "element_size", "is_floating_point", "is_complex", "is_contiguous", "stride",
-        "requires_grad_", "data_ptr", "untyped_storage", "storage_offset", "get_device",
-        "__len__", "type", "is_shared", "is_pinned", "register_hook", "register_post_accumulate_grad_hook",
+        "__get__",
+        "__set__",
+        "__hash__",
+        "numel",
+        "nelement",
+        "size",
+        "dim",
+        "ndimension",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "is_contiguous",
+        "stride",
+        "requires_grad_",
+        "data_ptr",
+        "untyped_storage",
+        "storage_offset",
+        "get_device",
+        "__len__",
+        "type",
+        "is_shared",
+        "is_pinned",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
         "__dir__",
     }
 )
@@ -83,8 +104,10 @@ class GuardedParameter(nn.Parameter):
         name = getattr(func, "__name__", str(func))
         if name == "__repr__":
             param = args[0]
-            return (f"Parameter(shape={tuple(param.shape)}, dtype={param.dtype}, requires_grad={param.requires_grad}, "
-                    f"values not on this rank right now: {param._shardpar_guard})")
+            return (
+                f"Parameter(shape={tuple(param.shape)}, dtype={param.dtype}, requires_grad={param.requires_grad}, "
+                f"values not on this rank right now: {param._shardpar_guard})"
+            )
         if name in ("__get__", "__set__") and getattr(getattr(func, "__self__", None), "__name__", "") in _VIEWS:
             name = func.__self__.__name__  # a view that reads the values later: guarded like an operation
         if name not in _METADATA and name not in _ALLOWED:
@@ -127,8 +150,9 @@ class _NoStorage(torch.Tensor):
     """Only used to make tensors with metadata and no storage at all (see the note)."""
 
     @staticmethod
-    def __new__(cls, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-                strides: tuple[int, ...] | None = None) -> "_NoStorage":
+    def __new__(
+        cls, shape: torch.Size, dtype: torch.dtype, device: torch.device, strides: tuple[int, ...] | None = None
+    ) -> _NoStorage:
         return torch.Tensor._make_wrapper_subclass(cls, shape, strides=strides, dtype=dtype, device=device)
 
     @classmethod
@@ -140,8 +164,9 @@ class _NoStorage(torch.Tensor):
         raise RuntimeError("this tensor stands in for a sharded parameter and has no values")
 
 
-def storageless(shape: torch.Size, dtype: torch.dtype, device: torch.device,
-                strides: tuple[int, ...] | None = None) -> torch.Tensor:
+def storageless(
+    shape: torch.Size, dtype: torch.dtype, device: torch.device, strides: tuple[int, ...] | None = None
+) -> torch.Tensor:
     """A tensor of ``shape``/``dtype`` (and ``strides``, None: row-major) with no storage:
     assigned to a sharded parameter's ``.data``, any kernel reading it raises instead of
     touching freed memory; its metadata stay the parameter's."""

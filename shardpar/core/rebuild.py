@@ -70,7 +70,8 @@ order is learnt.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -125,7 +126,9 @@ class ReadyOrder:
             group_of[name] = group
             done[group] = when
         ready = sorted(self._ready, key=lambda name: (done[group_of[name]], position[name]))
-        return [position[name] for name in ready] + [i for i, name in enumerate(layout_names) if name not in self._ready]
+        return [position[name] for name in ready] + [
+            i for i, name in enumerate(layout_names) if name not in self._ready
+        ]
 
 
 def same_buckets(old: BufferLayout, new: BufferLayout) -> bool:
@@ -163,25 +166,31 @@ class Relayout:
         """A buffer-space tensor of which only this rank's slice of each bucket counts (stage
         1's reduced gradients): those slices in the new layout, the rest zero."""
         moved = torch.zeros(self.new.numel, dtype=tensor.dtype, device=tensor.device)
-        self._each_old_bucket(lambda bucket: bucket.shard(self.rank).of(tensor),
-                              lambda piece: piece.buffer_range.of(moved))
+        self._each_old_bucket(
+            lambda bucket: bucket.shard(self.rank).of(tensor), lambda piece: piece.buffer_range.of(moved)
+        )
         return moved
 
     def local(self, shard: torch.Tensor) -> torch.Tensor:
         """A local-space tensor (this rank's slice of every bucket) in the new layout."""
         moved = torch.zeros(self.new.shard_numel, dtype=shard.dtype, device=shard.device)
-        self._each_old_bucket(lambda bucket: self.old.shard_of(bucket, shard),
-                              lambda piece: piece.local_range.of(moved))
+        self._each_old_bucket(
+            lambda bucket: self.old.shard_of(bucket, shard), lambda piece: piece.local_range.of(moved)
+        )
         return moved
 
-    def pieces(self, values: Mapping[str, torch.Tensor], names: Iterable[str], dtype: torch.dtype,
-               device: torch.device) -> dict[str, torch.Tensor]:
+    def pieces(
+        self, values: Mapping[str, torch.Tensor], names: Iterable[str], dtype: torch.dtype, device: torch.device
+    ) -> dict[str, torch.Tensor]:
         """Per-piece tensors (elementwise optimizer state): ``values[name]`` holds this rank's
         old piece of ``name`` (any shape, its piece's number of elements); returns 1-D tensors
         for this rank's new pieces of ``names`` (the names some rank has values of)."""
         wanted = set(names)
-        moved = {name: torch.zeros(piece.param_range.size, dtype=dtype, device=device)
-                 for name, piece in self._new_pieces.items() if name in wanted}
+        moved = {
+            name: torch.zeros(piece.param_range.size, dtype=dtype, device=device)
+            for name, piece in self._new_pieces.items()
+            if name in wanted
+        }
         old_pieces: dict[int, list[ShardPiece]] = {}
         for piece in self.old.pieces(self.rank):
             old_pieces.setdefault(piece.bucket, []).append(piece)
@@ -197,8 +206,9 @@ class Relayout:
         self._each_old_bucket(send, lambda piece: moved.get(piece.name))
         return moved
 
-    def _each_old_bucket(self, send_of: Callable[[Bucket], torch.Tensor],
-                         receive: Callable[[ShardPiece], torch.Tensor | None]) -> None:
+    def _each_old_bucket(
+        self, send_of: Callable[[Bucket], torch.Tensor], receive: Callable[[ShardPiece], torch.Tensor | None]
+    ) -> None:
         """Per old bucket: all-gather its full contents from every rank's slice (``send_of``),
         then copy each of this rank's new pieces of its tensors into ``receive(piece)``."""
         for bucket in self.old.buckets:
@@ -245,8 +255,12 @@ def merge_descriptions(rows: Iterable[StateDescription]) -> StateDescription:
     return merged
 
 
-def move_state(states: Mapping[str, tuple[torch.Tensor, dict[str, Any]]], described: StateDescription,
-               moves: Sequence[Relayout], device: torch.device) -> dict[str, dict[str, Any]]:
+def move_state(
+    states: Mapping[str, tuple[torch.Tensor, dict[str, Any]]],
+    described: StateDescription,
+    moves: Sequence[Relayout],
+    device: torch.device,
+) -> dict[str, dict[str, Any]]:
     """Sharded optimizer state in the new layouts: ``name -> state`` of this rank's new
     pieces. Every rank runs the same collectives: one pass over the old buckets per space
     and elementwise (key, dtype) that some rank holds, in a fixed order."""
@@ -254,8 +268,10 @@ def move_state(states: Mapping[str, tuple[torch.Tensor, dict[str, Any]]], descri
     moved: dict[str, dict[str, Any]] = {}
     for move in moves:
         names = [name for name in move.new.slots if name in described]
-        kinds = sorted({(key, what[1]) for name in names for key, what in described[name].items()
-                        if what[0] == "elementwise"}, key=str)
+        kinds = sorted(
+            {(key, what[1]) for name in names for key, what in described[name].items() if what[0] == "elementwise"},
+            key=str,
+        )
         for key, dtype in kinds:
             holders = [name for name in names if described[name].get(key, ())[:2] == ("elementwise", dtype)]
             values = {name: states[name][1][key] for name in holders if name in states}

@@ -27,7 +27,7 @@ the carry back. The carry (``4Ψ/N``) exists only then and ``zero_grad`` frees i
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -36,8 +36,8 @@ from ..comm import collectives as C
 from .averaging import Averaging, ReduceDtype, averaging_per_space, scale
 from .layout import ShardPiece
 from .rebuild import Relayout
-from .replicas import AcrossReplicas
 from .reducer import GradBucket, ParamSpace
+from .replicas import AcrossReplicas
 
 
 def zero_pieces(space: ParamSpace, rank: int, names: set[str], shards: torch.Tensor) -> None:
@@ -167,15 +167,24 @@ class AllReduceStrategy(_FullGradBuffer):
     """Whether ``param.grad`` holds the whole reduced gradient after a synchronising backward
     (else see [Note: no full gradients at stages 1-3] in core/sharded_grads.py)."""
 
-    def __init__(self, spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype, world_size: int, group, comm,
-                 divide_factor: float | None = None) -> None:
+    def __init__(
+        self,
+        spaces: Sequence[ParamSpace],
+        reduce_dtype: ReduceDtype,
+        world_size: int,
+        group,
+        comm,
+        divide_factor: float | None = None,
+    ) -> None:
         super().__init__(spaces, reduce_dtype)
         self.world_size, self.group, self.comm = world_size, group, comm
-        self.averaging_of = averaging_per_space(spaces, reduce_dtype, world_size, group, divide_before=True,
-                                                divide_factor=divide_factor)
+        self.averaging_of = averaging_per_space(
+            spaces, reduce_dtype, world_size, group, divide_before=True, divide_factor=divide_factor
+        )
         # What the optimizer reads: reduced gradients in the master dtype.
         self.master_grads = {
-            s: g if g.dtype == s.master_dtype else torch.zeros_like(g, dtype=s.master_dtype) for s, g in self.data.items()
+            s: g if g.dtype == s.master_dtype else torch.zeros_like(g, dtype=s.master_dtype)
+            for s, g in self.data.items()
         }
 
     def start(self, bucket: GradBucket) -> C.Handle:
@@ -189,8 +198,9 @@ class AllReduceStrategy(_FullGradBuffer):
     def start_late(self, bucket: GradBucket, data: torch.Tensor) -> C.Handle:
         plan = self.averaging_of[bucket.space]
         scale(data, plan.before)
-        return C.all_reduce(data, group=self.group, async_op=True, stats=self.comm, padding_numel=bucket.spec.padding,
-                            op=plan.op)
+        return C.all_reduce(
+            data, group=self.group, async_op=True, stats=self.comm, padding_numel=bucket.spec.padding, op=plan.op
+        )
 
     def finish_late(self, bucket: GradBucket, late: torch.Tensor) -> None:
         scale(late, self.averaging_of[bucket.space].after)
@@ -288,8 +298,15 @@ class ShardedAverage:
         arrives twice] in reducer.py (zeros for every other parameter)."""
         plan = self.averaging_of[bucket.space]
         scale(late, plan.before)
-        return C.reduce_scatter(self.owned_in_staging(bucket, late), late, group=self.group, async_op=True,
-                                stats=self.comm, padding_numel=bucket.spec.padding, op=plan.op)
+        return C.reduce_scatter(
+            self.owned_in_staging(bucket, late),
+            late,
+            group=self.group,
+            async_op=True,
+            stats=self.comm,
+            padding_numel=bucket.spec.padding,
+            op=plan.op,
+        )
 
     def _reduced_late(self, bucket: GradBucket, late: torch.Tensor) -> torch.Tensor:
         owned = self.owned_in_staging(bucket, late)
@@ -304,14 +321,30 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
     max_in_flight: int | None = None
     full_grads_on_params = False
 
-    def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm,
-                 replicas: AcrossReplicas | None = None, ranks_summed: int | None = None,
-                 divide_factor: float | None = None) -> None:
+    def __init__(
+        self,
+        spaces,
+        reduce_dtype: ReduceDtype,
+        world_size: int,
+        rank: int,
+        group,
+        comm,
+        replicas: AcrossReplicas | None = None,
+        ranks_summed: int | None = None,
+        divide_factor: float | None = None,
+    ) -> None:
         _FullGradBuffer.__init__(self, spaces, reduce_dtype)
-        self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = reduce_dtype, world_size, rank, group, comm
+        self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = (
+            reduce_dtype,
+            world_size,
+            rank,
+            group,
+            comm,
+        )
         self.replicas = replicas
-        self.averaging_of = averaging_per_space(spaces, reduce_dtype, ranks_summed or world_size, group,
-                                                divide_before=False, divide_factor=divide_factor)
+        self.averaging_of = averaging_per_space(
+            spaces, reduce_dtype, ranks_summed or world_size, group, divide_before=False, divide_factor=divide_factor
+        )
         self.master_grad_shards = {
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device)
             for s, g in self.data.items()
@@ -324,8 +357,15 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
         data = bucket.spec.range.of(self.data[bucket.space])
         plan = self.averaging_of[bucket.space]
         scale(data, plan.before)
-        return C.reduce_scatter(self.owned_in_space(bucket.spec, self.data[bucket.space]), data, group=self.group, async_op=True,
-                                stats=self.comm, padding_numel=bucket.spec.padding, op=plan.op)
+        return C.reduce_scatter(
+            self.owned_in_space(bucket.spec, self.data[bucket.space]),
+            data,
+            group=self.group,
+            async_op=True,
+            stats=self.comm,
+            padding_numel=bucket.spec.padding,
+            op=plan.op,
+        )
 
     def finish_late(self, bucket: GradBucket, late: torch.Tensor) -> None:
         space = bucket.space
@@ -351,7 +391,9 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
 
     def _carry_reduced(self, bucket: GradBucket) -> None:
         if self._carry is None:
-            self._carry = {s: torch.zeros(s.layout.shard_numel, dtype=g.dtype, device=s.device) for s, g in self.data.items()}
+            self._carry = {
+                s: torch.zeros(s.layout.shard_numel, dtype=g.dtype, device=s.device) for s, g in self.data.items()
+            }
         space = bucket.space
         space.layout.shard_of(bucket.spec, self._carry[space]).add_(self.owned_in_space(bucket.spec, self.data[space]))
         bucket.spec.range.of(self.data[space]).zero_()
@@ -420,5 +462,3 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
 
     def workspace_bytes(self) -> int:
         return 0
-
-

@@ -73,7 +73,8 @@ from __future__ import annotations
 import enum
 import time
 import weakref
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -384,7 +385,9 @@ class GradientReducer:
         # reduction yields both the highest and the lowest: see [Note: ranks out of step].
         counters = self.state.counters()
         flags = host.flags_to_device(self.used, counters + [-c for c in counters], self.device)
-        flags_handle = C.all_reduce(flags, group=self.group, async_op=True, stats=self.comm, op="max", kind="used_flags")
+        flags_handle = C.all_reduce(
+            flags, group=self.group, async_op=True, stats=self.comm, op="max", kind="used_flags"
+        )
         self.wait_clock.wait(flags_handle, gather=False)
         self._cursor = 0
         self.last_backward_wait_s = time.perf_counter() - started
@@ -418,13 +421,13 @@ class GradientReducer:
     def has_gradient(self, name: str) -> bool:
         if not self.unused_known:
             self.settle(block=True)
-        return name in self.kept_as_zeros or (
-            self.grads_ready and name not in self.unused and name not in self.cleared)
+        return name in self.kept_as_zeros or (self.grads_ready and name not in self.unused and name not in self.cleared)
 
     def has_gradient_here(self, name: str) -> bool:
         """:meth:`has_gradient` as far as the host knows without the flags: what this rank used."""
         return name in self.kept_as_zeros or (
-            self.grads_ready and bool(self.used[self.flag_index[name]]) and name not in self.cleared)
+            self.grads_ready and bool(self.used[self.flag_index[name]]) and name not in self.cleared
+        )
 
     @property
     def any_gradient(self) -> bool:
@@ -478,7 +481,7 @@ class GradientReducer:
         handles = []
         for name in self.names:
             param = self.bucket_of[name].params[name]
-            handles.append(param.register_post_accumulate_grad_hook(
-                torch.compiler.disable(lambda p, name=name: hook(p, name))
-            ))
+            handles.append(
+                param.register_post_accumulate_grad_hook(torch.compiler.disable(lambda p, name=name: hook(p, name)))
+            )
         return handles

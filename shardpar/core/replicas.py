@@ -48,5 +48,6 @@ class AcrossReplicas:
     def sum_(self, owned: torch.Tensor, spec: Bucket, op: str) -> None:
         """Sum (or average, ``op="avg"``) ``owned`` -- this rank's slice of ``spec`` after its
         reduce-scatter -- over the replica group, in place."""
-        C.all_reduce(owned, group=self.group, async_op=True, op=op, stats=self.comm,
-                     padding_numel=self.padding_in_slice(spec)).wait()
+        C.all_reduce(
+            owned, group=self.group, async_op=True, op=op, stats=self.comm, padding_numel=self.padding_in_slice(spec)
+        ).wait()

@@ -23,7 +23,8 @@ flat groups (and use-module hooks) for the new buckets.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,8 +34,8 @@ from .element_order import ElementOrder
 from .flat_param import FlatParamGroup
 from .gather_phases import PostStepGatherer
 from .inventory import group_by_dtype
-from .masters import FullMaster, ShardedMaster
 from .layout import Alignment, BufferLayout, ShardPiece, alignment_for
+from .masters import FullMaster, ShardedMaster
 from .pieces import FullValues, TensorPiece
 from .rebuild import Relayout, same_buckets
 from .wait_clock import WaitClock
@@ -47,8 +48,13 @@ class ParamBuffer:
     ([Note: element order]). The Parameter objects themselves never change."""
 
     def __init__(
-        self, named: Sequence[tuple[str, nn.Parameter]], orders: dict[str, ElementOrder], world_size: int,
-        bucket_cap_numel: int, param_dtype: torch.dtype | None, alignment: Alignment,
+        self,
+        named: Sequence[tuple[str, nn.Parameter]],
+        orders: dict[str, ElementOrder],
+        world_size: int,
+        bucket_cap_numel: int,
+        param_dtype: torch.dtype | None,
+        alignment: Alignment,
     ) -> None:
         first = named[0][1]
         self.master_dtype = first.dtype
@@ -79,8 +85,12 @@ class ParamBuffer:
     def layout_in(self, order: Sequence[str]) -> BufferLayout:
         """This buffer's tensors laid out in ``order`` and cut into buckets: the one place its
         layouts are built, at wrap and again when the buckets are rebuilt."""
-        return BufferLayout([(name, self.orders[name]) for name in order], self.world_size,
-                            self.bucket_cap_numel, **self.alignment._asdict())
+        return BufferLayout(
+            [(name, self.orders[name]) for name in order],
+            self.world_size,
+            self.bucket_cap_numel,
+            **self.alignment._asdict(),
+        )
 
     def relayout(self, move: Relayout) -> None:
         """Move every tensor of this buffer to ``move.new`` (see [Note: bucket rebuild]):
@@ -117,16 +127,27 @@ class ParamBuffer:
         groups = []
         for bucket in self.layout.buckets:
             named = [(name, self.params[name]) for name in bucket.names]
-            sub = BufferLayout([(n, self.orders[n]) for n, _ in named], self.layout.world_size,
-                               **self.alignment._asdict())
+            sub = BufferLayout(
+                [(n, self.orders[n]) for n, _ in named], self.layout.world_size, **self.alignment._asdict()
+            )
             assert sub.numel == bucket.range.size and all(  # a bucket starts aligned: same offsets
-                sub.slots[n].range.shift(bucket.range.start) == self.layout.slots[n].range for n, _ in named)
+                sub.slots[n].range.shift(bucket.range.start) == self.layout.slots[n].range for n, _ in named
+            )
             if self.master_shard is not None:
                 shard = self.layout.shard_of(bucket, self.master_shard)
             else:
                 shard = bucket.shard(rank).of(self.data)
-            group = FlatParamGroup(f"{self.compute_dtype} bucket {bucket.index}", "", named, sub,
-                                   bucket.range.of(self.data), shard, rank, frees_storage=False, trainable=True)
+            group = FlatParamGroup(
+                f"{self.compute_dtype} bucket {bucket.index}",
+                "",
+                named,
+                sub,
+                bucket.range.of(self.data),
+                shard,
+                rank,
+                frees_storage=False,
+                trainable=True,
+            )
             groups.append(group)
         return groups
 
@@ -135,8 +156,17 @@ class ReplicatedStorage:
     """Stages 0-2 (see the module docstring). ``master`` is the part that differs between them:
     who holds the values the optimizer updates (core/masters.py)."""
 
-    def __init__(self, module: nn.Module, inventory, config, group: Any, comm: C.CommStats,
-                 world_size: int, rank: int, master: "FullMaster | ShardedMaster") -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        inventory,
+        config,
+        group: Any,
+        comm: C.CommStats,
+        world_size: int,
+        rank: int,
+        master: FullMaster | ShardedMaster,
+    ) -> None:
         self.module = module
         self.inventory = inventory
         self.rank = rank
@@ -147,8 +177,9 @@ class ReplicatedStorage:
         self.alignment = alignment_for(config.align_for_bandwidth, group, world_size)
         orders = {name: inventory.order(name) for name, _ in inventory.trainable}  # refuses non-dense ones by name
         self.buffers = [
-            ParamBuffer(named, orders, world_size, max(1, bytes_cap // named[0][1].element_size()), param_dtype,
-                        self.alignment)
+            ParamBuffer(
+                named, orders, world_size, max(1, bytes_cap // named[0][1].element_size()), param_dtype, self.alignment
+            )
             for named in group_by_dtype(inventory.trainable)
         ]
         self.frozen_orders = {name: inventory.kept_order(name) for name, _ in inventory.frozen}
@@ -176,8 +207,12 @@ class ReplicatedStorage:
 
     def tensors_to_broadcast(self) -> list[torch.Tensor]:
         """What must equal rank 0's on every rank after wrap."""
-        return ([b.data for b in self.buffers] + [b.full_master for b in self.buffers if b.full_master is not None]
-                + list(self.frozen_masters.values()) + [p.data for _, p in self.inventory.frozen])
+        return (
+            [b.data for b in self.buffers]
+            + [b.full_master for b in self.buffers if b.full_master is not None]
+            + list(self.frozen_masters.values())
+            + [p.data for _, p in self.inventory.frozen]
+        )
 
     @property
     def sharded_master(self) -> bool:
@@ -268,8 +303,10 @@ class ReplicatedStorage:
         for name, tensor in self.frozen_values():
             order = self.frozen_orders[name]
             if order is None:
-                raise ValueError(f"frozen parameter '{name}' is not one dense block of memory (strides "
-                                 f"{tuple(tensor.stride())}); cannot load into it in place")
+                raise ValueError(
+                    f"frozen parameter '{name}' is not one dense block of memory (strides "
+                    f"{tuple(tensor.stride())}); cannot load into it in place"
+                )
             pieces.append(TensorPiece(name, order.flatten(tensor), (0, tensor.numel())))  # a view: dense, its strides
         return pieces
 
@@ -299,9 +336,19 @@ class ReplicatedStorage:
         return self.master.full_values
 
     def layout_summary(self) -> dict[str, Any]:
-        return {"buckets": [{"dtype": str(buf.compute_dtype).replace("torch.", ""), "start": b.range.start,
-                             "end": b.range.end, "padding": b.padding, "params": list(b.names)}
-                            for buf in self.buffers for b in buf.layout.buckets]}
+        return {
+            "buckets": [
+                {
+                    "dtype": str(buf.compute_dtype).replace("torch.", ""),
+                    "start": b.range.start,
+                    "end": b.range.end,
+                    "padding": b.padding,
+                    "params": list(b.names),
+                }
+                for buf in self.buffers
+                for b in buf.layout.buckets
+            ]
+        }
 
     def layouts(self) -> list[BufferLayout]:
         return [b.layout for b in self.buffers]

@@ -9,17 +9,18 @@ is built, so building never holds more than the shards plus one group.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ..comm import collectives as C
+from .deferred_init import InitWalk
+from .element_order import ElementOrder
 from .flat_param import FlatParamGroup
 from .gatherer import UnitGatherer
 from .inventory import ParamInventory, group_by_dtype
-from .deferred_init import InitWalk
-from .element_order import ElementOrder
 from .layout import BufferLayout, alignment_for
 from .pieces import FullValues, TensorPiece
 from .units import Unit, UnitPlan, plan_units
@@ -102,8 +103,16 @@ class FromInit:
 class ShardedStorage:
     """Stage 3 (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, inventory: ParamInventory, config: Any, group: Any, world_size: int,
-                 rank: int, source: ValueSource) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        inventory: ParamInventory,
+        config: Any,
+        group: Any,
+        world_size: int,
+        rank: int,
+        source: ValueSource,
+    ) -> None:
         self.module = module
         self.inventory = inventory
         self.rank = rank
@@ -124,20 +133,27 @@ class ShardedStorage:
                 for dtype_group in group_by_dtype(members) if members else []:
                     flats.append(self._born_sharded(plan.name, dtype_group, trainable, source))
             built[index] = flats
-        self.units: list[Unit] = [Unit(index, plan.name, plan.hook_modules, built[index], plan.from_policy)
-                                  for index, plan in enumerate(self.plans)]
+        self.units: list[Unit] = [
+            Unit(index, plan.name, plan.hook_modules, built[index], plan.from_policy)
+            for index, plan in enumerate(self.plans)
+        ]
         # The reducer's layout order: gradients come last unit first.
         self.trainable_groups = [f for unit in reversed(self.units) for f in unit.trainable]
         self.groups = [f for unit in self.units for f in unit.flats]
         self.gatherer: UnitGatherer | None = None
 
-    def _born_sharded(self, unit: str, named: Sequence[tuple[str, nn.Parameter]], trainable: bool,
-                      source: ValueSource) -> FlatParamGroup:
+    def _born_sharded(
+        self, unit: str, named: Sequence[tuple[str, nn.Parameter]], trainable: bool, source: ValueSource
+    ) -> FlatParamGroup:
         first = named[0][1]
         master_dtype = first.dtype
         compute = self.param_dtype if self.param_dtype is not None and master_dtype.is_floating_point else master_dtype
-        layout = BufferLayout([(n, self.inventory.order(n)) for n, _ in reversed(named)], self.world_size,
-                              None, **self.alignment._asdict())  # one bucket; refuses non-dense parameters by name
+        layout = BufferLayout(
+            [(n, self.inventory.order(n)) for n, _ in reversed(named)],
+            self.world_size,
+            None,
+            **self.alignment._asdict(),
+        )  # one bucket; refuses non-dense parameters by name
         device = source.device
         # Views are made while allocated; the room in front lets gathers receive in place.
         full = C.gather_target(layout.numel, compute, device)
@@ -145,8 +161,9 @@ class ShardedStorage:
         tagged, shard = C.tagged_buffer(layout.shard_numel, master_dtype, device)
         shard.zero_()
         label = f"{'trainable' if trainable else 'frozen'} {str(master_dtype).replace('torch.', '')}"
-        flat = FlatParamGroup(label, unit, list(reversed(named)), layout, full, shard, self.rank,
-                              frees_storage=True, trainable=trainable)
+        flat = FlatParamGroup(
+            label, unit, list(reversed(named)), layout, full, shard, self.rank, frees_storage=True, trainable=trainable
+        )
         flat.tagged_shard = tagged
         full.untyped_storage().resize_(0)  # the views exist; the first gather allocates it again
         source.fill(flat, shard)
@@ -170,8 +187,7 @@ class ShardedStorage:
     """Parameters are placeholders between uses: full values are gathered from the shards."""
 
     def layout_summary(self) -> dict[str, Any]:
-        return {"units": [{"name": u.name, "params": [n for f in u.flats for n in f.layout.names]}
-                          for u in self.units]}
+        return {"units": [{"name": u.name, "params": [n for f in u.flats for n in f.layout.names]} for u in self.units]}
 
     def layouts(self) -> list[BufferLayout]:
         return [f.layout for f in self.groups]
@@ -184,9 +200,12 @@ class ShardedStorage:
         for flat in self.trainable_groups:
             for piece in flat.layout.pieces(self.rank):
                 if piece.name in wanted:
-                    found[piece.name] = TensorPiece(piece.name, piece.local_range.of(flat.shard),
-                                                    (piece.param_range.start, piece.param_range.end),
-                                                    strategy.piece_grad(flat, piece))
+                    found[piece.name] = TensorPiece(
+                        piece.name,
+                        piece.local_range.of(flat.shard),
+                        (piece.param_range.start, piece.param_range.end),
+                        strategy.piece_grad(flat, piece),
+                    )
         return [found[name] for name in names if name in found]
 
     def before_optimizer_step(self) -> None:

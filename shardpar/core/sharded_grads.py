@@ -29,7 +29,8 @@ these parameters, so neither mechanism touches it.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,8 +56,10 @@ _WHOLE_GRADS_AT_STAGE_0 = (
 def where_grads_live(stage: int) -> str:
     """Why ``param.grad`` is not the gradient, for messages (stage 0: only under mixed precision)."""
     if stage == 0:
-        return ("at stage 0 with mixed precision it is kept in the reduce dtype for fp32 master weights that only "
-                "shardpar's optimizer updates")
+        return (
+            "at stage 0 with mixed precision it is kept in the reduce dtype for fp32 master weights that only "
+            "shardpar's optimizer updates"
+        )
     return f"at stage {stage} it exists only as shards spread over the ranks, never whole"
 
 
@@ -65,9 +68,10 @@ class ShardedGrad(torch.Tensor):
     shape and dtype, no values; any operation raises."""
 
     @staticmethod
-    def __new__(cls, param: nn.Parameter, name: str, where: str) -> "ShardedGrad":
+    def __new__(cls, param: nn.Parameter, name: str, where: str) -> ShardedGrad:
         grad = torch.Tensor._make_wrapper_subclass(
-            cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False)
+            cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False
+        )
         grad._shardpar_name = name
         grad._shardpar_where = where
         return grad

@@ -22,8 +22,8 @@ from .layout import Bucket, ShardPiece
 from .param_guard import metadata_only
 from .rebuild import Relayout
 from .reduce_strategies import ShardedAverage, nbytes, zero_pieces
-from .replicas import AcrossReplicas
 from .reducer import GradBucket, ParamSpace
+from .replicas import AcrossReplicas
 
 
 class StagedReduceScatter(ShardedAverage):
@@ -34,15 +34,31 @@ class StagedReduceScatter(ShardedAverage):
     max_in_flight: int | None = 2
     full_grads_on_params = False
 
-    def __init__(self, spaces, reduce_dtype: ReduceDtype, world_size: int, rank: int, group, comm,
-                 replicas: AcrossReplicas | None = None, ranks_summed: int | None = None,
-                 divide_factor: float | None = None) -> None:
+    def __init__(
+        self,
+        spaces,
+        reduce_dtype: ReduceDtype,
+        world_size: int,
+        rank: int,
+        group,
+        comm,
+        replicas: AcrossReplicas | None = None,
+        ranks_summed: int | None = None,
+        divide_factor: float | None = None,
+    ) -> None:
         self.spaces = list(spaces)
-        self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = reduce_dtype, world_size, rank, group, comm
+        self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = (
+            reduce_dtype,
+            world_size,
+            rank,
+            group,
+            comm,
+        )
         self.replicas = replicas
         """See [Note: reduction under hybrid sharding] in replicas.py."""
-        self.averaging_of = averaging_per_space(spaces, reduce_dtype, ranks_summed or world_size, group,
-                                                divide_before=False, divide_factor=divide_factor)
+        self.averaging_of = averaging_per_space(
+            spaces, reduce_dtype, ranks_summed or world_size, group, divide_before=False, divide_factor=divide_factor
+        )
         self.grad_shards = {
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device) for s in spaces
         }  # 1-D, this rank's slice of every bucket, in bucket order (local space), master dtype
@@ -89,7 +105,9 @@ class StagedReduceScatter(ShardedAverage):
 
     def _accumulation(self, space: ParamSpace) -> torch.Tensor:
         if space not in self._accumulated:
-            self._accumulated[space] = torch.zeros(space.layout.numel, dtype=self.reduce_dtype(space), device=space.device)
+            self._accumulated[space] = torch.zeros(
+                space.layout.numel, dtype=self.reduce_dtype(space), device=space.device
+            )
         return self._accumulated[space]
 
     # ------------------------------------------------------------------ gradients arriving
@@ -131,8 +149,15 @@ class StagedReduceScatter(ShardedAverage):
         staging = self._staging_for(bucket)
         plan = self.averaging_of[bucket.space]
         scale(staging, plan.before)
-        return C.reduce_scatter(self.owned_in_staging(bucket, staging), staging, group=self.group, async_op=True,
-                                stats=self.comm, padding_numel=bucket.spec.padding, op=plan.op)
+        return C.reduce_scatter(
+            self.owned_in_staging(bucket, staging),
+            staging,
+            group=self.group,
+            async_op=True,
+            stats=self.comm,
+            padding_numel=bucket.spec.padding,
+            op=plan.op,
+        )
 
     def finish(self, bucket: GradBucket) -> None:
         staging = self._staging.pop(bucket.position)

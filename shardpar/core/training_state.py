@@ -68,8 +68,11 @@ class TrainingState:
         if self.phase is Phase.BACKWARD:
             where = f"in backward pass {self.backward_count}"
         else:
-            where = f"in a forward pass after {self.backward_count} backward passes" if self.phase is Phase.FORWARD \
+            where = (
+                f"in a forward pass after {self.backward_count} backward passes"
+                if self.phase is Phase.FORWARD
                 else f"between passes after backward pass {self.backward_count}"
+            )
         details = ""
         unit = self._unit_now()
         if unit is not None and not unit[3]:
@@ -92,8 +95,12 @@ class TrainingState:
 
     def position(self) -> dict[str, object]:
         """:meth:`describe` as values, for comparing ranks ([Note: stalled waits] in comm/stalls.py)."""
-        return {"phase": self.phase.value, "backward_count": self.backward_count, "step_count": self.step_count,
-                "unit": self.current_unit()}
+        return {
+            "phase": self.phase.value,
+            "backward_count": self.backward_count,
+            "step_count": self.step_count,
+            "unit": self.current_unit(),
+        }
 
     @staticmethod
     def autograd_running() -> bool:

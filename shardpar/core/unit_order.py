@@ -62,7 +62,8 @@ step. So there (``tolerant`` False):
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -73,7 +74,6 @@ from .flat_param import FlatParamGroup, GatheredBytes, ShardState
 from .training_state import Phase, TrainingState
 from .units import Unit
 from .wait_clock import WaitClock
-
 
 PROBE_MARK = 1 << 40
 """Set in the tag of a probe ([Note: deferred tag checks]): a probe meets only probes."""
@@ -87,9 +87,17 @@ class UnitOrder:
     ranks] and [Note: deferred tag checks], and the recovery from leftover units that ranks
     ran differently."""
 
-    def __init__(self, units: list[Unit], state: TrainingState, comm: C.CommStats, group: Any, rank: int,
-                 wait_clock: WaitClock, gather: Callable[[Unit], None],
-                 retire_group: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        units: list[Unit],
+        state: TrainingState,
+        comm: C.CommStats,
+        group: Any,
+        rank: int,
+        wait_clock: WaitClock,
+        gather: Callable[[Unit], None],
+        retire_group: Callable[[], None] | None = None,
+    ) -> None:
         self.state, self.comm, self.group, self.rank = state, comm, group, rank
         self.wait_clock = wait_clock
         self.gather = gather
@@ -161,8 +169,14 @@ class UnitOrder:
         if plan is None or plan.max_shard_bytes != self.max_shard_bytes:
             # Made here, while the full buffer's storage is allocated (the plan's windows view it).
             plan = self._plans[flat] = C.TaggedAllGather(
-                flat.full, flat.layout.shard_numel * flat.full.element_size(), max_shard_bytes=self.max_shard_bytes,
-                group=self.group, stats=self.comm, padding_numel=flat.layout.padding, what=self._reported_as[flat])
+                flat.full,
+                flat.layout.shard_numel * flat.full.element_size(),
+                max_shard_bytes=self.max_shard_bytes,
+                group=self.group,
+                stats=self.comm,
+                padding_numel=flat.layout.padding,
+                what=self._reported_as[flat],
+            )
         tag = (self._sequence, self._tag_index(flat))
         self._issued_as[flat] = self._sequence
         self._sequence += 1
@@ -190,8 +204,9 @@ class UnitOrder:
         self.check_tags(block=True)
         self._sequence += 1
         probe = (tag[0], tag[1] | PROBE_MARK)  # a rank that gathers without probing must see a mismatch
-        rows = self.wait_clock.wait(C.all_gather_tags(probe, group=self.group, device=device, stats=self.comm),
-                                    gather=True)
+        rows = self.wait_clock.wait(
+            C.all_gather_tags(probe, group=self.group, device=device, stats=self.comm), gather=True
+        )
         self._check_rows(rows)
 
     def check_tags(self, block: bool, below: int | None = None) -> None:
@@ -244,12 +259,13 @@ class UnitOrder:
         tag = (self._sequence, self._exchange_index)
         self._sequence += 1
         self.max_shard_bytes = max(self.max_shard_bytes, size)
-        tags = C.all_gather_tagged(full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group,
-                                   stats=self.comm, kind="control").wait()
+        tags = C.all_gather_tagged(
+            full, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group, stats=self.comm, kind="control"
+        ).wait()
         self._check_rows(tags.rows() if isinstance(tags, C.GatheredTags) else tags)
         return full.view(C.get_world_size(self.group), -1).tolist()  # set-up, once: a host read is fine
 
-    def check_gather(self, flat: FlatParamGroup, result: "list[list[int]] | C.GatheredTags") -> None:
+    def check_gather(self, flat: FlatParamGroup, result: list[list[int]] | C.GatheredTags) -> None:
         """A gather of ``flat`` completed with ``result``: every rank's tag, or (see [Note:
         deferred tag checks]) the tags on their way."""
         self._received(flat)
@@ -289,8 +305,13 @@ class UnitOrder:
             "stage 3: units ran in a different order on different ranks, so their all-gathers paired up "
             f"wrongly: {detail}. Every rank must run the same units in the same order in every forward and "
             "backward (put the modules a data-dependent branch chooses between in one unit"
-            + ("" if self.tolerant else "; on this backend modules outside every policy unit that ranks run "
-               "differently are not recovered either: raise min_unit_params so they go with the root") + ")"
+            + (
+                ""
+                if self.tolerant
+                else "; on this backend modules outside every policy unit that ranks run "
+                "differently are not recovered either: raise min_unit_params so they go with the root"
+            )
+            + ")"
         )
 
     def _recoverable(self, rows: list[list[int]]) -> bool:
@@ -329,9 +350,18 @@ class UnitOrder:
                 filler = torch.empty(0, dtype=torch.uint8, device=self.flats[0].device)
                 tag = (self._sequence, self._filler_index)
                 self._sequence += 1
-                rows = self.wait_clock.wait(C.all_gather_tagged(
-                    filler, send, tag, max_shard_bytes=self.max_shard_bytes, group=self.group, stats=self.comm,
-                    kind="control"), gather=True)
+                rows = self.wait_clock.wait(
+                    C.all_gather_tagged(
+                        filler,
+                        send,
+                        tag,
+                        max_shard_bytes=self.max_shard_bytes,
+                        group=self.group,
+                        stats=self.comm,
+                        kind="control",
+                    ),
+                    gather=True,
+                )
             if all(row[1] == self._filler_index for row in rows):
                 return
 

@@ -110,8 +110,14 @@ class UnitPlan:
 class Unit:
     """One stage-3 unit: its flat groups and what this backward still needs of them."""
 
-    def __init__(self, index: int, name: str, hook_modules: tuple[str, ...], flats: list[FlatParamGroup],
-                 from_policy: bool = True) -> None:
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        hook_modules: tuple[str, ...],
+        flats: list[FlatParamGroup],
+        from_policy: bool = True,
+    ) -> None:
         self.index = index
         self.name = name
         self.hook_modules = hook_modules
@@ -170,8 +176,12 @@ class ModuleTree:
         compiled = [n for n, m in self.modules.items() if n and is_compiled(m)]
         self.compiled = sorted(compiled, key=len)  # outermost first
         """Compiled submodules (the root is never lifted to), outermost first."""
-        self._registrations = [(parent._modules, key, child) for parent in self.modules.values()
-                               for key, child in parent._modules.items() if child is not None]
+        self._registrations = [
+            (parent._modules, key, child)
+            for parent in self.modules.values()
+            for key, child in parent._modules.items()
+            if child is not None
+        ]
         """Every (parent's ``_modules``, key, child) as wrapped: what :meth:`compiled_since`
         compares with."""
 
@@ -290,8 +300,12 @@ def _entry_modules(tree: ModuleTree, hooks: tuple[str, ...], owners: set[str]) -
     entries: set[str] = set()
     for owner in owners:
         for name in tree.path(tree.lift(owner)):
-            if name not in hooks and any(encloses(h, name) for h in hooks) and runs_forward(tree.modules[name]) \
-                    and not tree.inside_compiled(name):
+            if (
+                name not in hooks
+                and any(encloses(h, name) for h in hooks)
+                and runs_forward(tree.modules[name])
+                and not tree.inside_compiled(name)
+            ):
                 entries.add(name)
     return tuple(sorted(entries, key=tree.order.__getitem__))
 

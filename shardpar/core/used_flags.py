@@ -38,7 +38,8 @@ run at the same point everywhere.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import torch
 
@@ -64,20 +65,30 @@ class FlagsInFlight:
         immediate = self.read.immediate  # read where it was reduced: the same point on every rank
         values = self.read.values()
         k = len(self.counters)
-        tail = values[-2 * k:]
+        tail = values[-2 * k :]
         if tail[:k] != [-c for c in tail[k:]]:
             _raise_diverged(counter_names, self.counters, tail[:k], [-c for c in tail[k:]], immediate, group, device)
         return values[: -2 * k]
 
 
-def _raise_diverged(counter_names: Sequence[str], mine: list[int], highest: list[int], lowest: list[int], gather: bool,
-                    group: Any, device: torch.device) -> NoReturn:
+def _raise_diverged(
+    counter_names: Sequence[str],
+    mine: list[int],
+    highest: list[int],
+    lowest: list[int],
+    gather: bool,
+    group: Any,
+    device: torch.device,
+) -> NoReturn:
     """Ranks sent different counters (``mine``: this rank's; ``highest``, ``lowest``: over the
     ranks): raise on every rank, naming each rank's counts where ``gather`` allows the object
     all-gather that finds them (see [Note: reading the used-parameter flags])."""
     if not gather:
-        spread = "; ".join(f"{name}: {low} to {high} (this rank {own})" for name, own, high, low
-                           in zip(counter_names, mine, highest, lowest) if high != low)
+        spread = "; ".join(
+            f"{name}: {low} to {high} (this rank {own})"
+            for name, own, high, low in zip(counter_names, mine, highest, lowest)
+            if high != low
+        )
         raise RanksOutOfStep(
             f"ranks fell out of step at a synchronising backward: they differ in {spread}. This backward's "
             "gradient collectives paired with another point of training on some rank. Every rank must run the "
@@ -89,7 +100,8 @@ def _raise_diverged(counter_names: Sequence[str], mine: list[int], highest: list
     differ = [name for i, name in enumerate(counter_names) if len({row[i] for row in counts}) > 1]
     detail = "; ".join(
         f"rank {rank}: " + ", ".join(f"{row[i]} {name}" for i, name in enumerate(counter_names))
-        for rank, row in enumerate(counts))
+        for rank, row in enumerate(counts)
+    )
     raise RanksOutOfStep(
         f"ranks fell out of step at a synchronising backward: they differ in {' and '.join(differ)} ({detail}). "
         "This backward's gradient collectives paired with another point of training on some rank. Every rank "

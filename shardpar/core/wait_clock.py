@@ -52,7 +52,7 @@ class WaitClock:
         self.waits: dict[str, int] = dict.fromkeys(PHASES, 0)
         """Handles waited for since the last :meth:`reset`, per phase."""
 
-    def wait(self, handle: "Handle", *, gather: bool) -> Any:
+    def wait(self, handle: Handle, *, gather: bool) -> Any:
         """``handle.wait()``, timed under the phase the engine is in (``gather``: a parameter
         all-gather, told apart from a gradient reduction in backward)."""
         started = time.perf_counter()

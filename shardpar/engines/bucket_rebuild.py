@@ -20,8 +20,16 @@ class BucketRebuild:
     move sharded values. The optimizers are not part of it: each follows on its next use
     (:func:`carry_state`)."""
 
-    def __init__(self, reducer: GradientReducer, storage: Any, strategy: Any, rank: int, group: Any,
-                 comm: C.CommStats, device: torch.device) -> None:
+    def __init__(
+        self,
+        reducer: GradientReducer,
+        storage: Any,
+        strategy: Any,
+        rank: int,
+        group: Any,
+        comm: C.CommStats,
+        device: torch.device,
+    ) -> None:
         self.reducer, self.storage, self.strategy = reducer, storage, strategy
         self.rank, self.group, self.comm, self.device = rank, group, comm, device
         self.moves: dict[Any, Relayout] = {}
@@ -38,16 +46,23 @@ class BucketRebuild:
         order = [reducer.names[i] for i in rows[0]]
         layouts = storage.rebuilt_layouts(order)
         if layouts:
-            self.moves = {buf: Relayout(buf.layout, layout, self.rank, self.group, self.comm)
-                          for buf, layout in layouts.items()}
+            self.moves = {
+                buf: Relayout(buf.layout, layout, self.rank, self.group, self.comm) for buf, layout in layouts.items()
+            }
             storage.relayout(self.moves)
             self.strategy.relayout(self.moves)
         reducer.relayout(order)
         return bool(layouts)
 
 
-def carry_state(states: dict[str, tuple[torch.Tensor, dict[str, Any]]], moves: dict[Any, Relayout], storage: Any,
-                group: Any, comm: C.CommStats, device: torch.device) -> dict[str, dict[str, Any]]:
+def carry_state(
+    states: dict[str, tuple[torch.Tensor, dict[str, Any]]],
+    moves: dict[Any, Relayout],
+    storage: Any,
+    group: Any,
+    comm: C.CommStats,
+    device: torch.device,
+) -> dict[str, dict[str, Any]]:
     """An optimizer's state (``name -> (tensor, state)`` in the old layout) in the new one,
     ``name -> state``. Where the masters are sharded, a rank's pieces change and their state
     crosses ranks: every rank calls this for the optimizer at the same point (its first use

@@ -46,8 +46,16 @@ from ..core.wait_clock import WaitClock
 class BufferSync:
     """One engine's buffer broadcasts; see [Note: when buffers are broadcast]."""
 
-    def __init__(self, module: nn.Module, group: Any, rank: int, world_size: int, enabled: bool,
-                 comm: C.CommStats, wait_clock: WaitClock) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: Any,
+        rank: int,
+        world_size: int,
+        enabled: bool,
+        comm: C.CommStats,
+        wait_clock: WaitClock,
+    ) -> None:
         self.module = module
         self.group = group
         self.rank = rank

@@ -82,6 +82,9 @@ class MixedPrecisionCasts:
             if lifted in seen:
                 continue
             seen.add(lifted)
-            handles.append(tree.modules[lifted].register_forward_pre_hook(
-                engine_hook(lambda m, args, kwargs: self.cast_inputs(args, kwargs)), with_kwargs=True))
+            handles.append(
+                tree.modules[lifted].register_forward_pre_hook(
+                    engine_hook(lambda m, args, kwargs: self.cast_inputs(args, kwargs)), with_kwargs=True
+                )
+            )
         return handles

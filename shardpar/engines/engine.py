@@ -20,7 +20,8 @@ hook did (a backward through part of the model).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,20 +29,25 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm import watch
 from ..comm.sharding_groups import ShardingGroups
-from ..core.backward_paths import BackwardPath
 from ..config import ShardConfig
+from ..core.backward_paths import BackwardPath
 from ..core.deferred_init import DeferredInit
 from ..core.element_order import ElementOrder
 from ..core.gather_phases import GatherPhases
 from ..core.gatherer import UnitGatherer, grad_tensors, on_first_grad
-from ..core.inventory import (ParamInventory, check_dense_gradients, check_supported_dtypes, module_device,
-                              sparse_gradient_error)
+from ..core.inventory import (
+    ParamInventory,
+    check_dense_gradients,
+    check_supported_dtypes,
+    module_device,
+    sparse_gradient_error,
+)
 from ..core.pieces import TensorPiece
 from ..core.rebuild import ReadyOrder
 from ..core.reducer import GradientReducer
 from ..core.sharded import ShardedStorage
 from ..core.training_state import Phase, TrainingState
-from ..core.units import Unit, ModuleTree
+from ..core.units import ModuleTree, Unit
 from ..core.wait_clock import WaitClock
 from .bucket_rebuild import BucketRebuild, carry_state
 from .buffer_sync import BufferSync
@@ -49,7 +55,6 @@ from .casts import MixedPrecisionCasts
 from .grad_marks import GradPlaceholders
 from .hooks import engine_hook
 from .module_hooks import UnitHooks, UseHooks, module_of_params
-
 
 WRAPPED_MARK = "_shardpar_wrapped"
 """Set on the module an engine manages, so that wrapping it (or a model containing it) again
@@ -62,8 +67,15 @@ _disabled = engine_hook
 class Engine:
     """Training machinery of one wrapped module at one stage (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, config: ShardConfig, group: Any, row: Any,
-                 deferred_init: DeferredInit | None = None, sharding: ShardingGroups | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ShardConfig,
+        group: Any,
+        row: Any,
+        deferred_init: DeferredInit | None = None,
+        sharding: ShardingGroups | None = None,
+    ) -> None:
         self.module = module
         self.config = config
         self.group = group
@@ -118,8 +130,9 @@ class Engine:
         self.strategy = row.strategy(self, self.storage.spaces)
         rebuilds = config.rebuild_buckets and self.storage.relayouts
         ready_order = ReadyOrder(module_of_params(self._tree, self.storage)) if rebuilds else None
-        self.reducer = GradientReducer(self.storage.spaces, self.strategy, self.state, self.comm, group,
-                                       self.wait_clock, ready_order=ready_order)
+        self.reducer = GradientReducer(
+            self.storage.spaces, self.strategy, self.state, self.comm, group, self.wait_clock, ready_order=ready_order
+        )
         self.use_hooks = UseHooks(self._tree, self.storage, self.reducer, self.state)
         """Stages 0-2's hooks on the modules that use parameters (installed by the stage's row)."""
         # Where param.grad cannot be the gradient (shards; fp32 masters under mixed precision),
@@ -129,8 +142,9 @@ class Engine:
         self._handles += self.reducer.register_hooks(self._on_grad_ready)
         if self.grad_marks is not None:
             self._handles += self.grad_marks.before_accumulation_hooks(self.ensure_backward_started)
-        self.buffer_sync = BufferSync(module, group, self.rank, self.world_size, config.broadcast_buffers, self.comm,
-                                      self.wait_clock)
+        self.buffer_sync = BufferSync(
+            module, group, self.rank, self.world_size, config.broadcast_buffers, self.comm, self.wait_clock
+        )
         self.gatherer: GatherPhases = row.gatherer(self)
         """The stage's gatherer, its hooks installed (see stages.py)."""
         self.backward_path: BackwardPath = row.backward_path(self)
@@ -174,11 +188,18 @@ class Engine:
         if gather_group is not None:
             watch.configure(gather_group, self.config.timeout_s)
         storage.gatherer = UnitGatherer(
-            storage.units, self.state, self.config.reshard_after_forward,
-            self.config.units_to_prefetch_in_forward, self.config.units_to_prefetch_in_backward,
-            self.shard_comm, gather_group, self.shards.shard_rank,
-            on_forward_use=self._on_unit_use, on_backward_start=self.ensure_backward_started,
-            wait_clock=self.wait_clock, retire_group=lambda: C.retire_sibling_group(self.shards.shard_group),
+            storage.units,
+            self.state,
+            self.config.reshard_after_forward,
+            self.config.units_to_prefetch_in_forward,
+            self.config.units_to_prefetch_in_backward,
+            self.shard_comm,
+            gather_group,
+            self.shards.shard_rank,
+            on_forward_use=self._on_unit_use,
+            on_backward_start=self.ensure_backward_started,
+            wait_clock=self.wait_clock,
+            retire_group=lambda: C.retire_sibling_group(self.shards.shard_group),
         )
         gatherer = storage.gatherer
         self.unit_hooks = UnitHooks(gatherer, storage.units, storage.plans, self._tree.modules)
@@ -272,8 +293,9 @@ class Engine:
         is rank 0's on every rank, so the order adopted from it is the same everywhere."""
         rows = self.gatherer.exchange(values)
         if self.shards.is_hybrid:
-            rows = C.all_gather_objects(rows[0], group=self.shards.replica_group, device=self.device,
-                                        stats=self.replica_comm, kind="control")
+            rows = C.all_gather_objects(
+                rows[0], group=self.shards.replica_group, device=self.device, stats=self.replica_comm, kind="control"
+            )
         return rows
 
     def _on_grad_ready(self, name: str, param: nn.Parameter) -> None:
@@ -310,8 +332,9 @@ class Engine:
     def _rebuild_buckets(self) -> None:
         """Once, at the end of the first synchronising backward: see [Note: bucket rebuild] in
         core/rebuild.py and :class:`BucketRebuild`."""
-        rebuild = BucketRebuild(self.reducer, self.storage, self.strategy, self.rank, self.group, self.comm,
-                                self.device)
+        rebuild = BucketRebuild(
+            self.reducer, self.storage, self.strategy, self.rank, self.group, self.comm, self.device
+        )
         if not rebuild.relayout():
             return
         self._relayouts = rebuild.moves
@@ -319,7 +342,9 @@ class Engine:
         if self.storage.groups:
             self.use_hooks.reinstall_gathers()
 
-    def carry_optimizer_state(self, states: dict[str, tuple[torch.Tensor, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    def carry_optimizer_state(
+        self, states: dict[str, tuple[torch.Tensor, dict[str, Any]]]
+    ) -> dict[str, dict[str, Any]]:
         """An optimizer built before the bucket rebuild, on its first use after it: its state
         (``name -> (tensor, state)``) in the new layout; collective where the masters are
         sharded (see [Note: optimizers follow the layout] in optim/sharded.py)."""

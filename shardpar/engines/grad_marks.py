@@ -5,7 +5,8 @@ gradients at stages 1-3] in core/sharded_grads.py).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn

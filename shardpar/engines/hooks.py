@@ -10,7 +10,7 @@ a graph break, and under ``fullgraph=True`` an error, so none is placed inside a
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

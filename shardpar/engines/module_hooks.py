@@ -21,7 +21,8 @@ wrapping is an error too: the wrapper is not the module the engine wrapped (its 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -114,31 +115,44 @@ class UseHooks:
 class UnitHooks:
     """Stage 3: the hooks on every unit's hook and entry modules that drive the gatherer."""
 
-    def __init__(self, gatherer: UnitGatherer, units: Sequence[Unit], plans: Sequence[UnitPlan],
-                 modules: dict[str, nn.Module]) -> None:
+    def __init__(
+        self, gatherer: UnitGatherer, units: Sequence[Unit], plans: Sequence[UnitPlan], modules: dict[str, nn.Module]
+    ) -> None:
         self.units = list(units)
         self.on_hook_modules: list[Any] = []
         for unit in units:
             for hook_name in unit.hook_modules:
                 module = modules[hook_name]
-                self.on_hook_modules.append(module.register_forward_pre_hook(
-                    engine_hook(lambda m, args, kwargs, unit=unit: gatherer.pre_forward(unit, args, kwargs)),
-                    prepend=True, with_kwargs=True))
-                self.on_hook_modules.append(module.register_forward_hook(
-                    engine_hook(lambda m, args, output, unit=unit: gatherer.post_forward(unit, output))))
+                self.on_hook_modules.append(
+                    module.register_forward_pre_hook(
+                        engine_hook(lambda m, args, kwargs, unit=unit: gatherer.pre_forward(unit, args, kwargs)),
+                        prepend=True,
+                        with_kwargs=True,
+                    )
+                )
+                self.on_hook_modules.append(
+                    module.register_forward_hook(
+                        engine_hook(lambda m, args, output, unit=unit: gatherer.post_forward(unit, output))
+                    )
+                )
         self.on_entry_modules: dict[str, list[Any]] = {}
         """Entry module -> its hooks' handles (see [Note: entry modules] in core/units.py)."""
         for unit, plan in zip(units, plans):
             for entry_name in plan.entry_modules:
                 module = modules[entry_name]
-                self.on_entry_modules.setdefault(entry_name, []).extend([
-                    module.register_forward_pre_hook(
-                        engine_hook(lambda m, args, kwargs, unit=unit: gatherer.enter(unit, m, args, kwargs)),
-                        prepend=True, with_kwargs=True),
-                    module.register_forward_hook(
-                        engine_hook(lambda m, args, output, unit=unit: gatherer.leave(unit, m, output)),
-                        always_call=True),
-                ])
+                self.on_entry_modules.setdefault(entry_name, []).extend(
+                    [
+                        module.register_forward_pre_hook(
+                            engine_hook(lambda m, args, kwargs, unit=unit: gatherer.enter(unit, m, args, kwargs)),
+                            prepend=True,
+                            with_kwargs=True,
+                        ),
+                        module.register_forward_hook(
+                            engine_hook(lambda m, args, output, unit=unit: gatherer.leave(unit, m, output)),
+                            always_call=True,
+                        ),
+                    ]
+                )
 
     @property
     def handles(self) -> list[Any]:

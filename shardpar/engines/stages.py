@@ -11,29 +11,38 @@ its parent's (DESIGN.md, "The core").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..core.backward_paths import BackwardPath, ReduceWhenComplete, ReshardThenReduce
+from ..core.deferred_init import InitWalk
 from ..core.gather_phases import GatherPhases, NoGatherer, PostStepGatherer
 from ..core.gatherer import UnitGatherer
 from ..core.masters import FullMaster, ShardedMaster
 from ..core.reduce_strategies import AllReduceStrategy, ReduceScatterInPlace
 from ..core.replicas import AcrossReplicas
-from ..core.staged_reduce_scatter import StagedReduceScatter
 from ..core.replicated import ReplicatedStorage
-from ..core.deferred_init import InitWalk
 from ..core.sharded import FromInit, FromLiveModule, ShardedStorage
+from ..core.staged_reduce_scatter import StagedReduceScatter
 
 if TYPE_CHECKING:
     from .engine import Engine
 
 
-def _replicated(master: Callable[[], FullMaster | ShardedMaster]) -> Callable[["Engine"], ReplicatedStorage]:
-    def build(engine: "Engine") -> ReplicatedStorage:
+def _replicated(master: Callable[[], FullMaster | ShardedMaster]) -> Callable[[Engine], ReplicatedStorage]:
+    def build(engine: Engine) -> ReplicatedStorage:
         shards = engine.shards
-        storage = ReplicatedStorage(engine.module, engine.inventory, engine.config, shards.shard_group,
-                                    engine.shard_comm, shards.shard_size, shards.shard_rank, master())
+        storage = ReplicatedStorage(
+            engine.module,
+            engine.inventory,
+            engine.config,
+            shards.shard_group,
+            engine.shard_comm,
+            shards.shard_size,
+            shards.shard_rank,
+            master(),
+        )
         engine.broadcast_from_rank0(storage.tensors_to_broadcast() + list(engine.module.buffers()))
         storage.finish_setup(shards.shard_group, engine.shard_comm, engine.wait_clock)
         return storage
@@ -41,65 +50,101 @@ def _replicated(master: Callable[[], FullMaster | ShardedMaster]) -> Callable[["
     return build
 
 
-def _sharded_units(engine: "Engine") -> ShardedStorage:
+def _sharded_units(engine: Engine) -> ShardedStorage:
     deferred, shards = engine.deferred_init, engine.shards
     if deferred is None:
-        storage = ShardedStorage(engine.module, engine.inventory, engine.config, shards.shard_group, shards.shard_size,
-                                 shards.shard_rank, FromLiveModule(engine.group, engine.device))
+        storage = ShardedStorage(
+            engine.module,
+            engine.inventory,
+            engine.config,
+            shards.shard_group,
+            shards.shard_size,
+            shards.shard_rank,
+            FromLiveModule(engine.group, engine.device),
+        )
         engine.broadcast_from_rank0(list(engine.module.buffers()))
         return storage
     # Born sharded from an initialisation every rank replays alike: nothing to broadcast.
     walk = InitWalk(engine.module, deferred.init_fn, engine.group, engine.device)
-    storage = ShardedStorage(engine.module, engine.inventory, engine.config, shards.shard_group, shards.shard_size,
-                             shards.shard_rank, FromInit(engine.module, walk, engine.device))
+    storage = ShardedStorage(
+        engine.module,
+        engine.inventory,
+        engine.config,
+        shards.shard_group,
+        shards.shard_size,
+        shards.shard_rank,
+        FromInit(engine.module, walk, engine.device),
+    )
     walk.finish(engine.device)
     engine.casts.cast_buffers(engine.module)  # a buffer the init re-assigned has the init's dtype
     return storage
 
 
-def _no_gatherer(engine: "Engine") -> NoGatherer:
+def _no_gatherer(engine: Engine) -> NoGatherer:
     engine.install_use_hooks()  # they record the launch order in the first forward
     return NoGatherer(engine.group, engine.device, engine.comm)
 
 
-def _post_step_gatherer(engine: "Engine") -> PostStepGatherer:
+def _post_step_gatherer(engine: Engine) -> PostStepGatherer:
     engine.install_use_hooks()  # they also complete the lazy gathers of the current buckets
     return engine.storage.gatherer
 
 
-def _unit_gatherer(engine: "Engine") -> UnitGatherer:
+def _unit_gatherer(engine: Engine) -> UnitGatherer:
     return engine.install_unit_gatherer()
 
 
-def _all_reduce(engine: "Engine", spaces: list) -> AllReduceStrategy:
-    return AllReduceStrategy(spaces, engine.reduce_dtype, engine.world_size, engine.group, engine.comm,
-                             divide_factor=engine.config.gradient_divide_factor)
+def _all_reduce(engine: Engine, spaces: list) -> AllReduceStrategy:
+    return AllReduceStrategy(
+        spaces,
+        engine.reduce_dtype,
+        engine.world_size,
+        engine.group,
+        engine.comm,
+        divide_factor=engine.config.gradient_divide_factor,
+    )
 
 
-def _across_replicas(engine: "Engine") -> AcrossReplicas | None:
+def _across_replicas(engine: Engine) -> AcrossReplicas | None:
     shards = engine.shards
     return AcrossReplicas(shards.replica_group, shards.shard_rank, engine.replica_comm) if shards.is_hybrid else None
 
 
-def _reduce_scatter_in_place(engine: "Engine", spaces: list) -> ReduceScatterInPlace:
+def _reduce_scatter_in_place(engine: Engine, spaces: list) -> ReduceScatterInPlace:
     shards = engine.shards
-    return ReduceScatterInPlace(spaces, engine.reduce_dtype, shards.shard_size, shards.shard_rank, shards.shard_group,
-                                engine.shard_comm, _across_replicas(engine), ranks_summed=engine.world_size,
-                               divide_factor=engine.config.gradient_divide_factor)
+    return ReduceScatterInPlace(
+        spaces,
+        engine.reduce_dtype,
+        shards.shard_size,
+        shards.shard_rank,
+        shards.shard_group,
+        engine.shard_comm,
+        _across_replicas(engine),
+        ranks_summed=engine.world_size,
+        divide_factor=engine.config.gradient_divide_factor,
+    )
 
 
-def _staged_reduce_scatter(engine: "Engine", spaces: list) -> StagedReduceScatter:
+def _staged_reduce_scatter(engine: Engine, spaces: list) -> StagedReduceScatter:
     shards = engine.shards
-    return StagedReduceScatter(spaces, engine.reduce_dtype, shards.shard_size, shards.shard_rank, shards.shard_group,
-                               engine.shard_comm, _across_replicas(engine), ranks_summed=engine.world_size,
-                               divide_factor=engine.config.gradient_divide_factor)
+    return StagedReduceScatter(
+        spaces,
+        engine.reduce_dtype,
+        shards.shard_size,
+        shards.shard_rank,
+        shards.shard_group,
+        engine.shard_comm,
+        _across_replicas(engine),
+        ranks_summed=engine.world_size,
+        divide_factor=engine.config.gradient_divide_factor,
+    )
 
 
-def _reduce_when_complete(engine: "Engine") -> ReduceWhenComplete:
+def _reduce_when_complete(engine: Engine) -> ReduceWhenComplete:
     return ReduceWhenComplete(engine.reducer)
 
 
-def _reshard_then_reduce(engine: "Engine") -> ReshardThenReduce:
+def _reshard_then_reduce(engine: Engine) -> ReshardThenReduce:
     # One rank cannot depart from the others' unit order: nothing to wait for.
     return ReshardThenReduce(engine.reducer, engine.gatherer, gated=engine.world_size > 1)
 
@@ -107,13 +152,13 @@ def _reshard_then_reduce(engine: "Engine") -> ReshardThenReduce:
 @dataclass(frozen=True)
 class StageRow:
     stage: int
-    storage: Callable[["Engine"], Any]
+    storage: Callable[[Engine], Any]
     """Builds the parameter storage (stages 0-2 with their master part: full or sharded)."""
-    strategy: Callable[["Engine", list], Any]
+    strategy: Callable[[Engine, list], Any]
     """Builds the reducer's strategy over the storage's parameter spaces."""
-    gatherer: Callable[["Engine"], GatherPhases]
+    gatherer: Callable[[Engine], GatherPhases]
     """Builds the gatherer and installs the module hooks that drive it."""
-    backward_path: Callable[["Engine"], BackwardPath]
+    backward_path: Callable[[Engine], BackwardPath]
     """Orders the reducer and the gatherer in backward (core/backward_paths.py)."""
 
 

@@ -23,13 +23,13 @@ the method's name only, so ``copy.deepcopy`` and ``torch.save`` of the module st
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
 from ..engines import Engine
 from ..engines.hooks import FORWARD_HOOK_MARK
-
 
 
 def _ours(hooks: dict[int, Callable]) -> list[tuple[int, Callable]]:
@@ -80,7 +80,9 @@ class ForwardMethod:
         """The method if it was an instance attribute itself; None: the class's."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        method = self.original if self.original is not None else getattr(type(self.module), self.name).__get__(self.module)
+        method = (
+            self.original if self.original is not None else getattr(type(self.module), self.name).__get__(self.module)
+        )
         return call_as_forward(self.module, method, args, kwargs)
 
     def __repr__(self) -> str:

@@ -32,15 +32,15 @@ hold their full, full-precision values, and writes back what a load changed:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..comm import collectives as C
 from ..comm import watch
-from ..core.inventory import plain_state_entries
 from ..core.param_guard import guard, is_guarded, metadata_only, unguard
 from ..core.pieces import FullValues, TensorPiece
 from ..core.training_state import Phase
@@ -49,8 +49,10 @@ if TYPE_CHECKING:
     from ..engines import Engine
 
 
-STATE_DICT_OPERATION = ("full_state_dict (gathering every parameter for a state dict: model.state_dict(), "
-                        "full_state_dict(), save_pretrained, a copy of the module, model.gathered())")
+STATE_DICT_OPERATION = (
+    "full_state_dict (gathering every parameter for a state dict: model.state_dict(), "
+    "full_state_dict(), save_pretrained, a copy of the module, model.gathered())"
+)
 """What a rank gathering full values is doing, in reports."""
 
 
@@ -64,8 +66,7 @@ def _refuse_assign(what: str) -> None:
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are the same values in the same memory (``param.data`` is a new
     tensor object at every read, so identity cannot tell)."""
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype)
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 @dataclass
@@ -84,7 +85,7 @@ class _Shown:
 class ModuleState:
     """One engine's full values in the module, and the module-level methods built on them."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._shown: _Shown | None = None
         """The context of :meth:`full_values` in force, if any (it is entered once: inner uses
@@ -93,8 +94,9 @@ class ModuleState:
     # ------------------------------------------------------------------ full values
 
     @contextlib.contextmanager
-    def full_values(self, scope: nn.Module | None = None, writeback: bool = True,
-                    copies: bool = False) -> Iterator[None]:
+    def full_values(
+        self, scope: nn.Module | None = None, writeback: bool = True, copies: bool = False
+    ) -> Iterator[None]:
         """See [Note: full values in the module]. ``scope``: the module (the wrapped one, or one
         of its submodules) whose parameters and buffers are shown; None: all of them.
         ``copies``: the values shown are copies at every stage (not the live parameters or
@@ -110,7 +112,8 @@ class ModuleState:
         if kind is not FullValues.IN_PARAMS and engine.state.phase is not Phase.IDLE:
             raise RuntimeError(
                 f"full parameter values were asked for during {engine.state.phase.value} (model.gathered(), a state "
-                "dict or a load): they are for use between steps, outside forward and backward")
+                "dict or a load): they are for use between steps, outside forward and backward"
+            )
         root = engine.module
         scope = root if scope is None else scope
         in_scope = {id(p) for p in scope.parameters()}
@@ -133,7 +136,7 @@ class ModuleState:
                 own = param.data
                 value = values.get(name, own)
                 shown.params.append((name, param, own, value, param._shardpar_guard if is_guarded(param) else None))
-        for name, param, own, value, held_guard in shown.params:
+        for _, param, _, value, _ in shown.params:
             unguard(param)
             param.data = value
         module_names = {id(m): n for n, m in root.named_modules()}
@@ -172,8 +175,9 @@ class ModuleState:
                 guard(param, held_guard)
             if shown.writeback and (shown.fresh or not _same_tensor(current, value)):
                 if current.shape != own.shape:
-                    problems.append(f"parameter '{name}' was given shape {tuple(current.shape)}, not its "
-                                    f"{tuple(own.shape)}")
+                    problems.append(
+                        f"parameter '{name}' was given shape {tuple(current.shape)}, not its {tuple(own.shape)}"
+                    )
                 changed[name] = current
         changed_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for qualified, sub, attr, buffer, own in shown.buffers:
@@ -184,12 +188,15 @@ class ModuleState:
             buffer.data = own
             if shown.writeback and not _same_tensor(value, own):
                 if value.shape != own.shape:
-                    problems.append(f"buffer '{qualified}' was given shape {tuple(value.shape)}, not its "
-                                    f"{tuple(own.shape)}")
+                    problems.append(
+                        f"buffer '{qualified}' was given shape {tuple(value.shape)}, not its {tuple(own.shape)}"
+                    )
                 changed_buffers.append((own, value))
         if problems:
-            raise ValueError("inside model.gathered() or a load, " + "; ".join(problems) + ": a wrapped model's "
-                             "parameters and buffers keep their shapes (nothing was written back)")
+            raise ValueError(
+                "inside model.gathered() or a load, " + "; ".join(problems) + ": a wrapped model's "
+                "parameters and buffers keep their shapes (nothing was written back)"
+            )
         if not shown.writeback:
             return
         orders = self.engine.element_orders()
@@ -299,8 +306,11 @@ class ModuleState:
             assert shown is not None
             # Entries in live memory (the parameters at stage 0, the masters, buffers) are copied;
             # gathered values and tensors the hooks made are copies already.
-            live = {tensor.untyped_storage().data_ptr() for _, _, _, buffer, own in shown.buffers
-                    for tensor in (buffer, own)}
+            live = {
+                tensor.untyped_storage().data_ptr()
+                for _, _, _, buffer, own in shown.buffers
+                for tensor in (buffer, own)
+            }
             if not shown.fresh:
                 live |= {value.untyped_storage().data_ptr() for _, _, _, value, _ in shown.params}
             copies: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor] = {}
@@ -321,8 +331,10 @@ class ModuleState:
         on the device it is on) does nothing; one that would move or cast a tensor is refused,
         since the parameters are views of the engine's buffers and shards and a new tensor
         would silently leave them."""
-        for name, tensor in [*self.engine.module.named_parameters(remove_duplicate=False),
-                             *self.engine.module.named_buffers(remove_duplicate=False)]:
+        for name, tensor in [
+            *self.engine.module.named_parameters(remove_duplicate=False),
+            *self.engine.module.named_buffers(remove_duplicate=False),
+        ]:
             with metadata_only():  # metadata only: a stage-3 parameter has no values to read
                 shape, stride, dtype, device = tensor.shape, tensor.stride(), tensor.dtype, tensor.device
             # fn on a one-element stand-in of the same dtype, device and shape shows what it

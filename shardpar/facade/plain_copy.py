@@ -35,7 +35,7 @@ COPY_HOOKS = ("__deepcopy__", "__reduce_ex__")
 """The instance attributes through which ``copy`` and ``pickle`` reach :func:`plain_copy`."""
 
 
-def copy_hooks(surface: "ModuleSurface", marks: tuple[str, ...]) -> dict[str, Any]:
+def copy_hooks(surface: ModuleSurface, marks: tuple[str, ...]) -> dict[str, Any]:
     """The instance attributes that give the managed module its plain copies; ``marks`` are the
     engine's own instance attributes on it, which a copy must not carry."""
     return {
@@ -44,7 +44,7 @@ def copy_hooks(surface: "ModuleSurface", marks: tuple[str, ...]) -> dict[str, An
     }
 
 
-def plain_copy(surface: "ModuleSurface", memo: dict[int, Any], marks: tuple[str, ...]) -> nn.Module:
+def plain_copy(surface: ModuleSurface, memo: dict[int, Any], marks: tuple[str, ...]) -> nn.Module:
     """See [Note: plain copies]."""
     module = surface.engine.module
     # Inside full_values (collective: every rank copies) the parameters and buffers hold their
@@ -66,8 +66,12 @@ def plain_copy(surface: "ModuleSurface", memo: dict[int, Any], marks: tuple[str,
         # The surface's and the engine's instance attributes, and declared forward methods, stay behind.
         saved = [(sub, key, sub.__dict__.pop(key)) for sub, key in surface.attributes if key in sub.__dict__]
         saved += [(module, key, module.__dict__.pop(key)) for key in marks if key in module.__dict__]
-        saved += [(sub, key, sub.__dict__.pop(key)) for sub in module.modules()
-                  for key, value in list(sub.__dict__.items()) if isinstance(value, ForwardMethod)]
+        saved += [
+            (sub, key, sub.__dict__.pop(key))
+            for sub in module.modules()
+            for key, value in list(sub.__dict__.items())
+            if isinstance(value, ForwardMethod)
+        ]
         try:
             return copy.deepcopy(module, memo)
         finally:

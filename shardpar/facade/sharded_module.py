@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ from .module_state import ModuleState
 from .surface import ModuleSurface
 
 
-def sharded_module_of(model: Any, who: str) -> "ShardedModule":
+def sharded_module_of(model: Any, who: str) -> ShardedModule:
     """The ``ShardedModule`` that ``model`` is, or that a ``torch.compile`` wrapper of it holds.
 
     timm and other trainers compile what they train, so the object a script keeps is often
@@ -30,12 +31,16 @@ def sharded_module_of(model: Any, who: str) -> "ShardedModule":
     ShardedModule): every shardpar function that takes the model accepts that wrapper too and
     works on the module inside it. ``who`` names the caller in the error for anything else."""
     inner = model
-    while not isinstance(inner, ShardedModule) and isinstance(inner, nn.Module) \
-            and isinstance(getattr(inner, "_orig_mod", None), nn.Module):
+    while (
+        not isinstance(inner, ShardedModule)
+        and isinstance(inner, nn.Module)
+        and isinstance(getattr(inner, "_orig_mod", None), nn.Module)
+    ):
         inner = inner._orig_mod  # torch.compile's OptimizedModule (compiled again: one level per compile)
     if not isinstance(inner, ShardedModule):
-        raise TypeError(f"{who} needs the model returned by shardpar.wrap (or torch.compile of it), "
-                        f"got {type(model).__name__}")
+        raise TypeError(
+            f"{who} needs the model returned by shardpar.wrap (or torch.compile of it), got {type(model).__name__}"
+        )
     return inner
 
 
@@ -103,7 +108,7 @@ class ShardedModule(nn.Module):
             "for a plain module with the current weights (on every rank, as it gathers them)"
         )
 
-    def _apply(self, fn: Any, recurse: bool = True) -> "ShardedModule":
+    def _apply(self, fn: Any, recurse: bool = True) -> ShardedModule:
         """``to()``, ``double()``, ``cuda()``, ``half()``... after wrap: see
         :meth:`ModuleState.refuse_moves` (the wrapped module's own ``_apply`` does the same)."""
         self._surface.state.refuse_moves(fn)
@@ -158,10 +163,13 @@ class ShardedModule(nn.Module):
         With ``writeback=False`` the values are copies at every stage, and changes are dropped.
         A collective at stages 1-3 (enter it on every rank); between steps only."""
         if module is not None and not any(module is sub for sub in self.module.modules()):
-            raise ValueError(f"model.gathered(module) takes the wrapped model or one of its submodules, "
-                             f"got a {type(module).__name__} that is not in it")
+            raise ValueError(
+                f"model.gathered(module) takes the wrapped model or one of its submodules, "
+                f"got a {type(module).__name__} that is not in it"
+            )
         with self._surface.state.full_values(scope=module, writeback=writeback, copies=not writeback):
             yield
+
     # ------------------------------------------------------------------ training helpers
 
     @contextlib.contextmanager
@@ -194,7 +202,11 @@ class ShardedModule(nn.Module):
         self.engine.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None,
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
     ) -> torch.Tensor:
         """Scale gradients so their global norm (over all ranks' shards) is at most
         ``max_norm``; return the norm before clipping, as ``torch.nn.utils.clip_grad_norm_``
@@ -204,9 +216,14 @@ class ShardedModule(nn.Module):
         pieces, sharded = self.engine.owned_grad_pieces()
         grads, _ = self.engine.owned_grads()
         with torch.no_grad():
-            total = clipping.total_norm(pieces, norm_type, device=self.engine.device,
-                                        dtype=clipping.result_dtype(grads),
-                                        all_reduce=self._all_reduce_norm if sharded else None, foreach=foreach)
+            total = clipping.total_norm(
+                pieces,
+                norm_type,
+                device=self.engine.device,
+                dtype=clipping.result_dtype(grads),
+                all_reduce=self._all_reduce_norm if sharded else None,
+                foreach=foreach,
+            )
             if error_if_nonfinite and not torch.isfinite(total):
                 raise RuntimeError(
                     f"the total norm of order {float(norm_type)} of the gradients is non-finite ({total.item()}); "
@@ -218,8 +235,17 @@ class ShardedModule(nn.Module):
     def _all_reduce_norm(self, tensor: torch.Tensor, op: str) -> None:
         """The one collective of a sharded clip: partial norms across the ranks of the shards
         (the shard group: its replicas hold the same shards)."""
-        self.engine.wait_clock.wait(C.all_reduce(tensor, group=self.engine.shards.shard_group, async_op=True, op=op,
-                                                 stats=self.engine.shard_comm, kind="clip_norm"), gather=False)
+        self.engine.wait_clock.wait(
+            C.all_reduce(
+                tensor,
+                group=self.engine.shards.shard_group,
+                async_op=True,
+                op=op,
+                stats=self.engine.shard_comm,
+                kind="clip_norm",
+            ),
+            gather=False,
+        )
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]``, as
@@ -241,8 +267,11 @@ class ShardedModule(nn.Module):
         engine = self.engine
         if not engine.shards.is_hybrid:
             return engine.comm.snapshot()
-        by_group = {C.SHARD_GROUP: engine.shard_comm.snapshot(), C.REPLICA_GROUP: engine.replica_comm.snapshot(),
-                    C.ALL_RANKS: engine.comm.snapshot()}
+        by_group = {
+            C.SHARD_GROUP: engine.shard_comm.snapshot(),
+            C.REPLICA_GROUP: engine.replica_comm.snapshot(),
+            C.ALL_RANKS: engine.comm.snapshot(),
+        }
         out: dict[str, Any] = C.merge_snapshots(list(by_group.values()))
         out["by_group"] = by_group
         return out

@@ -32,7 +32,9 @@ class ModuleSurface:
         self.state = ModuleState(engine)
         module = engine.module
         root: dict[str, Any] = {
-            "zero_grad": lambda set_to_none=True: engine.zero_grad(set_to_none=set_to_none),  # the module's own clears ours
+            "zero_grad": lambda set_to_none=True: engine.zero_grad(
+                set_to_none=set_to_none
+            ),  # the module's own clears ours
             "_apply": lambda fn, recurse=True: self.state.refuse_moves(fn) or module,  # .to()/.half()...
         }
         marks = (*root, "state_dict", "load_state_dict", *engine.module_attributes)
@@ -42,7 +44,10 @@ class ModuleSurface:
         for sub in module.modules():
             # torch's own state_dict / load_state_dict, on full values ([Note: full values in the
             # module]); torch's recursion into children finds the values shown already.
-            values = {"state_dict": self.state.state_dict_of(sub), "load_state_dict": self.state.load_state_dict_of(sub)}
+            values = {
+                "state_dict": self.state.state_dict_of(sub),
+                "load_state_dict": self.state.load_state_dict_of(sub),
+            }
             if sub is module:
                 values.update(root)
             for name, value in values.items():

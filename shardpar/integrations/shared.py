@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -27,8 +28,9 @@ def check_wrap_options(stage: int | str, options: dict[str, Any], who: str) -> N
     known = [name for name in ShardConfig.option_names() if name != "stage"] + ["memory_budget"]
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise TypeError(f"{who} got unknown option(s) {', '.join(unknown)}; "
-                        f"the options of shardpar.wrap are {', '.join(known)}")
+        raise TypeError(
+            f"{who} got unknown option(s) {', '.join(unknown)}; the options of shardpar.wrap are {', '.join(known)}"
+        )
     config_options = {k: v for k, v in options.items() if k != "memory_budget"}
     if stage == "auto":
         if "memory_budget" not in options:
@@ -55,8 +57,10 @@ def shard_optimizer(model: ShardedModule, optimizer: Any, schedulers: Iterable[A
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     if optimizer.state:
-        raise ValueError(f"{name} already holds state (it has stepped); give the integration a fresh optimizer, "
-                         "it rebuilds it over the wrapped model with shardpar.optimizer")
+        raise ValueError(
+            f"{name} already holds state (it has stepped); give the integration a fresh optimizer, "
+            "it rebuilds it over the wrapped model with shardpar.optimizer"
+        )
     groups = [dict(group) for group in optimizer.param_groups]
     sharded = shardpar_optimizer(model, type(optimizer), groups, **_constructor_defaults(optimizer))
     for scheduler in schedulers:

@@ -87,8 +87,10 @@ class GradScaler:
         # decision identical on every rank whatever a rank's local numerics did. The verdict
         # stays on the device until step() needs it: no host sync here (torch's scaler
         # likewise reads it once, in step).
-        engine.wait_clock.wait(C.all_reduce(found, group=engine.group, async_op=True, op="max", stats=engine.comm,
-                                             kind="found_inf"), gather=False)
+        engine.wait_clock.wait(
+            C.all_reduce(found, group=engine.group, async_op=True, op="max", stats=engine.comm, kind="found_inf"),
+            gather=False,
+        )
         self._found_inf_flag = found
         self._found_inf = None
         self._unscaled = True

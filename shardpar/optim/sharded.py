@@ -14,8 +14,9 @@ from __future__ import annotations
 import inspect
 import math
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,7 +103,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, engine: Engine, optimizer_class: type[torch.optim.Optimizer], request: ParamRequest,
+        self,
+        engine: Engine,
+        optimizer_class: type[torch.optim.Optimizer],
+        request: ParamRequest,
         defaults: dict[str, Any],
     ) -> None:
         self.engine = engine
@@ -117,8 +121,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if request.as_tensors:
             handed: list[Any] = self._tensors_of(requested[0])
         else:
-            handed = [{**{k: v for k, v in group.items() if k != "names"}, "params": [t.tensor for t in tensors]}
-                      for group, tensors in zip(request.groups, requested)]
+            handed = [
+                {**{k: v for k, v in group.items() if k != "names"}, "params": [t.tensor for t in tensors]}
+                for group, tensors in zip(request.groups, requested)
+            ]
         # The check first, so that a class that needs whole tensors is refused as such (Muon's own
         # error over a 1-D piece says less); then the real build, so that bad arguments raise the
         # class's own error, as in torch, also where they kept the check from building it.
@@ -451,9 +457,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if saved.get("tensors") == here["tensors"]:
             return None
         if here["stage"] != 0 and (saved.get("world_size"), saved.get("rank")) != (here["world_size"], here["rank"]):
-            return (f"it was saved by rank {saved.get('rank')!r} of {saved.get('world_size')!r}, this is rank "
-                    f"{here['rank']} of {here['world_size']}: at stage {here['stage']} a rank's state covers only "
-                    "its own pieces of the parameters (only at stage 0 does every rank hold the same state)")
+            return (
+                f"it was saved by rank {saved.get('rank')!r} of {saved.get('world_size')!r}, this is rank "
+                f"{here['rank']} of {here['world_size']}: at stage {here['stage']} a rank's state covers only "
+                "its own pieces of the parameters (only at stage 0 does every rank hold the same state)"
+            )
         return "it holds the state of other parameters, param groups or pieces of them than this optimizer updates"
 
     def state_dict(self) -> dict[str, Any]:
@@ -490,15 +498,20 @@ _PROBE_LR = 0.1
 would look elementwise."""
 
 
-def _probe(optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any], options: dict[str, Any] | None,
-           values: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[tuple[nn.Parameter, torch.optim.Optimizer]]:
+def _probe(
+    optimizer_class: type[torch.optim.Optimizer],
+    defaults: dict[str, Any],
+    options: dict[str, Any] | None,
+    values: torch.Tensor,
+    shapes: list[tuple[int, ...]],
+) -> list[tuple[nn.Parameter, torch.optim.Optimizer]]:
     """``values`` cut into consecutive tensors of ``shapes``, each with its own instance of the
     optimizer (as each rank has its own), handed a list of that one tensor (``options`` None:
     the user passed tensors) or one param group with ``options``, as the user's was."""
     built, start = [], 0
     for shape in shapes:
         numel = math.prod(shape)
-        param = nn.Parameter(values[start:start + numel].clone().reshape(shape))
+        param = nn.Parameter(values[start : start + numel].clone().reshape(shape))
         start += numel
         handed: list[Any] = [param] if options is None else [{**options, "params": [param]}]
         probe = optimizer_class(handed, **defaults)
@@ -540,8 +553,12 @@ class _CannotProbe(Exception):
     """The elementwise check could not build the class at all: it cannot tell."""
 
 
-def _not_elementwise(optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any],
-                     device: torch.device, options: dict[str, Any] | None = None) -> str | None:
+def _not_elementwise(
+    optimizer_class: type[torch.optim.Optimizer],
+    defaults: dict[str, Any],
+    device: torch.device,
+    options: dict[str, Any] | None = None,
+) -> str | None:
     """Why ``optimizer_class`` (with ``defaults``, and ``options`` as one param group's, or
     None where it is handed a list of tensors) cannot run on the pieces of parameters that
     stages 1-3 give it, or None when it updates element by element (then a piece gets exactly
@@ -565,8 +582,7 @@ def _not_elementwise(optimizer_class: type[torch.optim.Optimizer], defaults: dic
     numel = math.prod(_PROBE_SHAPE)
     first_half = torch.arange(numel) < numel // 2
     values = (torch.randn(numel, generator=generator) * torch.where(first_half, 1.0, 8.0)).to(device)
-    grads = [(torch.randn(numel, generator=generator) * torch.where(first_half, 8.0, 1.0)).to(device)
-             for _ in range(2)]
+    grads = [(torch.randn(numel, generator=generator) * torch.where(first_half, 8.0, 1.0)).to(device) for _ in range(2)]
     results = []
     for shapes in ([_PROBE_SHAPE], [(numel,)], [(numel // 2,), (numel // 2,)]):
         try:
@@ -574,14 +590,16 @@ def _not_elementwise(optimizer_class: type[torch.optim.Optimizer], defaults: dic
         except Exception as error:
             if not results:
                 what = "a list of one" if options is None else "one param group of one"
-                raise _CannotProbe(f"it could not be built over {what} {'x'.join(map(str, _PROBE_SHAPE))} tensor "
-                                   f"({type(error).__name__}: {error})") from error
+                raise _CannotProbe(
+                    f"it could not be built over {what} {'x'.join(map(str, _PROBE_SHAPE))} tensor "
+                    f"({type(error).__name__}: {error})"
+                ) from error
             return f"it refuses a 1-D tensor ({type(error).__name__}: {error})"
         try:
             for grad in grads:
                 start = 0
                 for param, probe in built:
-                    piece = grad[start:start + param.numel()].clone().reshape(param.shape)
+                    piece = grad[start : start + param.numel()].clone().reshape(param.shape)
                     start += param.numel()
                     _probe_step(param, probe, piece, needs_closure)
         except Exception as error:
@@ -590,22 +608,27 @@ def _not_elementwise(optimizer_class: type[torch.optim.Optimizer], defaults: dic
         results.append(torch.cat([param.detach().reshape(-1) for param, _ in built]))
     whole_2d, whole, halves = results
     if not torch.equal(whole_2d, whole):
-        return (f"its update of a {'x'.join(map(str, _PROBE_SHAPE))} tensor differs from its update of the same "
-                f"{numel} values as a 1-D tensor")
+        return (
+            f"its update of a {'x'.join(map(str, _PROBE_SHAPE))} tensor differs from its update of the same "
+            f"{numel} values as a 1-D tensor"
+        )
     # The halves round as the whole (see _PROBE_SHAPE); the tolerance only keeps a kernel that
     # rounds by position (a vector width that does not divide 64) from being refused. What
     # this looks for changes the result by percents.
     if not torch.allclose(halves, whole, rtol=1e-5, atol=0.0):
-        return ("its update of a tensor's two halves, each stepped by its own instance as two ranks step their "
-                "pieces, differs from its update of the whole tensor: it computes something over a whole parameter "
-                "(a norm, such as LAMB's or LARS's trust ratio) or over all of them (such as a clipping by their "
-                "global norm, or LBFGS's history and step sizes over the vector of all parameters), which on a rank "
-                "would cover only that rank's pieces")
+        return (
+            "its update of a tensor's two halves, each stepped by its own instance as two ranks step their "
+            "pieces, differs from its update of the whole tensor: it computes something over a whole parameter "
+            "(a norm, such as LAMB's or LARS's trust ratio) or over all of them (such as a clipping by their "
+            "global norm, or LBFGS's history and step sizes over the vector of all parameters), which on a rank "
+            "would cover only that rank's pieces"
+        )
     return None
 
 
-def _refuse_if_not_elementwise(optimizer_class: type[torch.optim.Optimizer], request: ParamRequest,
-                               defaults: dict[str, Any], engine: Engine) -> str | None:
+def _refuse_if_not_elementwise(
+    optimizer_class: type[torch.optim.Optimizer], request: ParamRequest, defaults: dict[str, Any], engine: Engine
+) -> str | None:
     """Stages 1-3: a ValueError naming the class unless it updates element by element with the
     options of every param group (one probe per distinct set of options: an optimizer may only
     take whole-parameter norms where weight decay is on, as timm's LARS), handed what the user
@@ -613,8 +636,9 @@ def _refuse_if_not_elementwise(optimizer_class: type[torch.optim.Optimizer], req
     refusal to raise once building it for real has not failed with the class's own error."""
     probed = set()
     for index, group in enumerate(request.groups):
-        options = None if request.as_tensors else \
-            {k: v for k, v in group.items() if k not in ("names", "param_names")}  # labels, not options
+        options = (
+            None if request.as_tensors else {k: v for k, v in group.items() if k not in ("names", "param_names")}
+        )  # labels, not options
         key = repr(None if options is None else sorted(options.items(), key=lambda item: item[0]))
         if key in probed:
             continue
@@ -624,10 +648,12 @@ def _refuse_if_not_elementwise(optimizer_class: type[torch.optim.Optimizer], req
         try:
             reason = _not_elementwise(optimizer_class, defaults, engine.device, options)
         except _CannotProbe as error:
-            return (f"{name}{which} could not be checked for updating parameters element by element ({error}), "
-                    f"which at stage {engine.stage} it must: each rank updates 1-D slices of the parameters, and an "
-                    "optimizer that computes anything over a whole parameter would compute it over a slice. Use "
-                    "stage=0, where every rank updates whole parameters")
+            return (
+                f"{name}{which} could not be checked for updating parameters element by element ({error}), "
+                f"which at stage {engine.stage} it must: each rank updates 1-D slices of the parameters, and an "
+                "optimizer that computes anything over a whole parameter would compute it over a slice. Use "
+                "stage=0, where every rank updates whole parameters"
+            )
         if reason is not None:
             raise ValueError(
                 f"{name} does not update parameters element by element{which} ({reason}), but at stage "
@@ -681,6 +707,7 @@ def optimizer(
         )
     engine = model.engine
     request = _resolve_param_groups(engine, params)
+
     def build() -> ShardedOptimizer:
         return ShardedOptimizer(engine, optimizer_class, request, defaults)
 

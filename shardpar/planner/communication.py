@@ -181,8 +181,11 @@ def estimate_communication(
     ``LOCAL_WORLD_SIZE``); ignored at stage 0. ``by_group`` splits the bytes by group.
     """
     check_world_and_stage(world_size, stage)
-    for option, value in (("reduce_bytes", reduce_bytes), ("gather_bytes", gather_bytes),
-                          ("bandwidth_gbps", bandwidth_gbps)):
+    for option, value in (
+        ("reduce_bytes", reduce_bytes),
+        ("gather_bytes", gather_bytes),
+        ("bandwidth_gbps", bandwidth_gbps),
+    ):
         if value is not None and not value > 0:
             raise ValueError(f"{option} must be > 0, got {value!r}")
     if latency_us is not None and latency_us < 0:
@@ -190,21 +193,39 @@ def estimate_communication(
     if buckets is not None and (isinstance(buckets, bool) or buckets < 1):
         raise ValueError(f"buckets must be a positive int, got {buckets!r}")
     shard_size = resolve_shard_group_size(shard_group_size, world_size)
-    shape = model_shape(param_count, world_size if stage == 0 else shard_size, bucket_cap_mb, None, wrap_policy,
-                        min_unit_params, align_for_bandwidth)
+    shape = model_shape(
+        param_count,
+        world_size if stage == 0 else shard_size,
+        bucket_cap_mb,
+        None,
+        wrap_policy,
+        min_unit_params,
+        align_for_bandwidth,
+    )
     g = reduce_bytes if gather_bytes is None else gather_bytes
     if stage == 0:
-        steps = [Collective("all_reduce", ALL_RANKS, world_size, shape.trainable * reduce_bytes,
-                            shape.bucket_padding * reduce_bytes, buckets or len(shape.buckets))]
+        steps = [
+            Collective(
+                "all_reduce",
+                ALL_RANKS,
+                world_size,
+                shape.trainable * reduce_bytes,
+                shape.bucket_padding * reduce_bytes,
+                buckets or len(shape.buckets),
+            )
+        ]
     elif stage in (1, 2):
         steps = _bucket_collectives(shape, shard_size, world_size, reduce_bytes, g, buckets)
     else:
-        steps = _unit_collectives(shape, shard_size, world_size, reduce_bytes, gather_bytes, g, buckets,
-                                  reshard_after_forward)
+        steps = _unit_collectives(
+            shape, shard_size, world_size, reduce_bytes, gather_bytes, g, buckets, reshard_after_forward
+        )
     steps += _every_step(shape, world_size, buffer_dtype)
     steps = [c for c in steps if c.calls]
-    sent = {op: sum(c.sent_bytes for c in steps if c.op == op) for op in
-            ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "used_flags")}
+    sent = {
+        op: sum(c.sent_bytes for c in steps if c.op == op)
+        for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "used_flags")
+    }
     padding = {op: sum(c.padding_sent_bytes for c in steps if c.op == op) for op in sent}
     padding = {op: sent_padding for op, sent_padding in padding.items() if sent_padding}
     total, padding_sent, calls = sum(sent.values()), sum(padding.values()), sum(c.calls for c in steps)
@@ -242,22 +263,40 @@ def _across_replicas(reduce_scatter: Collective, shard_size: int, world_size: in
     replicas = world_size // shard_size
     if replicas == 1:
         return []
-    return [Collective("all_reduce", REPLICA_GROUP, replicas, reduce_scatter.payload_bytes / shard_size,
-                       reduce_scatter.padding_bytes / shard_size, reduce_scatter.calls)]
+    return [
+        Collective(
+            "all_reduce",
+            REPLICA_GROUP,
+            replicas,
+            reduce_scatter.payload_bytes / shard_size,
+            reduce_scatter.padding_bytes / shard_size,
+            reduce_scatter.calls,
+        )
+    ]
 
 
-def _bucket_collectives(shape: ModelShape, shard_size: int, world_size: int, r: float, g: float,
-                        buckets: int | None) -> list[Collective]:
+def _bucket_collectives(
+    shape: ModelShape, shard_size: int, world_size: int, r: float, g: float, buckets: int | None
+) -> list[Collective]:
     """Stages 1-2: per bucket a reduce-scatter, then the gather of the updated parameters."""
     calls = buckets or len(shape.buckets)
-    scatter = Collective("reduce_scatter", SHARD_GROUP, shard_size, shape.trainable * r, shape.bucket_padding * r,
-                         calls)
+    scatter = Collective(
+        "reduce_scatter", SHARD_GROUP, shard_size, shape.trainable * r, shape.bucket_padding * r, calls
+    )
     gather = Collective("all_gather", SHARD_GROUP, shard_size, shape.trainable * g, shape.bucket_padding * g, calls)
     return [scatter, *_across_replicas(scatter, shard_size, world_size), gather]
 
 
-def _unit_collectives(shape: ModelShape, shard_size: int, world_size: int, r: float, gather_bytes: float | None,
-                      g: float, buckets: int | None, reshard_after_forward: bool) -> list[Collective]:
+def _unit_collectives(
+    shape: ModelShape,
+    shard_size: int,
+    world_size: int,
+    r: float,
+    gather_bytes: float | None,
+    g: float,
+    buckets: int | None,
+    reshard_after_forward: bool,
+) -> list[Collective]:
     """Stage 3: per unit its gathers around each use, and the reduce-scatter of its gradients."""
     units = shape.units
 
@@ -276,15 +315,27 @@ def _unit_collectives(shape: ModelShape, shard_size: int, world_size: int, r: fl
     # Frozen parameters are gathered in the gather dtype too when one is given.
     frozen_ratio = gather_bytes * shape.frozen / shape.frozen_bytes if gather_bytes is not None and shape.frozen else 1
     gather = Collective(
-        "all_gather", SHARD_GROUP, shard_size,
+        "all_gather",
+        SHARD_GROUP,
+        shard_size,
         sum(gathers(u) * (u.trainable * g + u.frozen_bytes * frozen_ratio) for u in units),
         # Every gather of a flat group also carries one tag per rank (see [Note: tagged all-gather]
         # in comm/tagged_gather.py).
-        sum(gathers(u) * (u.trainable_padding * g + u.frozen_padding_bytes * frozen_ratio
-                          + u.flats * shard_size * TAG_BYTES) for u in units),
-        gather_calls)
-    scatter = Collective("reduce_scatter", SHARD_GROUP, shard_size, shape.trainable * r,
-                         sum(u.trainable_padding for u in units) * r, scatter_calls)
+        sum(
+            gathers(u)
+            * (u.trainable_padding * g + u.frozen_padding_bytes * frozen_ratio + u.flats * shard_size * TAG_BYTES)
+            for u in units
+        ),
+        gather_calls,
+    )
+    scatter = Collective(
+        "reduce_scatter",
+        SHARD_GROUP,
+        shard_size,
+        shape.trainable * r,
+        sum(u.trainable_padding for u in units) * r,
+        scatter_calls,
+    )
     return [gather, scatter, *_across_replicas(scatter, shard_size, world_size)]
 
 
@@ -295,5 +346,7 @@ def _every_step(shape: ModelShape, world_size: int, buffer_dtype: torch.dtype | 
     if buffer_dtype is not None:  # floating buffers are broadcast in the cast dtype
         broadcast_bytes += shape.float_buffer_numel * buffer_dtype.itemsize - shape.float_buffer_bytes
     flags = 4 * (shape.trainable_tensors + 2 * len(TrainingState.COUNTER_NAMES))
-    return [Collective("broadcast", ALL_RANKS, world_size, broadcast_bytes, 0, shape.buffer_count),
-            Collective("used_flags", ALL_RANKS, world_size, flags, 0, 1)]
+    return [
+        Collective("broadcast", ALL_RANKS, world_size, broadcast_bytes, 0, shape.buffer_count),
+        Collective("used_flags", ALL_RANKS, world_size, flags, 0, 1),
+    ]

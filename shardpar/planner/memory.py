@@ -202,8 +202,15 @@ def estimate_memory(
     # shard group's G (N under full sharding); stage 0 shards nothing and pads to N.
     shard_size = resolve_shard_group_size(shard_group_size, world_size)
     n = 1 if stage == 0 else shard_size
-    shape = model_shape(model_or_param_count, world_size if stage == 0 else n, bucket_cap_mb, largest_unit_params,
-                        wrap_policy, min_unit_params, align_for_bandwidth)
+    shape = model_shape(
+        model_or_param_count,
+        world_size if stage == 0 else n,
+        bucket_cap_mb,
+        largest_unit_params,
+        wrap_policy,
+        min_unit_params,
+        align_for_bandwidth,
+    )
     psi, d = shape.trainable, shape.stored_bytes
     p = mp.param_dtype.itemsize if mp is not None and mp.param_dtype is not None else d
     r = (mp.reduce_dtype.itemsize if mp.reduce_dtype is not None else 4) if mp is not None else d
@@ -217,9 +224,11 @@ def estimate_memory(
         params = d * stored / n + sum(u.frozen_stored_bytes for u in shape.units) / n
         grads = d * stored / n
         gathered = sum(p * u.trainable_stored + u.frozen_stored_bytes for u in held) + _largest(
-            [p * u.trainable_stored + u.frozen_stored_bytes for u in others], GATHERED_UNITS)
-        staging = r * (sum(u.trainable_stored for u in held)
-                       + _largest([u.trainable_stored for u in others], STAGING_BUCKETS))
+            [p * u.trainable_stored + u.frozen_stored_bytes for u in others], GATHERED_UNITS
+        )
+        staging = r * (
+            sum(u.trainable_stored for u in held) + _largest([u.trainable_stored for u in others], STAGING_BUCKETS)
+        )
         # A gather in flight besides the one computing holds its receive buffers: on gloo up to
         # N-1 messages of the largest shard (tagged_gather.TaggedAllGather); elsewhere only the
         # 16·N bytes of tags (left out) since the payload lands in the unit's own buffer.
@@ -230,8 +239,9 @@ def estimate_memory(
     else:
         stored = psi + shape.bucket_padding  # Ψ + P
         # Frozen parameters: as created, plus the compute copy when mixed precision casts them.
-        params = p * stored + (d * stored / n if master else 0) + shape.frozen_bytes + (
-            p * shape.frozen if master else 0)
+        params = (
+            p * stored + (d * stored / n if master else 0) + shape.frozen_bytes + (p * shape.frozen if master else 0)
+        )
         # r != d: the reduced gradients are copied to the master dtype for the optimizer.
         grads = (r * stored + (d * stored / n if r != d else 0)) if stage < 2 else d * stored / n
         workspace = r * _largest(list(shape.buckets), STAGING_BUCKETS) if stage == 2 else 0

@@ -101,8 +101,9 @@ def _bucket_cap_numel(bucket_cap_mb: float, element_size: float) -> int:
     return max(1, int(int(bucket_cap_mb * 1024 * 1024) // element_size))
 
 
-def _layout(shapes: list[tuple[str, torch.Size]], world_size: int, cap: int | None,
-            alignment: Alignment) -> BufferLayout:
+def _layout(
+    shapes: list[tuple[str, torch.Size]], world_size: int, cap: int | None, alignment: Alignment
+) -> BufferLayout:
     """The layout an engine would build for these tensors (see [Note: storage model] in memory.py)."""
     return BufferLayout(shapes, world_size, cap, **alignment._asdict())
 
@@ -140,8 +141,16 @@ def _laid_out_count(
     whole, rest = divmod(trainable, unit)
     units = tuple(_unit_of_count(n, world_size, alignment) for n in (unit,) * whole + ((rest,) if rest else ()))
     tensors = max(1, -(-trainable // ASSUMED_TENSOR_NUMEL))
-    return ModelShape(trainable, 0, 0, 4.0, tuple(b.range.size for b in layout.buckets), units,
-                       bucket_padding=layout.padding, trainable_tensors=tensors)
+    return ModelShape(
+        trainable,
+        0,
+        0,
+        4.0,
+        tuple(b.range.size for b in layout.buckets),
+        units,
+        bucket_padding=layout.padding,
+        trainable_tensors=tensors,
+    )
 
 
 def _flat_paddings(
@@ -150,8 +159,10 @@ def _flat_paddings(
     """(padding elements, element size) of each flat group (one per dtype) stage 3 makes of
     ``named``, laid out as ShardedStorage lays them out (reversed)."""
     return [
-        (_layout([(n, p.shape) for n, p in reversed(group)], world_size, None, alignment).padding,
-         group[0][1].element_size())
+        (
+            _layout([(n, p.shape) for n, p in reversed(group)], world_size, None, alignment).padding,
+            group[0][1].element_size(),
+        )
         for group in (group_by_dtype(named) if named else [])
     ]
 
@@ -174,8 +185,12 @@ def _shape_of_module(
     buckets: list[int] = []
     bucket_padding = 0
     for group in group_by_dtype(trainable):  # one flat buffer per dtype, as the engines build
-        layout = _layout([(n, p.shape) for n, p in reversed(group)], world_size,
-                         _bucket_cap_numel(bucket_cap_mb, group[0][1].element_size()), alignment)
+        layout = _layout(
+            [(n, p.shape) for n, p in reversed(group)],
+            world_size,
+            _bucket_cap_numel(bucket_cap_mb, group[0][1].element_size()),
+            alignment,
+        )
         buckets += [b.range.size for b in layout.buckets]
         bucket_padding += layout.padding
     buffers = list(module.buffers())
@@ -192,17 +207,19 @@ def _shape_of_module(
             frozen = [x for x in mine if not x[1].requires_grad]
             t_flats = len(group_by_dtype(train)) if train else 0
             f_flats = len(group_by_dtype(frozen)) if frozen else 0
-            shapes.append(UnitShape(
-                sum(p.numel() for _, p in train),
-                sum(p.numel() * p.element_size() for _, p in frozen),
-                t_flats + f_flats,
-                t_flats,
-                uses=len(plan.hook_modules),
-                held=ROOT in plan.hook_modules,
-                kept=any(encloses(m, last) for m in plan.hook_modules),
-                trainable_padding=sum(pad for pad, _ in _flat_paddings(train, world_size, alignment)),
-                frozen_padding_bytes=sum(pad * size for pad, size in _flat_paddings(frozen, world_size, alignment)),
-            ))
+            shapes.append(
+                UnitShape(
+                    sum(p.numel() for _, p in train),
+                    sum(p.numel() * p.element_size() for _, p in frozen),
+                    t_flats + f_flats,
+                    t_flats,
+                    uses=len(plan.hook_modules),
+                    held=ROOT in plan.hook_modules,
+                    kept=any(encloses(m, last) for m in plan.hook_modules),
+                    trainable_padding=sum(pad for pad, _ in _flat_paddings(train, world_size, alignment)),
+                    frozen_padding_bytes=sum(pad * size for pad, size in _flat_paddings(frozen, world_size, alignment)),
+                )
+            )
         units = tuple(shapes)
     return ModelShape(
         trainable=psi,
@@ -239,6 +256,7 @@ def model_shape(
     # The engines' choice, from the same function (None: on if the default group runs NCCL).
     alignment = alignment_for(align_for_bandwidth, None, world_size)
     if isinstance(model_or_count, nn.Module):
-        return _shape_of_module(model_or_count, bucket_cap_mb, largest_unit_params, wrap_policy, min_unit_params,
-                                world_size, alignment)
+        return _shape_of_module(
+            model_or_count, bucket_cap_mb, largest_unit_params, wrap_policy, min_unit_params, world_size, alignment
+        )
     return _shape_of_count(model_or_count, bucket_cap_mb, largest_unit_params, world_size, alignment)

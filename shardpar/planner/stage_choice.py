@@ -36,9 +36,7 @@ from .memory import MemoryEstimate, estimate_memory
 from .shapes import STAGES, ModelOrCount
 
 
-def choose_stage(
-    model_or_param_count: ModelOrCount, world_size: int, memory_budget: int | str, **kwargs: Any
-) -> int:
+def choose_stage(model_or_param_count: ModelOrCount, world_size: int, memory_budget: int | str, **kwargs: Any) -> int:
     """The lowest stage whose estimated ``total`` fits ``memory_budget`` bytes per rank.
 
     ``memory_budget`` is an int of bytes or a string such as ``"24GB"`` (decimal) or
@@ -89,13 +87,17 @@ def shard_group_candidates(world_size: int, node_size: int) -> list[int]:
     multiples of it (whole nodes); [1] on one rank."""
     if world_size == 1:
         return [1]
-    return [g for g in range(2, world_size + 1)
-            if world_size % g == 0 and (node_size % g == 0 or g % node_size == 0)]
+    return [g for g in range(2, world_size + 1) if world_size % g == 0 and (node_size % g == 0 or g % node_size == 0)]
 
 
 def choose_plan(
-    model_or_param_count: ModelOrCount, world_size: int, memory_budget: int | str, *,
-    node_size: int | None = None, shard_group_sizes: Iterable[int] | None = None, **kwargs: Any
+    model_or_param_count: ModelOrCount,
+    world_size: int,
+    memory_budget: int | str,
+    *,
+    node_size: int | None = None,
+    shard_group_sizes: Iterable[int] | None = None,
+    **kwargs: Any,
 ) -> StagePlan:
     """The stage and shard group size for ``memory_budget`` bytes per rank: among the plans
     whose estimated ``total`` fits, the one that sends the fewest bytes across nodes, then the
@@ -114,11 +116,17 @@ def choose_plan(
     budget = parse_bytes(memory_budget)
     node_size = _node_size(node_size, world_size)
     reshard_after_forward = kwargs.pop("reshard_after_forward", True)
-    sizes = sorted(set(shard_group_sizes)) if shard_group_sizes is not None else shard_group_candidates(
-        world_size, node_size)
+    sizes = (
+        sorted(set(shard_group_sizes))
+        if shard_group_sizes is not None
+        else shard_group_candidates(world_size, node_size)
+    )
     plans = [_plan(model_or_param_count, world_size, 0, None, node_size, reshard_after_forward, kwargs)]
-    plans += [_plan(model_or_param_count, world_size, stage, g, node_size, reshard_after_forward, kwargs)
-              for stage in STAGES[1:] for g in sizes]
+    plans += [
+        _plan(model_or_param_count, world_size, stage, g, node_size, reshard_after_forward, kwargs)
+        for stage in STAGES[1:]
+        for g in sizes
+    ]
     fitting = [p for p in plans if p.memory.total <= budget]
     if not fitting:
         smallest = min(plans, key=lambda p: p.memory.total)
@@ -127,7 +135,8 @@ def choose_plan(
             f"no {what} fits the memory budget of {format_both(budget)} per rank at "
             f"world size {world_size}: the smallest estimate is {format_both(smallest.memory.total)} "
             f"({_describe(smallest, node_size)}); add ranks, raise the budget"
-            + (" or use mixed_precision='bf16'" if kwargs.get("mixed_precision") is None else ""))
+            + (" or use mixed_precision='bf16'" if kwargs.get("mixed_precision") is None else "")
+        )
     ranked = sorted(fitting, key=functools.cmp_to_key(_compare))
     best = ranked[0]
     return replace(best, reason=_reason(best, ranked[1:], len(plans), budget, world_size, node_size))
@@ -139,19 +148,35 @@ def _node_size(node_size: int | None, world_size: int) -> int:
     if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
         raise ValueError(f"node_size must be a positive int (ranks per node), got {node_size!r}")
     if world_size > node_size and world_size % node_size:
-        raise ValueError(f"the world size {world_size} is not a multiple of node_size={node_size}: "
-                         "every node must run the same number of ranks")
+        raise ValueError(
+            f"the world size {world_size} is not a multiple of node_size={node_size}: "
+            "every node must run the same number of ranks"
+        )
     return min(node_size, world_size)
 
 
-def _plan(model: ModelOrCount, world_size: int, stage: int, shard_size: int | None, node_size: int,
-          reshard_after_forward: bool, kwargs: dict[str, Any]) -> StagePlan:
+def _plan(
+    model: ModelOrCount,
+    world_size: int,
+    stage: int,
+    shard_size: int | None,
+    node_size: int,
+    reshard_after_forward: bool,
+    kwargs: dict[str, Any],
+) -> StagePlan:
     memory = estimate_memory(model, world_size, stage, shard_group_size=shard_size, **kwargs)
     mp = memory.mixed_precision
     comm = estimate_communication(
-        model, world_size, stage, reduce_bytes=memory.reduce_bytes, gather_bytes=memory.param_bytes if mp else None,
-        reshard_after_forward=reshard_after_forward, buffer_dtype=mp.buffer_dtype if mp else None,
-        shard_group_size=shard_size, **{k: v for k, v in kwargs.items() if k in _COMM_OPTIONS})
+        model,
+        world_size,
+        stage,
+        reduce_bytes=memory.reduce_bytes,
+        gather_bytes=memory.param_bytes if mp else None,
+        reshard_after_forward=reshard_after_forward,
+        buffer_dtype=mp.buffer_dtype if mp else None,
+        shard_group_size=shard_size,
+        **{k: v for k, v in kwargs.items() if k in _COMM_OPTIONS},
+    )
     return StagePlan(stage, shard_size, "", memory, comm, comm.sent_across_nodes(node_size))
 
 
@@ -159,8 +184,10 @@ def _compare(a: StagePlan, b: StagePlan) -> int:
     """Fewer bytes across nodes, then fewer in all (payload: padding is a few elements per
     bucket, and would break ties that the closed forms make exact), then the lower stage,
     then the larger G (less memory per rank, no larger traffic)."""
-    for x, y in ((a.bytes_across_nodes, b.bytes_across_nodes),
-                 (a.communication.sent_bytes, b.communication.sent_bytes)):
+    for x, y in (
+        (a.bytes_across_nodes, b.bytes_across_nodes),
+        (a.communication.sent_bytes, b.communication.sent_bytes),
+    ):
         if not _close(x, y):
             return -1 if x < y else 1
     return (a.stage - b.stage) or ((b.shard_group_size or 0) - (a.shard_group_size or 0))
@@ -176,13 +203,15 @@ def _describe(plan: StagePlan, node_size: int) -> str:
     return f"stage {plan.stage}, shard groups of {g} ranks ({where}) replicated {n // g} times"
 
 
-def _reason(best: StagePlan, others: list[StagePlan], planned: int, budget: int, world_size: int,
-            node_size: int) -> str:
+def _reason(
+    best: StagePlan, others: list[StagePlan], planned: int, budget: int, world_size: int, node_size: int
+) -> str:
     gb = functools.partial(format_bytes, binary=False)
-    fits = (f"the only one of {planned} plans that fits" if not others
-            else f"{len(others) + 1} of {planned} plans fit")
-    text = (f"{_describe(best, node_size)}: {gb(best.memory.total)} per rank fits the budget of "
-            f"{format_both(budget)}; {fits}; ")
+    fits = f"the only one of {planned} plans that fits" if not others else f"{len(others) + 1} of {planned} plans fit"
+    text = (
+        f"{_describe(best, node_size)}: {gb(best.memory.total)} per rank fits the budget of "
+        f"{format_both(budget)}; {fits}; "
+    )
     total = best.communication.sent_bytes
     several_nodes = world_size > node_size
     if several_nodes:
@@ -193,12 +222,15 @@ def _reason(best: StagePlan, others: list[StagePlan], planned: int, budget: int,
         return text
     nxt = others[0]
     if several_nodes and not _close(nxt.bytes_across_nodes, best.bytes_across_nodes):
-        return text + (f", the fewest across nodes; next: {_describe(nxt, node_size)} sends "
-                       f"{gb(nxt.bytes_across_nodes)} across nodes")
+        return text + (
+            f", the fewest across nodes; next: {_describe(nxt, node_size)} sends "
+            f"{gb(nxt.bytes_across_nodes)} across nodes"
+        )
     if not _close(nxt.communication.sent_bytes, total):
         tied = " as few across nodes but" if several_nodes else ""
-        return text + (f", the fewest; next: {_describe(nxt, node_size)} sends{tied} "
-                       f"{gb(nxt.communication.sent_bytes)} in all")
+        return text + (
+            f", the fewest; next: {_describe(nxt, node_size)} sends{tied} {gb(nxt.communication.sent_bytes)} in all"
+        )
     if nxt.stage != best.stage:
         return text + f"; {_describe(nxt, node_size)} sends as many bytes at a higher stage"
     return text + f"; {_describe(nxt, node_size)} sends as many bytes with smaller shard groups (more memory per rank)"

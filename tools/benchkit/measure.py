@@ -21,6 +21,7 @@ from .runners import Runner
 
 __all__ = ["WAIT_PHASES", "Measured", "run_step", "synchronize"]
 
+
 @dataclass
 class Measured:
     """What one rank measured for one configuration."""

@@ -77,7 +77,6 @@ def peak_rss() -> int:
     return _status_kib("VmHWM") * 1024
 
 
-
 MEMORY_STEPS = 2
 """Steps of the memory phase: the first allocates optimizer state, the second is steady."""
 
@@ -100,8 +99,11 @@ def measure_memory(config: str, spec: ModelSpec, base: nn.Module, batches, args:
     measured = Measured(rss_exact=exact)
     for i in range(MEMORY_STEPS - 1):
         run_step(runner, batches[i % len(batches)])
-    run_step(runner, batches[(MEMORY_STEPS - 1) % len(batches)],
-             before_zero=lambda: measured.state.update(runner.model_state()))
+    run_step(
+        runner,
+        batches[(MEMORY_STEPS - 1) % len(batches)],
+        before_zero=lambda: measured.state.update(runner.model_state()),
+    )
     measured.rss_peak = torch.cuda.max_memory_allocated(args.torch_device) if on_gpu else peak_rss()
     measured.rss_increase = measured.rss_peak - before
     runner.close()

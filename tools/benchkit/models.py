@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-
 class MLPBlock(nn.Module):
     """Residual feed-forward block: x + W2 gelu(W1 x)."""
 
@@ -104,8 +103,10 @@ class ModelSpec:
     def describe(self) -> str:
         if self.kind == "mlp":
             return f"MLP stack, width {self.width}, {self.layers} blocks, batch {self.batch} rows/rank"
-        return (f"transformer, width {self.width}, {self.layers} blocks, {self.heads} heads, vocab {self.vocab}, "
-                f"batch {self.batch}x{self.seq} tokens/rank")
+        return (
+            f"transformer, width {self.width}, {self.layers} blocks, {self.heads} heads, vocab {self.vocab}, "
+            f"batch {self.batch}x{self.seq} tokens/rank"
+        )
 
 
 SIZES = {

@@ -17,8 +17,16 @@ import torch
 import torch.distributed as dist
 
 from .runners import PLAIN
-from .tables import (exposure_table, group_bytes_table, has_hybrid, hybrid_table, limits_section, memory_table,
-                     targets_section, timing_table)
+from .tables import (
+    exposure_table,
+    group_bytes_table,
+    has_hybrid,
+    hybrid_table,
+    limits_section,
+    memory_table,
+    targets_section,
+    timing_table,
+)
 
 KEEP_MARKER = "<!-- everything below this line is written by hand; tools/bench.py keeps it -->"
 
@@ -99,10 +107,10 @@ HYBRID_COLUMNS = (
     "Hybrid sharding (see [Note: hybrid configurations] in tools/benchkit/runners.py): *stageN-gG* is "
     "`shardpar.wrap(model, stage=N, shard_group_size=G)`, state sharded over groups of G consecutive ranks and "
     "replicated across the R = N/G groups; *hsdp-gG* is FSDP2's HSDP on the same layout, `fully_shard` with "
-    "`mesh=init_device_mesh(device, (R, G), mesh_dim_names=(\"replicate\", \"shard\"))`, the peer of stage 3 "
+    '`mesh=init_device_mesh(device, (R, G), mesh_dim_names=("replicate", "shard"))`, the peer of stage 3 '
     "(*vs peer* and *vs HSDP*); stages 1–2 have none. *vs full sharding*: median over the same configuration "
     "without G (stageN; fsdp2 for hsdp-gG). The ZeRO formula takes G for N. *Bytes per group*: `comm_stats()"
-    "[\"by_group\"]` per step, the mean over ranks (a rank's all-reduce across replicas carries its own slice, "
+    '["by_group"]` per step, the mean over ranks (a rank\'s all-reduce across replicas carries its own slice, '
     "so its padding, and with it the payload, can differ between ranks; the mean is exact), against "
     "`estimate_communication(..., shard_group_size=G).by_group`, the closed forms of docs/design.md; full "
     "sharding's stages as one group of every rank. *grads alone* under hybrid sharding: each bucket's "
@@ -127,20 +135,37 @@ def write_report(path: Path, results: list[dict[str, Any]], info: dict[str, Any]
         info["command"],
         "```",
         "",
-        (f"- Machine: {info['cpu']}, `nproc` = {info['nproc']}; {world} rank(s), {info['threads_per_rank']} "
-         f"intra-op thread(s) per rank, backend {info['backend']}"),
-        *([f"- GPU: {info['gpu']} ({info['gpus_visible']} visible), one per rank (`cuda:LOCAL_RANK`); "
-           f"CUDA {info['cuda']}, NCCL {info['nccl']}"] if "gpu" in info else []),
+        (
+            f"- Machine: {info['cpu']}, `nproc` = {info['nproc']}; {world} rank(s), {info['threads_per_rank']} "
+            f"intra-op thread(s) per rank, backend {info['backend']}"
+        ),
+        *(
+            [
+                f"- GPU: {info['gpu']} ({info['gpus_visible']} visible), one per rank (`cuda:LOCAL_RANK`); "
+                f"CUDA {info['cuda']}, NCCL {info['nccl']}"
+            ]
+            if "gpu" in info
+            else []
+        ),
         f"- torch {info['torch']}, Python {info['python']}; run started {info['date']}, took {info['elapsed_s']:.0f} s",
-        (f"- Load average (1/5/15 min): {info['load_start']} at start, {info['load_end']} at end "
-         "(other processes on the machine slow every configuration; interleaving spreads that evenly)"),
-        (f"- Per configuration: {args.warmup} warm-up steps (excluded), then {args.rounds} interleaved rounds × "
-         f"{args.steps_per_round} timed steps; AdamW lr 1e-3, fp32; shardpar.wrap options: "
-         f"{args.wrap_options or 'defaults'} (+ the blocks as stage-3 units)"),
-        ("- Peers: `DistributedDataParallel` (defaults), DDP + `ZeroRedundancyOptimizer(AdamW)` (defaults), "
-         "`fully_shard` (FSDP2) on every block then the root; shardpar stage 3 uses the same blocks as units"),
-        *([f"- Plain torch (`{PLAIN}`): the model and AdamW, no wrapper; every stage's peer at world size 1"]
-          if any(PLAIN in result["configs"] for result in results) else []),
+        (
+            f"- Load average (1/5/15 min): {info['load_start']} at start, {info['load_end']} at end "
+            "(other processes on the machine slow every configuration; interleaving spreads that evenly)"
+        ),
+        (
+            f"- Per configuration: {args.warmup} warm-up steps (excluded), then {args.rounds} interleaved rounds × "
+            f"{args.steps_per_round} timed steps; AdamW lr 1e-3, fp32; shardpar.wrap options: "
+            f"{args.wrap_options or 'defaults'} (+ the blocks as stage-3 units)"
+        ),
+        (
+            "- Peers: `DistributedDataParallel` (defaults), DDP + `ZeroRedundancyOptimizer(AdamW)` (defaults), "
+            "`fully_shard` (FSDP2) on every block then the root; shardpar stage 3 uses the same blocks as units"
+        ),
+        *(
+            [f"- Plain torch (`{PLAIN}`): the model and AdamW, no wrapper; every stage's peer at world size 1"]
+            if any(PLAIN in result["configs"] for result in results)
+            else []
+        ),
         "",
         COLUMNS,
         *(["", CUDA_COLUMNS] if "gpu" in info else []),
@@ -158,8 +183,11 @@ def write_report(path: Path, results: list[dict[str, Any]], info: dict[str, Any]
             lines += ["Bytes per group:", ""] + group_bytes_table(result) + [""]
         losses = {c: r["final_loss"] for c, r in result["configs"].items()}
         spread = max(losses.values()) - min(losses.values())
-        lines += [f"Final loss after the same steps, all configurations: {min(losses.values()):.5f}–"
-                  f"{max(losses.values()):.5f} (spread {spread:.1e}; same data and updates everywhere).", ""]
+        lines += [
+            f"Final loss after the same steps, all configurations: {min(losses.values()):.5f}–"
+            f"{max(losses.values()):.5f} (spread {spread:.1e}; same data and updates everywhere).",
+            "",
+        ]
     if world > 1:
         lines += [f"## Targets (world size {world}, {info['backend']})", ""] + targets_section(results) + [""]
         limits = limits_section(results, info["nproc"])

@@ -55,7 +55,7 @@ def bench_model(spec: ModelSpec, configs: list[str], args) -> dict[str, Any]:
             run_step(runners[config], batches[i % len(batches)])
     step_index = args.warmup
     for r in range(args.rounds):
-        order = configs[r % len(configs):] + configs[: r % len(configs)]
+        order = configs[r % len(configs) :] + configs[: r % len(configs)]
         for config in order:
             runner, m = runners[config], measured[config]
             if runner.stage is not None:
@@ -82,5 +82,7 @@ def accumulate_comm(m: Measured, stats: dict[str, Any], steps: int) -> None:
     m.sent_bytes = stats["total"]["sent_bytes"] / steps
     m.padding_bytes = stats["total"]["padding_sent_bytes"] / steps
     m.sent_by_op = {op: v["sent_bytes"] / steps for op, v in stats.items() if op not in ("total", "by_group")}
-    m.sent_by_group = {group: {key: value / steps for key, value in snapshot["total"].items()}
-                       for group, snapshot in stats.get("by_group", {}).items()}
+    m.sent_by_group = {
+        group: {key: value / steps for key, value in snapshot["total"].items()}
+        for group, snapshot in stats.get("by_group", {}).items()
+    }

@@ -73,7 +73,7 @@ def full_sharding_of(config: str) -> str:
     match = _HYBRID.fullmatch(config.removesuffix(CANDIDATE))
     if match is None:
         return config
-    return "fsdp2" if match["base"] == "hsdp" else match["base"] + config[match.end():]
+    return "fsdp2" if match["base"] == "hsdp" else match["base"] + config[match.end() :]
 
 
 def config_problem(config: str, world: int) -> str | None:
@@ -89,8 +89,10 @@ def config_problem(config: str, world: int) -> str | None:
         return f"unknown configuration {config!r}"
     size = int(match["size"])
     if not 1 < size < world or world % size:
-        return (f"{config}: G = {size} must divide the world size {world} and lie strictly between 1 and it "
-                f"(G = {world} is full sharding, G = 1 shards nothing)")
+        return (
+            f"{config}: G = {size} must divide the world size {world} and lie strictly between 1 and it "
+            f"(G = {world} is full sharding, G = 1 shards nothing)"
+        )
     return None
 
 
@@ -316,8 +318,10 @@ def parse_option(text: str) -> tuple[str, Any]:
     if not sep or key not in shardpar.ShardConfig.option_names():
         raise SystemExit(f"error: --wrap-option {text!r}: expected KEY=VALUE with KEY a shardpar.wrap option")
     if key in ("shard_group_size", "mesh"):
-        raise SystemExit(f"error: --wrap-option {text!r}: name the hybrid configurations in --configs instead "
-                         f"({', '.join(HYBRID_CONFIGS)}, G a number)")
+        raise SystemExit(
+            f"error: --wrap-option {text!r}: name the hybrid configurations in --configs instead "
+            f"({', '.join(HYBRID_CONFIGS)}, G a number)"
+        )
     try:
         return key, ast.literal_eval(value)
     except (ValueError, SyntaxError):

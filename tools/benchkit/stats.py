@@ -48,10 +48,10 @@ def bytes_by_group(per_rank: list[dict[str, Any]], closed: dict[str, dict[str, d
     groups = list(dict.fromkeys([*closed, *(g for m in per_rank for g in m["sent_by_group"])]))
     keys = ("sent_bytes", "padding_sent_bytes")
     return {
-        "by_group": {g: {k: [m["sent_by_group"].get(g, {}).get(k, 0.0) for m in per_rank] for k in keys}
-                     for g in groups},
-        "closed_form_by_group": {g: {k: closed.get(g, {}).get("total", {}).get(k, 0.0) for k in keys}
-                                 for g in groups},
+        "by_group": {
+            g: {k: [m["sent_by_group"].get(g, {}).get(k, 0.0) for m in per_rank] for k in keys} for g in groups
+        },
+        "closed_form_by_group": {g: {k: closed.get(g, {}).get("total", {}).get(k, 0.0) for k in keys} for g in groups},
     }
 
 
@@ -74,7 +74,9 @@ def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], 
                 for i, k in enumerate(("fwd_bwd", "opt", "zero"))
             },
             "state": [m["state"] for m in per_rank],
-            "model_state": [sum(m["state"].get(k, 0) for k in ("params", "grads", "optimizer_state")) for m in per_rank],
+            "model_state": [
+                sum(m["state"].get(k, 0) for k in ("params", "grads", "optimizer_state")) for m in per_rank
+            ],
             "formula": zero_formula(config, psi, world),
             "rss_increase": [m["rss_increase"] for m in per_rank],
             "rss_peak": [m["rss_peak"] for m in per_rank],
@@ -85,7 +87,9 @@ def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], 
             stage = stage_of(config)
             options = {**args.wrap_options, **(args.candidate_options if config.endswith(CANDIDATE) else {})}
             closed = shardpar.estimate_communication(
-                spec.build(), world, stage,
+                spec.build(),
+                world,
+                stage,
                 bucket_cap_mb=options.get("bucket_cap_mb", shardpar.ShardConfig.bucket_cap_mb),
                 wrap_policy=[spec.unit_class] if stage == 3 else None,
                 align_for_bandwidth=options.get("align_for_bandwidth"),

@@ -29,8 +29,10 @@ def _per_rank(values: list[float], fmt: Callable[[float], str]) -> str:
 
 def timing_table(result: dict[str, Any]) -> list[str]:
     lines = [
-        ("| config | median step ms | IQR ms | min–max ms | vs peer | fwd+bwd ms | opt step ms | zero_grad ms "
-         "| CPU ms/step (comm threads) |"),
+        (
+            "| config | median step ms | IQR ms | min–max ms | vs peer | fwd+bwd ms | opt step ms | zero_grad ms "
+            "| CPU ms/step (comm threads) |"
+        ),
         "|---|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for config, row in result["configs"].items():
@@ -48,16 +50,23 @@ def timing_table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-PHASE_LABELS = {"forward": "forward", "backward_gather": "backward gathers", "backward": "backward reductions",
-                "step": "step"}
+PHASE_LABELS = {
+    "forward": "forward",
+    "backward_gather": "backward gathers",
+    "backward": "backward reductions",
+    "step": "step",
+}
 """Report names of the wait clock's phases (shardpar.core.wait_clock.PHASES)."""
 
 
 def exposure_table(result: dict[str, Any]) -> list[str]:
     """Exposed communication per phase and per step against the same collectives alone."""
     lines = [
-        ("| config | " + " | ".join(f"{PHASE_LABELS[p]} ms" for p in WAIT_PHASES)
-         + " | exposed ms | exposed / step | grads alone ms | gathers alone ms | comm alone ms | hidden |"),
+        (
+            "| config | "
+            + " | ".join(f"{PHASE_LABELS[p]} ms" for p in WAIT_PHASES)
+            + " | exposed ms | exposed / step | grads alone ms | gathers alone ms | comm alone ms | hidden |"
+        ),
         "|---|" + "---:|" * (len(WAIT_PHASES) + 6),
     ]
     for config, row in result["configs"].items():
@@ -90,19 +99,25 @@ def _waits_hidden(result: dict[str, Any], row: dict[str, Any]) -> float:
 def limits_section(results: list[dict[str, Any]], nproc: int) -> list[str]:
     """What this run's figures say limits each stage's ratio to its peer: how much of the step
     is spent waiting for collectives, where, and the ratio with every wait hidden."""
-    rows = [(result, config, row) for result in results for config, row in result["configs"].items()
-            if "exposed_s" in row and "vs_peer" in row]
+    rows = [
+        (result, config, row)
+        for result in results
+        for config, row in result["configs"].items()
+        if "exposed_s" in row and "vs_peer" in row
+    ]
     if not rows:
         return []
     lines = [
         f"## What limits the ratios on {nproc} cores",
         "",
-        ("Derived from the tables above. *Exposed* is the step's waits for collectives (the wait clock), its "
-         "share of the median step in brackets; *longest wait* the phase that waited most; *vs peer, every wait "
-         "hidden* = (median step − exposed) / the peer's median step, the ratio if overlap hid every wait and "
-         "nothing else changed (optimistic where communication threads share the cores with compute: a hidden "
-         "collective still costs their CPU); *comm-thread CPU*: CPU ms per step of the threads other than the "
-         "main one, the peer's in brackets."),
+        (
+            "Derived from the tables above. *Exposed* is the step's waits for collectives (the wait clock), its "
+            "share of the median step in brackets; *longest wait* the phase that waited most; *vs peer, every wait "
+            "hidden* = (median step − exposed) / the peer's median step, the ratio if overlap hid every wait and "
+            "nothing else changed (optimistic where communication threads share the cores with compute: a hidden "
+            "collective still costs their CPU); *comm-thread CPU*: CPU ms per step of the threads other than the "
+            "main one, the peer's in brackets."
+        ),
         "",
         "| model | config | vs peer | exposed ms | longest wait | hidden | vs peer, every wait hidden "
         "| comm-thread CPU ms |",
@@ -127,53 +142,74 @@ def limits_section(results: list[dict[str, Any]], nproc: int) -> list[str]:
         lines.append(
             f"- **{config}**: waiting was {_span(shares, lambda v: f'{v:.0%}')} of the median step "
             f"({_span([row['exposed_total_s'] for _, row in mine], _ms)} ms) "
-            + (f"over {len(mine)} models; the longest wait was in *{top}* for {longest.count(top)} of them"
-               if len(mine) > 1 else f"on {mine[0][0]['model']}; the longest wait was in *{top}*")
+            + (
+                f"over {len(mine)} models; the longest wait was in *{top}* for {longest.count(top)} of them"
+                if len(mine) > 1
+                else f"on {mine[0][0]['model']}; the longest wait was in *{top}*"
+            )
             + (f"; hidden {_span(hidden, lambda v: f'{v:.0%}')}." if hidden else ".")
         )
     lines.append("")
-    missed = [(result, config, row) for result, config, row in rows
-              if config in TARGETS and row["peer"] != PLAIN and row["vs_peer"] > TARGETS[config]]
+    missed = [
+        (result, config, row)
+        for result, config, row in rows
+        if config in TARGETS and row["peer"] != PLAIN and row["vs_peer"] > TARGETS[config]
+    ]
     if all(row["peer"] == PLAIN for _, _, row in rows):
-        lines.append(f"The time targets are against the distributed peers; this run compares with plain torch "
-                     f"(`{PLAIN}`) only.")
+        lines.append(
+            f"The time targets are against the distributed peers; this run compares with plain torch (`{PLAIN}`) only."
+        )
     elif not missed:
-        lines.append("Every time target is met in this run; *vs peer, every wait hidden* is how far each ratio "
-                     "could still move by overlap alone.")
+        lines.append(
+            "Every time target is met in this run; *vs peer, every wait hidden* is how far each ratio "
+            "could still move by overlap alone."
+        )
     else:
         lines += ["Time targets missed in this run:", ""]
     for result, config, row in missed:
         peer = result["configs"][row["peer"]]
         bound, limit = _waits_hidden(result, row), TARGETS[config]
-        head = (f"- {result['model']} {config}: {row['vs_peer']:.2f}× {row['peer']} against a target of "
-                f"≤ {limit:.2f}×; with every wait hidden it would be {bound:.2f}×")
+        head = (
+            f"- {result['model']} {config}: {row['vs_peer']:.2f}× {row['peer']} against a target of "
+            f"≤ {limit:.2f}×; with every wait hidden it would be {bound:.2f}×"
+        )
         if bound <= limit:
-            lines.append(f"{head}: the {_ms(row['exposed_total_s'])} ms of waiting (most in "
-                         f"*{_longest_wait(row)}*) accounts for the gap.")
+            lines.append(
+                f"{head}: the {_ms(row['exposed_total_s'])} ms of waiting (most in "
+                f"*{_longest_wait(row)}*) accounts for the gap."
+            )
         else:
-            lines.append(f"{head}, still above: waiting is not what limits it but the rest of the step, "
-                         f"{_ms(row['cpu_s'])} ms of process CPU against the peer's {_ms(peer['cpu_s'])} "
-                         f"(communication threads {_ms(row['cpu_other_s'])} against {_ms(peer['cpu_other_s'])}).")
+            lines.append(
+                f"{head}, still above: waiting is not what limits it but the rest of the step, "
+                f"{_ms(row['cpu_s'])} ms of process CPU against the peer's {_ms(peer['cpu_s'])} "
+                f"(communication threads {_ms(row['cpu_other_s'])} against {_ms(peer['cpu_other_s'])})."
+            )
     return lines
 
 
 def memory_table(result: dict[str, Any], peak: str = "RSS") -> list[str]:
     """``peak`` names what the peak columns measure: "RSS", or "CUDA allocated" on a GPU."""
     lines = [
-        ("| config | model state MiB (rank 0 / 1 …) | ZeRO formula MiB | measured / formula | workspace MiB "
-         f"| peak {peak} increase MiB | peak {peak} MiB | sent MB/step | closed form MB | difference | padding MB |"),
+        (
+            "| config | model state MiB (rank 0 / 1 …) | ZeRO formula MiB | measured / formula | workspace MiB "
+            f"| peak {peak} increase MiB | peak {peak} MiB | sent MB/step | closed form MB | difference | padding MB |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for config, row in result["configs"].items():
         ratio = max(row["model_state"]) / row["formula"]
         mark = " ✓" if abs(ratio - 1) <= 0.10 else " ✗"
-        workspace = _per_rank([s.get("workspace", 0) for s in row["state"]], _mib) if config.startswith("stage") else "—"
+        workspace = (
+            _per_rank([s.get("workspace", 0) for s in row["state"]], _mib) if config.startswith("stage") else "—"
+        )
         if "sent_bytes" in row:
             sent = max(row["sent_bytes"])
             closed = row["closed_form_bytes"]
             diff = (sent - closed) / closed if closed else 0.0
-            comm = (f"{sent / 1e6:.2f} | {closed / 1e6:.2f} | {diff:+.2%}{' ✓' if abs(diff) <= 0.01 else ' ✗'} "
-                    f"| {max(row['padding_bytes']) / 1e6:.4f}")
+            comm = (
+                f"{sent / 1e6:.2f} | {closed / 1e6:.2f} | {diff:+.2%}{' ✓' if abs(diff) <= 0.01 else ' ✗'} "
+                f"| {max(row['padding_bytes']) / 1e6:.4f}"
+            )
         else:
             comm = "— | — | — | —"
         rss_note = "" if row["rss_exact"] else " (not reset)"
@@ -195,7 +231,9 @@ def targets_section(results: list[dict[str, Any]]) -> list[str]:
             if row is None or "vs_peer" not in row:
                 continue
             met = "yes" if row["vs_peer"] <= limit else "**no**"
-            lines.append(f"| {result['model']} | {config} ≤ {limit:.2f}× {row['peer']} | {row['vs_peer']:.2f}× | {met} |")
+            lines.append(
+                f"| {result['model']} | {config} ≤ {limit:.2f}× {row['peer']} | {row['vs_peer']:.2f}× | {met} |"
+            )
         for config, row in result["configs"].items():
             if "sent_bytes" in row:
                 diff = (max(row["sent_bytes"]) - row["closed_form_bytes"]) / row["closed_form_bytes"]
@@ -217,8 +255,10 @@ def hybrid_table(result: dict[str, Any]) -> list[str]:
     """Each hybrid configuration against its full-sharding sibling and, at stage 3, HSDP on the
     same layout: step time and memory per rank (see [Note: hybrid configurations] in runners.py)."""
     lines = [
-        ("| config | replicas × shard group | median step ms | vs full sharding | vs HSDP | model state MiB "
-         "(rank 0 / 1 …) | formula MiB | peak RSS increase MiB (rank 0 / 1 …) |"),
+        (
+            "| config | replicas × shard group | median step ms | vs full sharding | vs HSDP | model state MiB "
+            "(rank 0 / 1 …) | formula MiB | peak RSS increase MiB (rank 0 / 1 …) |"
+        ),
         "|---|---|---:|---|---|---:|---:|---:|",
     ]
     for config, row in result["configs"].items():
@@ -239,15 +279,24 @@ GROUP_LABELS = {"shard_group": "within shard groups", "replica_group": "across r
 """Report names of ``comm_stats()["by_group"]``'s groups."""
 
 
-def _bytes_row(config: str, group: str, ranks: int, measured: list[float], padding: list[float], closed: float,
-               closed_padding: float) -> str:
+def _bytes_row(
+    config: str,
+    group: str,
+    ranks: int,
+    measured: list[float],
+    padding: list[float],
+    closed: float,
+    closed_padding: float,
+) -> str:
     """One row of the bytes-per-group table: the mean over ranks against the closed form."""
     mean = sum(measured) / len(measured)
     spread = "" if min(measured) == max(measured) else f" ({_span(measured, lambda v: f'{v / 1e6:.4f}')})"
     diff = mean - closed
     mark = " ✓" if abs(diff) < 0.5 else " ✗"
-    return (f"| {config} | {group} | {ranks} | {mean / 1e6:.4f}{spread} | {closed / 1e6:.4f} | {diff:+.0f} B{mark} "
-            f"| {sum(padding) / len(padding):.0f} / {closed_padding:.0f} |")
+    return (
+        f"| {config} | {group} | {ranks} | {mean / 1e6:.4f}{spread} | {closed / 1e6:.4f} | {diff:+.0f} B{mark} "
+        f"| {sum(padding) / len(padding):.0f} / {closed_padding:.0f} |"
+    )
 
 
 def group_bytes_table(result: dict[str, Any]) -> list[str]:
@@ -256,8 +305,10 @@ def group_bytes_table(result: dict[str, Any]) -> list[str]:
     shard_group_size=G).by_group``); full sharding's stages as one group of every rank."""
     world = result["world"]
     lines = [
-        ("| config | group | ranks per group | sent MB/step, mean over ranks (per rank) | closed form MB "
-         "| difference | padding B, measured / closed form |"),
+        (
+            "| config | group | ranks per group | sent MB/step, mean over ranks (per rank) | closed form MB "
+            "| difference | padding B, measured / closed form |"
+        ),
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for config, row in result["configs"].items():
@@ -265,13 +316,30 @@ def group_bytes_table(result: dict[str, Any]) -> list[str]:
             continue
         size = shard_group_size_of(config)
         if size is None:
-            lines.append(_bytes_row(config, "all ranks (full sharding)", world, row["sent_bytes"],
-                                    row["padding_bytes"], row["closed_form_bytes"], row["closed_form_padding_bytes"]))
+            lines.append(
+                _bytes_row(
+                    config,
+                    "all ranks (full sharding)",
+                    world,
+                    row["sent_bytes"],
+                    row["padding_bytes"],
+                    row["closed_form_bytes"],
+                    row["closed_form_padding_bytes"],
+                )
+            )
             continue
         ranks = {"shard_group": size, "replica_group": world // size, "all_ranks": world}
         for group, measured in row["by_group"].items():
             closed = row["closed_form_by_group"][group]
-            lines.append(_bytes_row(config, GROUP_LABELS.get(group, group), ranks.get(group, 0),
-                                    measured["sent_bytes"], measured["padding_sent_bytes"], closed["sent_bytes"],
-                                    closed["padding_sent_bytes"]))
+            lines.append(
+                _bytes_row(
+                    config,
+                    GROUP_LABELS.get(group, group),
+                    ranks.get(group, 0),
+                    measured["sent_bytes"],
+                    measured["padding_sent_bytes"],
+                    closed["sent_bytes"],
+                    closed["padding_sent_bytes"],
+                )
+            )
     return lines

@@ -6,10 +6,11 @@ training state that rides in a checkpoint's manifest.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
@@ -38,8 +39,16 @@ from ...wrap import wrap
 from ..shared import check_wrap_options, shard_optimizer
 from .precision import PrecisionSpec
 
-__all__ = ["DistributedParts", "SavedState", "WrapOptions", "decode_state", "encode_state", "read_saved_state",
-           "save_with_state", "shard_optimizer"]
+__all__ = [
+    "DistributedParts",
+    "SavedState",
+    "WrapOptions",
+    "decode_state",
+    "encode_state",
+    "read_saved_state",
+    "save_with_state",
+    "shard_optimizer",
+]
 
 STATE_KEY = "lightning"
 """The key of the manifest's ``extra`` under which a strategy keeps the framework's state."""
@@ -65,7 +74,9 @@ class WrapOptions:
     def timeout_s(self) -> float:
         return self.options.get("timeout_s", ShardConfig.timeout_s)
 
-    def wrap(self, module: nn.Module, precision: PrecisionSpec, device: torch.device, built_where: str) -> ShardedModule:
+    def wrap(
+        self, module: nn.Module, precision: PrecisionSpec, device: torch.device, built_where: str
+    ) -> ShardedModule:
         """``shardpar.wrap`` with these options and the precision's mixed precision: a module
         built on the meta device is materialised there (born sharded at stage 3), any other is
         first moved to ``device``. ``built_where`` says, in errors, how a module came to be
@@ -97,6 +108,7 @@ def _built_on_meta(module: nn.Module, built_where: str) -> bool:
 
 
 # --------------------------------------------------------------------------- processes
+
 
 class DistributedParts:
     """What both strategies do alike as Lightning parallel strategies (mixed in before the
@@ -141,8 +153,9 @@ class DistributedParts:
         reset_seed()
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        timeout = self._timeout if self._timeout is not None else PG.backend_timeout(self.wrap_options.timeout_s,
-                                                                                      backend)
+        timeout = (
+            self._timeout if self._timeout is not None else PG.backend_timeout(self.wrap_options.timeout_s, backend)
+        )
         kwargs: dict[str, Any] = {"timeout": timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
@@ -183,6 +196,7 @@ class DistributedParts:
 # unpickled on load: a state that JSON cannot hold (an object in the hyperparameters, a callback
 # keeping tensors) is refused when saving, naming where it sits.
 
+
 def encode_state(state: dict[str, Any], where: str) -> Any:
     """``state`` as the typed JSON tree kept in the manifest (see the Note above)."""
     try:
@@ -195,8 +209,9 @@ def encode_state(state: dict[str, Any], where: str) -> Any:
         ) from None
 
 
-def save_with_state(path: Any, model: ShardedModule, optimizer: ShardedOptimizer | None,
-                    state: Callable[[], dict[str, Any]], who: str) -> None:
+def save_with_state(
+    path: Any, model: ShardedModule, optimizer: ShardedOptimizer | None, state: Callable[[], dict[str, Any]], who: str
+) -> None:
     """``shardpar.save_checkpoint`` into rank 0's ``path`` with ``state()`` (made and encoded
     on rank 0 only, which writes the manifest) as the framework's state; a state that cannot
     be stored is raised on every rank before anything is written."""

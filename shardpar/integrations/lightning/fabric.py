@@ -14,8 +14,9 @@ the rest of the state as JSON ([Note: Lightning state in a shardpar checkpoint] 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -72,8 +73,13 @@ class ShardparFabricStrategy(DistributedParts, ParallelStrategy):
         **wrap_options: Any,
     ) -> None:
         self.wrap_options = WrapOptions(stage, init_fn, wrap_options)
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
         self.num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -112,8 +118,9 @@ class ShardparFabricStrategy(DistributedParts, ParallelStrategy):
         """The wrap places the model (a model built on the meta device has nothing to move)."""
 
     def setup_module(self, module: nn.Module) -> ShardedModule:
-        model = self.wrap_options.wrap(module, self.precision.spec, self.root_device,
-                                       "fabric.init_module(empty_init=True) builds on it")
+        model = self.wrap_options.wrap(
+            module, self.precision.spec, self.root_device, "fabric.init_module(empty_init=True) builds on it"
+        )
         self.precision.connect_model(model)
         self._models.append(model)
         return model
@@ -124,21 +131,31 @@ class ShardparFabricStrategy(DistributedParts, ParallelStrategy):
         for model in self._models:
             if params <= {id(p) for p in model.parameters()}:
                 return shard_optimizer(model, optimizer)
-        raise ValueError("fabric.setup_optimizers: the optimizer's parameters are not those of one model set up with "
-                         "this strategy; set up the model first (fabric.setup_module) and build the optimizer over "
-                         "its parameters")
+        raise ValueError(
+            "fabric.setup_optimizers: the optimizer's parameters are not those of one model set up with "
+            "this strategy; set up the model first (fabric.setup_module) and build the optimizer over "
+            "its parameters"
+        )
 
-    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
-                                    scheduler: Any = None) -> tuple[ShardedModule, list[ShardedOptimizer], Any]:
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
+    ) -> tuple[ShardedModule, list[ShardedOptimizer], Any]:
         model = self.setup_module(module)
         schedulers = [] if scheduler is None else [scheduler]
         return model, [shard_optimizer(model, opt, schedulers) for opt in optimizers], scheduler
 
-    def clip_gradients_norm(self, module: nn.Module, optimizer: Any, max_norm: float, norm_type: float = 2.0,
-                            error_if_nonfinite: bool = True) -> torch.Tensor:
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Any,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
         return sharded_module_of(module, "fabric.clip_gradients").clip_grad_norm_(
-            max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+            max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
+        )
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Any, clip_val: float) -> None:
         self.precision.unscale_gradients(optimizer)
@@ -146,25 +163,36 @@ class ShardparFabricStrategy(DistributedParts, ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any = None,
-                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
         """``fabric.save(path, {"model": model, "optimizer": opt, ...})``: a shardpar checkpoint
         directory holding the one wrapped model, its optimizer, and the rest as JSON (stateful
         objects by their ``state_dict()``)."""
         if storage_options is not None or filter:
-            raise TypeError("ShardparFabricStrategy.save_checkpoint takes neither storage_options nor filter: the "
-                            "model and optimizer are saved whole, as a shardpar checkpoint")
+            raise TypeError(
+                "ShardparFabricStrategy.save_checkpoint takes neither storage_options nor filter: the "
+                "model and optimizer are saved whole, as a shardpar checkpoint"
+            )
         model_key, model, optimizer_key, optimizer = _model_and_optimizer(state)
 
         def rest() -> dict[str, Any]:
-            others = {key: obj.state_dict() if isinstance(obj, _Stateful) else obj
-                      for key, obj in state.items() if key not in (model_key, optimizer_key)}
+            others = {
+                key: obj.state_dict() if isinstance(obj, _Stateful) else obj
+                for key, obj in state.items()
+                if key not in (model_key, optimizer_key)
+            }
             return {"model": model_key, "optimizer": optimizer_key, "state": others}
 
         save_with_state(path, model, optimizer, rest, "ShardparFabricStrategy.save_checkpoint")
 
-    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """``fabric.load(path, state)``: the model and optimizer in ``state`` load in place (at
         any world size and stage), stateful objects through ``load_state_dict``, other entries
         are replaced; returns what the checkpoint holds beyond ``state``."""
@@ -178,8 +206,7 @@ class ShardparFabricStrategy(DistributedParts, ParallelStrategy):
         model_key, model, optimizer_key, optimizer = _model_and_optimizer(state)
         saved = read_saved_state(path, model, "ShardparFabricStrategy.load_checkpoint")
         if optimizer is not None and not saved.has_optimizer:
-            raise CheckpointError(f"{saved.path} holds no optimizer state, but state['{optimizer_key}'] "
-                                           "asks for it")
+            raise CheckpointError(f"{saved.path} holds no optimizer state, but state['{optimizer_key}'] asks for it")
         saved_state = decode_state(load_checkpoint(saved.path, model, optimizer), saved.path)
         others = saved_state["state"]
         requested = [key for key in state if key not in (model_key, optimizer_key)]
@@ -206,7 +233,9 @@ def _model_and_optimizer(state: dict[str, Any]) -> tuple[str, ShardedModule, str
             "checkpoint"
         )
     if len(optimizers) > 1 or any(not isinstance(opt, ShardedOptimizer) for _, opt in optimizers):
-        raise ValueError("a shardpar checkpoint holds the one optimizer set up with its model by ShardparFabricStrategy")
+        raise ValueError(
+            "a shardpar checkpoint holds the one optimizer set up with its model by ShardparFabricStrategy"
+        )
     model_key, model = models[0]
     optimizer_key, optimizer = optimizers[0] if optimizers else (None, None)
     return model_key, model, optimizer_key, optimizer

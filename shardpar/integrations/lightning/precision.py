@@ -23,13 +23,14 @@ and autocast keeps the ops that need it (losses, softmax) in float32, as a Light
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from lightning.fabric.plugins import precision as fabric_precision
-from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.pytorch.plugins import precision as pl_precision
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from ...config import MixedPrecision
@@ -80,8 +81,13 @@ PRECISIONS = {
 }
 
 _LIGHTNING_PLUGINS = (
-    pl_precision.Precision, pl_precision.MixedPrecision, pl_precision.HalfPrecision, pl_precision.DoublePrecision,
-    fabric_precision.Precision, fabric_precision.MixedPrecision, fabric_precision.HalfPrecision,
+    pl_precision.Precision,
+    pl_precision.MixedPrecision,
+    pl_precision.HalfPrecision,
+    pl_precision.DoublePrecision,
+    fabric_precision.Precision,
+    fabric_precision.MixedPrecision,
+    fabric_precision.HalfPrecision,
     fabric_precision.DoublePrecision,
 )
 """The plugins Lightning picks for a ``precision=`` string; their behaviour is the string's."""
@@ -102,8 +108,9 @@ class _ShardparPrecisionBase:
 
     def __init__(self, precision: str = "32-true") -> None:
         if precision not in PRECISIONS:
-            raise ValueError(f"precision {precision!r} is not supported by shardpar; use one of "
-                             f"{', '.join(PRECISIONS)}")
+            raise ValueError(
+                f"precision {precision!r} is not supported by shardpar; use one of {', '.join(PRECISIONS)}"
+            )
         self.precision = precision
         self.spec = PRECISIONS[precision]
         self.scaler: GradScaler | None = None
@@ -145,8 +152,7 @@ class _ShardparPrecisionBase:
         dtype = self.spec.module_dtype
         if dtype is None:
             return data
-        return apply_to_collection(data, torch.Tensor,
-                                   lambda t: t.to(dtype) if torch.is_floating_point(t) else t)
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t)
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}
@@ -171,8 +177,13 @@ class ShardparPrecision(_ShardparPrecisionBase, pl_precision.Precision):
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],  # type: ignore[override]
-                       **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        model: Any,
+        closure: Callable[[], Any],  # type: ignore[override]
+        **kwargs: Any,
+    ) -> Any:
         """As Lightning's AMP plugin: backward (the closure), unscale, clip, step unless some
         rank's gradients overflowed (``shardpar.GradScaler`` agrees on that across ranks)."""
         if self.scaler is None:

@@ -30,8 +30,9 @@ Where each part of a Trainer run goes (Lightning calls the strategy's hooks; the
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -79,9 +80,13 @@ class ShardparStrategy(DistributedParts, ParallelStrategy):
         **wrap_options: Any,
     ) -> None:
         self.wrap_options = WrapOptions(stage, init_fn, wrap_options)
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         self.num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -134,8 +139,12 @@ class ShardparStrategy(DistributedParts, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             module = self._layer_sync.apply(module)  # sync_batchnorm=True: before the wrap, kept after
         module = self.precision_plugin.convert_module(module)
-        self._sharded = self.wrap_options.wrap(module, self.precision_plugin.spec, self.root_device,
-                                               "ShardparStrategy runs configure_model under torch.device('meta')")
+        self._sharded = self.wrap_options.wrap(
+            module,
+            self.precision_plugin.spec,
+            self.root_device,
+            "ShardparStrategy runs configure_model under torch.device('meta')",
+        )
         return self._sharded
 
     def model_to_device(self) -> None:
@@ -195,13 +204,19 @@ class ShardparStrategy(DistributedParts, ParallelStrategy):
         """A shardpar checkpoint directory at rank 0's ``filepath`` (every rank writes its part);
         see [Note: Lightning state in a shardpar checkpoint] in common.py."""
         if storage_options is not None:
-            raise TypeError("ShardparStrategy.save_checkpoint takes no storage_options: shardpar writes the "
-                            "checkpoint itself, not through a CheckpointIO plugin")
+            raise TypeError(
+                "ShardparStrategy.save_checkpoint takes no storage_options: shardpar writes the "
+                "checkpoint itself, not through a CheckpointIO plugin"
+            )
         assert self._sharded is not None
         optimizer = self._optimizer() if "optimizer_states" in checkpoint else None  # not weights_only
-        save_with_state(filepath, self._sharded, optimizer,
-                        lambda: {k: v for k, v in checkpoint.items() if k not in _MODEL_KEYS},
-                        "ShardparStrategy.save_checkpoint")
+        save_with_state(
+            filepath,
+            self._sharded,
+            optimizer,
+            lambda: {k: v for k, v in checkpoint.items() if k not in _MODEL_KEYS},
+            "ShardparStrategy.save_checkpoint",
+        )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the model (and when fitting, the optimizer) in place, at any world size and

@@ -43,7 +43,8 @@ places each part of a run goes (the Trainer's own methods, overridden here):
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
@@ -95,8 +96,13 @@ class ShardparTrainer(Trainer):
     Trainer under shardpar] for where each part of a run goes.
     """
 
-    def __init__(self, *args: Any, shardpar_stage: int | str = 0,
-                 shardpar_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        shardpar_stage: int | str = 0,
+        shardpar_options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         who = type(self).__name__
         options = dict(shardpar_options or {})
         check_wrap_options(shardpar_stage, options, who)
@@ -107,14 +113,20 @@ class ShardparTrainer(Trainer):
         super().__init__(*args, **kwargs)
         for engine, on in (("DeepSpeed", self.is_deepspeed_enabled), ("FSDP", self.is_fsdp_enabled)):
             if on:
-                raise ValueError(f"{who} trains with shardpar; the TrainingArguments also ask for {engine} "
-                                 f"(fsdp=/deepspeed= or accelerate's config): drop that, shardpar_stage= takes its place")
+                raise ValueError(
+                    f"{who} trains with shardpar; the TrainingArguments also ask for {engine} "
+                    f"(fsdp=/deepspeed= or accelerate's config): drop that, shardpar_stage= takes its place"
+                )
         if self.args.torch_compile:
-            raise ValueError(f"{who} does not compile the model for you (torch_compile=True): compile its blocks "
-                             "yourself before the Trainer is made (block.compile()), which shardpar supports")
+            raise ValueError(
+                f"{who} does not compile the model for you (torch_compile=True): compile its blocks "
+                "yourself before the Trainer is made (block.compile()), which shardpar supports"
+            )
         if self.model_init is not None:
-            raise ValueError(f"{who} wraps the model it is given once; model_init= (a new model per train(), for "
-                             "hyperparameter search) is not supported: pass model=")
+            raise ValueError(
+                f"{who} wraps the model it is given once; model_init= (a new model per train(), for "
+                "hyperparameter search) is not supported: pass model="
+            )
 
     # ------------------------------------------------------------------ the wrap
 
@@ -191,8 +203,12 @@ class ShardparTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self._sharded is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        save_checkpoint(os.path.join(output_dir, OPTIMIZER_DIR), self._sharded, self.sharded_optimizer,
-                        extra={"global_step": self.state.global_step})
+        save_checkpoint(
+            os.path.join(output_dir, OPTIMIZER_DIR),
+            self._sharded,
+            self.sharded_optimizer,
+            extra={"global_step": self.state.global_step},
+        )
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
@@ -201,8 +217,11 @@ class ShardparTrainer(Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         path = os.path.join(checkpoint, OPTIMIZER_DIR)
         if not os.path.isdir(path):
-            found = "optimizer.pt (a torch.save of a plain optimizer, e.g. of the DDP Trainer)" \
-                if os.path.isfile(os.path.join(checkpoint, "optimizer.pt")) else "no optimizer state"
+            found = (
+                "optimizer.pt (a torch.save of a plain optimizer, e.g. of the DDP Trainer)"
+                if os.path.isfile(os.path.join(checkpoint, "optimizer.pt"))
+                else "no optimizer state"
+            )
             raise CheckpointError(
                 f"{checkpoint} holds {found}, not the shardpar checkpoint {OPTIMIZER_DIR}/ that ShardparTrainer writes; "
                 "resume it with the Trainer that wrote it, or start from its weights (model=from_pretrained(...)) "
