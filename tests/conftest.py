@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-# The repository root, so `import shardpar`, `import recipes` and `from tests.harness
+# The repository root, so `import shardpar`, `import recipes` and `from tests.support.harness
 # import run_ranks` work however pytest was started.
 _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from tests.harness import shutdown_pools  # noqa: E402  (needs the path above)
+from tests.support.harness import shutdown_pools  # noqa: E402  (needs the path above)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -31,12 +31,12 @@ from shardpar.checkpoint import io as checkpoint_io
 from shardpar.checkpoint.files import write_failure
 from shardpar.checkpoint.format import MANIFEST, MANIFEST_DIGEST
 from shardpar.comm import collectives as C
-from tests.checkpoint_helpers import K, assert_equal_states, build, train
-from tests.harness import CPU_ONLY_ENV, run_script
-from tests.parity import run
+from tests.support.checkpoint_helpers import K, assert_equal_states, build, train
+from tests.support.harness import CPU_ONLY_ENV, run_script
+from tests.support.parity import run
 
 ROOT = Path(__file__).resolve().parent.parent
-EXIT_SCRIPT = ROOT / "tests" / "async_exit_script.py"
+EXIT_SCRIPT = ROOT / "tests" / "support" / "async_exit_script.py"
 
 
 @contextlib.contextmanager

@@ -16,8 +16,8 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
-from tests.models import KITCHEN
+from tests.support.harness import run_ranks
+from tests.support.models import KITCHEN
 
 SHORT = 30.0  # seconds: wrap-time checks take milliseconds; only a hang gets near this
 

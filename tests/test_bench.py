@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import run_script
+from tests.support.harness import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["stage0", "stage1", "stage2", "stage3", "ddp", "ddp+zero", "fsdp2"]

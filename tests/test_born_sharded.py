@@ -27,8 +27,8 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks, run_script
-from tests.models import TinyTransformer
+from tests.support.harness import run_ranks, run_script
+from tests.support.models import TinyTransformer
 
 SEED = 7
 

@@ -43,9 +43,9 @@ import torch
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
-from tests.models import spec
-from tests.parity import Recipe, build_optimizer, cap_mb, global_batch, rank_slice, rel_error, run
+from tests.support.harness import run_ranks
+from tests.support.models import spec
+from tests.support.parity import Recipe, build_optimizer, cap_mb, global_batch, rank_slice, rel_error, run
 
 NUMEL = 36  # elements of every tensor of ShuffledBlocks
 CAP = (("bucket_cap_mb", cap_mb(2 * NUMEL)),)  # two tensors per bucket

@@ -15,7 +15,7 @@ import torch
 
 import shardpar
 from shardpar.core.layout import Alignment, BufferLayout, Range, alignment_for, padded_size
-from tests.parity import closed_form_buckets, closed_form_padding
+from tests.support.parity import closed_form_buckets, closed_form_padding
 
 WORLD_SIZES = [1, 2, 3, 4]
 
@@ -365,7 +365,7 @@ def test_engine_aligns_when_asked_and_keeps_the_dense_layout_otherwise() -> None
 
 
 def test_the_engine_tests_closed_form_agrees_with_the_hand_arithmetic() -> None:
-    """``tests.parity.closed_form_buckets`` (what the engines' byte and memory tests expect) on
+    """``tests.support.parity.closed_form_buckets`` (what the engines' byte and memory tests expect) on
     the cases worked out by hand above, and on KitchenSink's trainable parameters in layout
     order (out.bias 8, out.weight 64, unused.bias 8, unused.weight 64, body.bias 8,
     body.weight 64, emb.weight 128; cap 100, N = 2): [0, 8) | [128, 192) [192, 200) |

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 import shardpar
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 STAGES = (0, 1, 2, 3)
 STEPS = 3

@@ -2,7 +2,7 @@
 ``latest``, and the Hugging Face full export. Errors: test_checkpoint_errors.py; crash
 safety and memory: test_checkpoint_crash.py; tools: test_tools.py.
 
-World size 1 runs in this process; larger ones on harness ranks (tests.parity.run).
+World size 1 runs in this process; larger ones on harness ranks (tests.support.parity.run).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import shardpar
-from tests.checkpoint_helpers import (
+from tests.support.checkpoint_helpers import (
     RECIPE,
     K,
     assert_equal_states,
@@ -30,8 +30,8 @@ from tests.checkpoint_helpers import (
     save_full_run,
     save_run,
 )
-from tests.models import KITCHEN
-from tests.parity import reference, rel_error, run
+from tests.support.models import KITCHEN
+from tests.support.parity import reference, rel_error, run
 
 RESUME_TOLERANCE = 1e-6
 """Relative error (``max|a-b| / max|b|``) allowed against 2K uninterrupted plain-torch steps.

@@ -43,8 +43,8 @@ from shardpar.checkpoint import io as checkpoint_io
 from shardpar.checkpoint.format import MANIFEST, latest_checkpoint, read_manifest
 from shardpar.checkpoint.offline import consolidate, reshard
 from shardpar.comm import collectives as C
-from tests.checkpoint_helpers import build, save_run, train
-from tests.parity import run
+from tests.support.checkpoint_helpers import build, save_run, train
+from tests.support.parity import run
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tools"

@@ -3,7 +3,7 @@ crash just before the commit), and saving/loading holds one shard plus a bounded
 (an asynchronous save: plus one copy of what the rank writes). Every test runs for
 synchronous and asynchronous saves.
 
-The torchrun part runs once per kind of save (tests/checkpoint_script.py): starting ranks is
+The torchrun part runs once per kind of save (tests/support/checkpoint_script.py): starting ranks is
 the slow part.
 """
 
@@ -20,11 +20,11 @@ from safetensors.torch import load_file
 import shardpar
 from shardpar.checkpoint.io import CHUNK_BYTES
 from shardpar.checkpoint.save import TEST_CRASH_ENV
-from tests.checkpoint_helpers import assert_equal_states, build, train
-from tests.harness import run_script
+from tests.support.checkpoint_helpers import assert_equal_states, build, train
+from tests.support.harness import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "checkpoint_script.py"
+SCRIPT = ROOT / "tests" / "support" / "checkpoint_script.py"
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
@@ -68,7 +68,7 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint(script_run) -> None
     assert (root / "latest").read_text().strip() == "step-1"
     assert shardpar.latest_checkpoint(root) == root / "step-1"
 
-    from tests.models import KITCHEN
+    from tests.support.models import KITCHEN
 
     model = shardpar.wrap(KITCHEN.build(), stage=1)
     assert shardpar.load_checkpoint(root / "step-1", model) == {"step": 1}

@@ -19,9 +19,9 @@ from torch import nn
 import shardpar
 from shardpar import CheckpointError
 from shardpar.checkpoint.format import FORMAT_VERSION
-from tests.checkpoint_helpers import build, save_run, try_load
-from tests.models import KITCHEN
-from tests.parity import run
+from tests.support.checkpoint_helpers import build, save_run, try_load
+from tests.support.models import KITCHEN
+from tests.support.parity import run
 
 FILE = "rank-00000-of-00001.safetensors"
 

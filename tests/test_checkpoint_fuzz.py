@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 import shardpar
 from shardpar.checkpoint.format import MANIFEST, latest_checkpoint, read_manifest
 from shardpar.checkpoint.offline import reshard
-from tests.checkpoint_helpers import build, full_optimizer_state, train
+from tests.support.checkpoint_helpers import build, full_optimizer_state, train
 
 FILES = (MANIFEST, "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors")
 LOAD_STAGES = (0, 1, 2, 3)

@@ -14,7 +14,7 @@
   torch's norm and clipped gradients; a bf16 model gets torch's bf16 norm; norm types whose
   pieces do not compose (0, negative, NaN) are refused with a clear error on every rank.
 - The collectives a clip issues are unchanged: one all-reduce at stages 1-3, none at stage 0
-  (counted by tests/ring_counter.py around ``torch.distributed``).
+  (counted by tests/support/ring_counter.py around ``torch.distributed``).
 
 ``clip_grad_value_`` is untouched (elementwise, on the same tensors): tests/test_ddp_habits.py
 compares it with torch's at every stage.
@@ -33,8 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
-from tests.ring_counter import RingCounter
+from tests.support.harness import run_ranks
+from tests.support.ring_counter import RingCounter
 
 STAGES = (0, 1, 2, 3)
 CLIP = 0.5

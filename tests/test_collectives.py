@@ -14,7 +14,7 @@ import torch
 
 from shardpar.comm import collectives as C
 from shardpar.comm.tagged_gather import in_place_windows
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 WORLD_SIZES = [2, 3, 4]
 

@@ -1,6 +1,6 @@
 """``comm_stats()`` against what the process group moves (issue #32, item 15).
 
-The oracle is tests/ring_counter.py: a counter wrapped around ``torch.distributed``'s
+The oracle is tests/support/ring_counter.py: a counter wrapped around ``torch.distributed``'s
 collective functions that prices every call a rank makes under the ring model ([Note: byte
 accounting] in shardpar/comm/comm_stats.py: all-reduce 2·S·(N-1)/N, reduce-scatter,
 all-gather, all-to-all and broadcast S·(N-1)/N, S the bytes the collective carries, a
@@ -29,10 +29,10 @@ import torch
 import shardpar
 from shardpar.comm import backend_traits
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
-from tests.models import KITCHEN_BATCHNORM
-from tests.parity import cap_mb
-from tests.ring_counter import RingCounter
+from tests.support.harness import run_ranks
+from tests.support.models import KITCHEN_BATCHNORM
+from tests.support.parity import cap_mb
+from tests.support.ring_counter import RingCounter
 
 STAGES = (0, 1, 2, 3)
 COUNTED_STEPS = (0, 2)

@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 STAGES = (0, 1, 2, 3)
 STEPS = 2

@@ -19,7 +19,7 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 STAGES = (0, 1, 2, 3)
 WORLD = 2

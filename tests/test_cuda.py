@@ -90,8 +90,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardpar
-from tests.models import TRANSFORMER, Block, ModelSpec
-from tests.parity import (
+from tests.support.models import TRANSFORMER, Block, ModelSpec
+from tests.support.parity import (
     Recipe,
     assert_close_values,
     assert_states_close,
@@ -164,7 +164,7 @@ def one_rank_group(device: torch.device) -> Iterator[None]:
 def batch(
     model: nn.Module, recipe: Recipe, step: int, device: torch.device, rank: int = 0, world_size: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows of step ``step``'s global batch (tests/parity.py's), on ``device``."""
+    """This rank's rows of step ``step``'s global batch (tests/support/parity.py's), on ``device``."""
     x, y = global_batch(model, recipe, step)
     return rank_slice(x, rank, world_size).to(device), rank_slice(y, rank, world_size).to(device)
 

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 import shardpar
 from shardpar import ShardedGradError
 from shardpar.comm import collectives as C
-from tests.harness import RankFailure, run_ranks
+from tests.support.harness import RankFailure, run_ranks
 
 STAGES = [0, 1, 2, 3]
 

@@ -38,7 +38,7 @@ from torch import nn
 import shardpar
 from shardpar.comm import collectives as C
 from shardpar.comm import devices as D
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 wrap_module = importlib.import_module("shardpar.wrap")  # the module; shardpar.wrap is the function
 

@@ -47,12 +47,12 @@ from shardpar.checkpoint.format import read_manifest
 from shardpar.checkpoint.reader import CheckpointReader
 from shardpar.checkpoint.save import TEST_CRASH_ENV
 from shardpar.comm import collectives as C
-from tests.harness import CPU_ONLY_ENV, free_port, run_ranks
-from tests.models import MLPStack
-from tests.parity import cap_mb, rank_slice
+from tests.support.harness import CPU_ONLY_ENV, free_port, run_ranks
+from tests.support.models import MLPStack
+from tests.support.parity import cap_mb, rank_slice
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "fault_script.py"
+SCRIPT = ROOT / "tests" / "support" / "fault_script.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -523,7 +523,7 @@ def test_shardpar_creates_a_working_group_again_after_an_elastic_restart(jobs: d
     both attempts (rank 1 SIGKILLed in attempt 0; rank 0 of attempt 1 arrives 3 s after
     rank 1), and the restarted attempt must train to the end -- not connect to an address
     attempt 0 left in torchrun's agent store, nor wait in init for ranks that are gone (see
-    [Note: stale addresses after an elastic restart] in tests/fault_script.py). timeout_s=30
+    [Note: stale addresses after an elastic restart] in tests/support/fault_script.py). timeout_s=30
     bounds such a wait."""
     job: Job = jobs["restart"]
     assert job.fault["fault"] == "kill-step"

@@ -32,7 +32,7 @@ import shardpar
 from recipes.data import VOCAB_SIZE, load_dataset
 from recipes.finetune_hf import write_tiny_pretrained
 from recipes.hf_llama import HFCausalLM
-from tests.harness import CPU_ONLY_ENV, run_script
+from tests.support.harness import CPU_ONLY_ENV, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = [sys.executable]

@@ -22,8 +22,8 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import RankFailure, run_ranks
-from tests.parity import TOLERANCE, rel_error
+from tests.support.harness import RankFailure, run_ranks
+from tests.support.parity import TOLERANCE, rel_error
 
 STAGES = [0, 1, 2, 3]
 VOCAB = 64
@@ -344,7 +344,7 @@ def _moe(stage: int, policy: str, experts_implementation: str) -> dict[str, Any]
     ranks' halves differ by 2.5e-4 after three AdamW steps (and by 6e-8 with SGD), because the
     experts' products add the tokens of the batch in another grouping. So the AdamW run is
     compared with plain torch forwarding the ranks' halves of the concatenated batch and
-    averaging their losses (tests/parity.py's ``chunked_reference``), and an SGD run with plain
+    averaging their losses (tests/support/parity.py's ``chunked_reference``), and an SGD run with plain
     torch's one forward of the concatenated batch."""
     rank, world_size = C.get_rank(), C.get_world_size()
     options = {"experts_implementation": experts_implementation}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import run_script
+from tests.support.harness import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))

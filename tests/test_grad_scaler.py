@@ -21,9 +21,9 @@ import torch
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
-from tests.models import KITCHEN, ModelSpec
-from tests.parity import Recipe, build_optimizer, cap_mb, global_batch, rank_slice, run
+from tests.support.harness import run_ranks
+from tests.support.models import KITCHEN, ModelSpec
+from tests.support.parity import Recipe, build_optimizer, cap_mb, global_batch, rank_slice, run
 
 FP16 = torch.float16
 STAGES = (0, 1, 2, 3)

@@ -34,8 +34,8 @@ from torch.nn.parallel import DistributedDataParallel
 import shardpar
 from shardpar.comm import collectives as C
 from shardpar.core.averaging import Averaging, averaging
-from tests.models import KITCHEN, TRANSFORMER
-from tests.parity import (
+from tests.support.models import KITCHEN, TRANSFORMER
+from tests.support.parity import (
     Recipe,
     Result,
     assert_close_values,
@@ -78,7 +78,7 @@ def divide_then_sum(factor, bucket):  # type: ignore[no-untyped-def]
 
 
 def train_ddp(recipe: Recipe, factor: float) -> Result:
-    """torch DDP with :func:`divide_then_sum`, trained as :func:`tests.parity.train_sharded`
+    """torch DDP with :func:`divide_then_sum`, trained as :func:`tests.support.parity.train_sharded`
     trains shardpar: the same rank slices, ``no_sync`` micro-batches, clipping and optimizer."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     module = recipe.model.build()

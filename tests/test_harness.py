@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import (
+from tests.support.harness import (
     RankFailure,
     RankTimeout,
     ScriptTimeout,

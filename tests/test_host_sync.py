@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardpar
 from shardpar.comm import backend_traits, host
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 _PACKAGE = os.path.dirname(shardpar.__file__) + os.sep
 _EXEMPT = os.path.abspath(host.__file__)

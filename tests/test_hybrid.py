@@ -19,9 +19,9 @@ import torch
 import shardpar
 from shardpar.comm import collectives as C
 from shardpar.planner import estimate_communication
-from tests.harness import RankFailure, environment, run_ranks
-from tests.models import KITCHEN_BRANCHES, TRANSFORMER, spec
-from tests.parity import Recipe, assert_ranks_identical, assert_states_close, cap_mb, check_parity, sharded
+from tests.support.harness import RankFailure, environment, run_ranks
+from tests.support.models import KITCHEN_BRANCHES, TRANSFORMER, spec
+from tests.support.parity import Recipe, assert_ranks_identical, assert_states_close, cap_mb, check_parity, sharded
 
 CAP = ("bucket_cap_mb", cap_mb(2000))
 UNITS = ("min_unit_params", 1)

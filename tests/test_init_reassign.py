@@ -26,8 +26,8 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
-from tests.parity import assert_states_close, rank_slice
+from tests.support.harness import run_ranks
+from tests.support.parity import assert_states_close, rank_slice
 
 SEED = 11
 DIM, LENGTH = 8, 6

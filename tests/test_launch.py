@@ -1,4 +1,4 @@
-"""Two torchrun agents as two "nodes" on loopback (tests/launch.py, issue #34): torchrun's
+"""Two torchrun agents as two "nodes" on loopback (tests/support/launch.py, issue #34): torchrun's
 c10d rendezvous numbers the ranks node by node, ``shard_group_size="node"`` puts each
 node's ranks in one shard group and pairs them across nodes in replica groups, and stage 3
 trained that way ends where plain torch on the whole batch does."""
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from tests.launch import run_nodes
-from tests.models import TRANSFORMER
-from tests.parity import Recipe, assert_states_close, reference
-from tests.two_node_script import TRAINING
+from tests.support.launch import run_nodes
+from tests.support.models import TRANSFORMER
+from tests.support.parity import Recipe, assert_states_close, reference
+from tests.support.two_node_script import TRAINING
 
-SCRIPT = Path(__file__).resolve().parent / "two_node_script.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "two_node_script.py"
 
 
 def test_two_agents_make_two_nodes_of_two() -> None:

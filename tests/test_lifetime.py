@@ -19,8 +19,8 @@ import torch
 import torch.utils.checkpoint
 
 import shardpar
-from tests.harness import run_ranks, run_script
-from tests.models import TRANSFORMER, Block
+from tests.support.harness import run_ranks, run_script
+from tests.support.models import TRANSFORMER, Block
 
 BF16 = shardpar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
 

@@ -2,12 +2,12 @@
 against Lightning's DDP strategy run the same way (the oracle).
 
 The ranks are the harness's (run as torchrun would start them, so Lightning launches no
-processes of its own); what they run is ``tests/lightning_runs.py``. Importing Lightning takes
+processes of its own); what they run is ``tests/support/lightning_runs.py``. Importing Lightning takes
 seconds, so each launch below serves several tests (module fixtures) and the pytest process
 never imports it.
 
 Tolerances: fp32 runs must match DDP within ``TOLERANCE`` (1e-5 relative, the parity
-contract of tests/parity.py: reductions in another order differ by a few ulps, a wrong scale
+contract of tests/support/parity.py: reductions in another order differ by a few ulps, a wrong scale
 or a lost accumulation by far more). Under bf16 the oracle that must match is shardpar's
 own bf16 with autocast written by hand, bit for bit; DDP's bf16-mixed keeps float32
 parameters where shardpar computes with bfloat16 copies, so it only has to agree to bf16's
@@ -24,8 +24,8 @@ import torch
 from shardpar.checkpoint.format import read_manifest
 from shardpar.checkpoint.json_values import decode_tree, encode_tree
 from shardpar.errors import CheckpointError
-from tests.harness import run_ranks
-from tests.parity import TOLERANCE
+from tests.support.harness import run_ranks
+from tests.support.parity import TOLERANCE
 
 TIMEOUT_S = 300.0  # a launch imports Lightning on each rank (seconds on a loaded machine), then trains
 BF16_TOLERANCE = 0.05
@@ -55,7 +55,7 @@ def _assert_losses_close(got: list, want: list, tolerance: float, what: str) -> 
 
 def _parity_runs() -> dict:
     from shardpar.integrations.lightning import ShardparPrecision
-    from tests import lightning_runs as R
+    from tests.support import lightning_runs as R
 
     steps = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
     runs = {name: R.fit(name, **steps) for name in ("ddp", "stage0", "stage1", "stage2", "stage3")}
@@ -128,7 +128,7 @@ def test_16_mixed_scales_the_loss_with_shardpars_scaler(parity: list[dict]) -> N
 
 
 def _checkpoint_runs(directory: str, pickle_file: str) -> dict:
-    from tests import lightning_runs as R
+    from tests.support import lightning_runs as R
 
     built_late = {"build_in_configure_model": True}
     saved = R.fit("stage2", module_options=built_late, max_epochs=1, checkpoint_dir=directory, test=False)
@@ -147,7 +147,7 @@ def _checkpoint_runs(directory: str, pickle_file: str) -> dict:
 
 
 def _resume_alone(checkpoint: str) -> dict:
-    from tests import lightning_runs as R
+    from tests.support import lightning_runs as R
 
     return R.fit(
         "stage0",
@@ -245,7 +245,7 @@ def test_refusals_name_the_problem_on_every_rank(checkpoints: tuple[list[dict], 
 
 
 def _fabric_runs(directory: str) -> dict:
-    from tests import lightning_runs as R
+    from tests.support import lightning_runs as R
 
     checkpoint = os.path.join(directory, "fabric-step-2")
     return {

@@ -34,9 +34,9 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
-from tests.models import MLPStack
-from tests.parity import cap_mb
+from tests.support.harness import run_ranks
+from tests.support.models import MLPStack
+from tests.support.parity import cap_mb
 
 STEPS = int(os.environ.get("SHARDPAR_LONG_RUN_STEPS", "200"))
 SAMPLE_EVERY = 40

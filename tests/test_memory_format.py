@@ -34,7 +34,7 @@ import shardpar
 from shardpar.checkpoint.offline import consolidate
 from shardpar.comm import collectives as C
 from shardpar.core.param_guard import metadata_only
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 STAGES = (0, 1, 2, 3)
 STEPS = 4

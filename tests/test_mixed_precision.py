@@ -70,9 +70,9 @@ import torch
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
-from tests.models import KITCHEN, TRANSFORMER, Block, ModelSpec
-from tests.parity import (
+from tests.support.harness import run_ranks
+from tests.support.models import KITCHEN, TRANSFORMER, Block, ModelSpec
+from tests.support.parity import (
     Recipe,
     build_optimizer,
     cap_mb,

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 import shardpar
-from tests.harness import RankFailure, run_ranks
-from tests.parity import rel_error
+from tests.support.harness import RankFailure, run_ranks
+from tests.support.parity import rel_error
 
 STAGES = [0, 1, 2, 3]
 DIM = 8

@@ -25,9 +25,9 @@ from shardpar.comm import backend_traits, host
 from shardpar.comm import collectives as C
 from shardpar.core.unit_order import UnitOrderMismatch
 from shardpar.errors import RanksOutOfStep
-from tests.harness import run_ranks
-from tests.models import KITCHEN_BRANCHES, MLP, TRANSFORMER
-from tests.parity import Recipe, check_parity, train_sharded
+from tests.support.harness import run_ranks
+from tests.support.models import KITCHEN_BRANCHES, MLP, TRANSFORMER
+from tests.support.parity import Recipe, check_parity, train_sharded
 
 
 @contextlib.contextmanager

@@ -48,13 +48,13 @@ from torch.nn.parallel import DistributedDataParallel
 import shardpar
 from shardpar import ShardedGradError
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 STAGES = (0, 1, 2, 3)
 GLOBAL_BATCH = 6
 """Rows of every step's batch: divisible by 2 and 3, the world sizes used here."""
 TOL = 1e-5
-"""Relative, per tensor ([Note: the parity contract] in tests/parity.py)."""
+"""Relative, per tensor ([Note: the parity contract] in tests/support/parity.py)."""
 
 
 class Net(nn.Module):

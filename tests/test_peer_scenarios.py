@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 DIM = 16
 BATCH = 12  # divisible by 2 and 3

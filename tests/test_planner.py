@@ -34,7 +34,7 @@ from shardpar.planner import (
     parse_bytes,
     parse_count,
 )
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 PSI = 7_000_000_000  # divisible by every world size below, so Ψ/N is exact

@@ -34,7 +34,7 @@ from torch import nn
 import shardpar
 from shardpar.comm import collectives as C
 from shardpar.comm import watch
-from tests.harness import RankFailure, run_ranks
+from tests.support.harness import RankFailure, run_ranks
 
 TIMEOUT_S = 3.0
 """shardpar's timeout_s in these jobs: waits that cannot complete end after this long."""

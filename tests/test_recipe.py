@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardpar
-from tests.harness import CPU_ONLY_ENV, run_script
+from tests.support.harness import CPU_ONLY_ENV, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = str(ROOT / "recipes" / "train_gpt.py")

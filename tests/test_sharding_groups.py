@@ -25,7 +25,7 @@ from shardpar.comm.sharding_groups import (
     resolve_shard_group_size,
     sharding_groups,
 )
-from tests.harness import environment, run_ranks
+from tests.support.harness import environment, run_ranks
 
 WORLD = 4
 ERROR_WITHIN_S = 10.0

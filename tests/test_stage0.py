@@ -2,7 +2,7 @@
 bucket edge cases, overlap, exact byte counts, no_sync, memory, state dict, modes.
 
 World size 1 runs in this process with no process group; 2-4 on harness ranks. Runs are
-cached (``tests.parity.sharded``) so one run serves every property checked on it.
+cached (``tests.support.parity.sharded``) so one run serves every property checked on it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.models import (
+from tests.support.models import (
     KITCHEN,
     KITCHEN_BATCHNORM,
     KITCHEN_BRANCHES,
@@ -28,7 +28,7 @@ from tests.models import (
     spec,
     trainable_numel,
 )
-from tests.parity import (
+from tests.support.parity import (
     Recipe,
     Result,
     assert_ranks_identical,

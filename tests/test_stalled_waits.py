@@ -42,8 +42,8 @@ from torch import nn
 import shardpar
 from shardpar.comm import collectives as C
 from shardpar.comm import stalls, watch
-from tests.harness import RankFailure, run_ranks
-from tests.zero3_models import Block
+from tests.support.harness import RankFailure, run_ranks
+from tests.support.zero3_models import Block
 
 TIMEOUT_S = 30.0
 """shardpar's timeout_s in these jobs."""
@@ -240,7 +240,7 @@ def test_generate_of_different_lengths_is_named_within_seconds(then: str, tmp_pa
 
 def _evaluate_on_rank_0_then_train() -> None:
     """nanoGPT's ``if iter_num % eval_interval == 0 and master_process: estimate_loss()``."""
-    from tests.zero3_models import Z3LM
+    from tests.support.zero3_models import Z3LM
 
     torch.manual_seed(0)
     model = shardpar.wrap(Z3LM(layers=2), stage=3, wrap_policy=[Block], timeout_s=TIMEOUT_S)
@@ -285,7 +285,7 @@ def test_evaluation_on_rank_0_only_at_stage_3_is_named_within_seconds() -> None:
 
 
 def _state_dict_on_rank_0(stage: int, how: str, mixed_precision: str | None) -> None:
-    from tests.zero3_models import Z3LM
+    from tests.support.zero3_models import Z3LM
 
     torch.manual_seed(0)
     module = Z3LM(layers=2)

@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 import shardpar
 from shardpar.checkpoint.format import read_manifest
 from shardpar.checkpoint.offline import consolidate
-from tests.checkpoint_helpers import K, assert_equal_states, build, full_optimizer_state, save_run
-from tests.models import KITCHEN
-from tests.parity import run
+from tests.support.checkpoint_helpers import K, assert_equal_states, build, full_optimizer_state, save_run
+from tests.support.models import KITCHEN
+from tests.support.parity import run
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tools"

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 import shardpar
 from shardpar.comm import collectives as C
 from shardpar.core.staged_reduce_scatter import StagedReduceScatter
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 STAGES = (0, 1, 2, 3)
 STEPS = 3

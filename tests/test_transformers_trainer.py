@@ -3,11 +3,11 @@
 model in torch's DDP) with the same arguments, data, sampler and seed (the oracle).
 
 The ranks are the harness's (started as torchrun would; accelerate takes their process
-group); what they run is ``tests/trainer_runs.py``. Importing transformers takes seconds, so
+group); what they run is ``tests/support/trainer_runs.py``. Importing transformers takes seconds, so
 each launch serves several tests (module fixtures) and the pytest process never imports it.
 
 Tolerances: fp32 runs must match DDP within ``TOLERANCE`` (1e-5 relative, the parity contract
-of tests/parity.py); stage 0 reduces buckets in DDP's order and matches exactly. Under
+of tests/support/parity.py); stage 0 reduces buckets in DDP's order and matches exactly. Under
 ``bf16=True`` both trainers compute in accelerate's autocast on float32 parameters, so stage 0
 equals DDP's bf16 run bit for bit; at stages 1-3 the first step is DDP's (its loss exactly,
 its gradient norm to float32's reduction order) and later steps start from parameters a few
@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from shardpar.checkpoint.format import read_manifest
-from tests.harness import run_ranks
-from tests.parity import TOLERANCE
+from tests.support.harness import run_ranks
+from tests.support.parity import TOLERANCE
 
 TIMEOUT_S = 300.0  # a launch imports transformers on each rank (seconds on a loaded machine), then trains
 BF16_TOLERANCE = 1e-4
@@ -51,7 +51,7 @@ def _assert_close(got: list, want: list, tolerance: float, what: str) -> None:
 
 
 def _parity_runs(directory: str) -> dict:
-    from tests import trainer_runs as R
+    from tests.support import trainer_runs as R
 
     def where(name: str) -> str:
         return os.path.join(directory, name.replace(" ", "-"))
@@ -164,7 +164,7 @@ def test_naive_patterns_are_refused_by_name(parity: list[dict]) -> None:
 
 
 def _checkpoint_runs(directory: str) -> dict:
-    from tests import trainer_runs as R
+    from tests.support import trainer_runs as R
 
     one_epoch = {"num_train_epochs": 1, "evaluate": False}
     saving = {"save_strategy": "steps", "save_steps": 2}
@@ -197,7 +197,7 @@ def _checkpoint_runs(directory: str) -> dict:
 
 def _resume_alone(directory: str) -> dict:
     """World size 1, twice the rows per device (the same rows per step as 2 ranks)."""
-    from tests import trainer_runs as R
+    from tests.support import trainer_runs as R
 
     options = {"num_train_epochs": 1, "evaluate": False, "per_device_train_batch_size": 2 * R.BATCH}
     return {
@@ -289,7 +289,7 @@ def test_resuming_a_ddp_trainers_checkpoint_is_refused(checkpoints: tuple[list[d
 
 
 def _sft_runs(directory: str) -> dict:
-    from tests import trainer_runs as R
+    from tests.support import trainer_runs as R
 
     return {
         name: R.sft(name, os.path.join(directory, name)) for name in ("ddp", "stage0", "stage1", "stage2", "stage3")

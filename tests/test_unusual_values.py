@@ -22,7 +22,7 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 # --------------------------------------------------------------------------- NaN in one shard
 

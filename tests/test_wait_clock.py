@@ -16,7 +16,7 @@ from torch import nn
 
 import shardpar
 from shardpar.core.wait_clock import PHASES
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 WIDTH = 32
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from shardpar.comm import collectives as C
-from tests.models import KITCHEN, TRANSFORMER, spec, trainable_numel
-from tests.parity import (
+from tests.support.models import KITCHEN, TRANSFORMER, spec, trainable_numel
+from tests.support.parity import (
     Recipe,
     Result,
     assert_close_values,

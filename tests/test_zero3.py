@@ -44,9 +44,9 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
-from tests.parity import closed_form_padding, padding_magnitude
-from tests.zero3_models import Z3LM, Block, LMSpec, decay_groups, lm
+from tests.support.harness import run_ranks
+from tests.support.parity import closed_form_padding, padding_magnitude
+from tests.support.zero3_models import Z3LM, Block, LMSpec, decay_groups, lm
 
 TOL = 1e-5
 STEPS = 3  # steps before the eval/generate break; one more step follows it

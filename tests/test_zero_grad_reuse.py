@@ -17,7 +17,7 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.parity import run
+from tests.support.parity import run
 
 STEPS = 4
 ROWS_PER_RANK = 3

@@ -39,8 +39,8 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.harness import run_ranks
-from tests.models import ModelSpec, param_groups
+from tests.support.harness import run_ranks
+from tests.support.models import ModelSpec, param_groups
 
 TOLERANCE = 1e-5
 
@@ -56,7 +56,7 @@ class Recipe:
     lr: float = 1e-2
     optimizer_options: tuple[tuple[str, Any], ...] = ()
     groups: bool = True
-    """Two param groups (``tests.models.param_groups``) instead of one."""
+    """Two param groups (``tests.support.models.param_groups``) instead of one."""
     exclude_from_decay: tuple[str, ...] = ()
     clip: float | None = 1.0
     micro_batches: int = 1

@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 import shardpar
 from shardpar.comm.sharding_groups import sharding_groups
-from tests.launch import report
-from tests.parity import global_batch, rank_slice
+from tests.support.launch import report
+from tests.support.parity import global_batch, rank_slice
 
 TRAINING = dict(steps=3, lr=1e-2)
-"""Shared with the test's plain-torch reference (tests.parity.Recipe fields)."""
+"""Shared with the test's plain-torch reference (tests.support.parity.Recipe fields)."""
 
 
 def train_node_sharded(recipe) -> dict[str, list[float]]:
@@ -63,8 +63,8 @@ def main() -> None:
         replica_sum=summed(groups.replica_group),
         describe=groups.describe(),
     )
-    from tests.models import TRANSFORMER
-    from tests.parity import Recipe
+    from tests.support.models import TRANSFORMER
+    from tests.support.parity import Recipe
 
     record["trained"] = train_node_sharded(Recipe(model=TRANSFORMER, groups=False, clip=None, **TRAINING))
     gc.collect()  # the model and its engine, which held the groups

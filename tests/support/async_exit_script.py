@@ -1,8 +1,8 @@
 """A script that saves asynchronously and exits without waiting, for
 tests/test_async_checkpoint.py:
 
-    torchrun --nproc-per-node 2 tests/async_exit_script.py OUT      # the save must commit
-    python tests/async_exit_script.py OUT --full-disk                # the save fails: exit 1
+    torchrun --nproc-per-node 2 tests/support/async_exit_script.py OUT      # the save must commit
+    python tests/support/async_exit_script.py OUT --full-disk                # the save fails: exit 1
 
 Trains the KitchenSink two steps, saves ``OUT/step-2`` with ``async_save=True`` (its first
 write held back a second, so the script surely exits while it writes), writes what it saved
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
@@ -27,7 +27,7 @@ import shardpar  # noqa: E402
 from shardpar.checkpoint import io as checkpoint_io  # noqa: E402
 from shardpar.checkpoint.files import write_failure  # noqa: E402
 from shardpar.comm import collectives as C  # noqa: E402
-from tests.checkpoint_helpers import build, train  # noqa: E402
+from tests.support.checkpoint_helpers import build, train  # noqa: E402
 
 
 def slow_or_full_disk(full: bool) -> None:

@@ -17,8 +17,8 @@ from torch import nn
 
 import shardpar
 from shardpar.comm import collectives as C
-from tests.models import KITCHEN
-from tests.parity import Recipe, build_optimizer, cap_mb, global_batch, rank_slice
+from tests.support.models import KITCHEN
+from tests.support.parity import Recipe, build_optimizer, cap_mb, global_batch, rank_slice
 
 RECIPE = Recipe(KITCHEN, steps=4, clip=0.5)
 K = 2

@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.harness import CPU_ONLY_ENV, free_port, kill_tree
+from tests.support.harness import CPU_ONLY_ENV, free_port, kill_tree
 
 __all__ = ["AgentRun", "NodesRun", "NodesTimeout", "report", "run_nodes"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REPORT_DIR_ENV = "SHARDPAR_TEST_REPORT_DIR"
 """Where ``report`` writes (set by ``run_nodes`` for the script's ranks)."""
 AFTER_FAILURE_S = 15.0

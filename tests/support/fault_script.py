@@ -1,6 +1,6 @@
 """Fault injection for tests/test_faults.py: one rank fails, dies or hangs at a chosen point.
 
-    torchrun --standalone --nproc-per-node 2 tests/fault_script.py OUT --fault backward --rank 1
+    torchrun --standalone --nproc-per-node 2 tests/support/fault_script.py OUT --fault backward --rank 1
 
 trains a small MLP with shardpar (``--stage``) and injects ``--fault`` on ``--rank`` at
 ``--fault-step``:
@@ -29,7 +29,7 @@ plain processes started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT.
 an elastic job (``TORCHELASTIC_RESTART_COUNT=0``), rank ``--rank`` SIGKILLs itself when it
 fetches the batch of step ``--fault-step``:
 
-    torchrun --max-restarts 1 ... tests/fault_script.py recipe --rank 1 --fault-step 7 -- <recipe args>
+    torchrun --max-restarts 1 ... tests/support/fault_script.py recipe --rank 1 --fault-step 7 -- <recipe args>
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -124,7 +124,7 @@ def train(args: argparse.Namespace) -> None:
     import shardpar
     from shardpar.checkpoint.save import TEST_CRASH_ENV
     from shardpar.comm import collectives as C
-    from tests.models import MLPStack
+    from tests.support.models import MLPStack
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Models for the stage-3 tests (``tests/test_zero3.py``), kept apart from ``tests.models``.
+"""Models for the stage-3 tests (``tests/test_zero3.py``), kept apart from ``tests.support.models``.
 
 :class:`Z3LM` is a small pre-LN transformer language model with everything stage 3 has to
 get right in one place:

@@ -1,6 +1,6 @@
 """Checkpoint scenarios that need fresh processes, run by tests/test_checkpoint_crash.py:
 
-    MALLOC_MMAP_THRESHOLD_=65536 torchrun --nproc-per-node 2 tests/checkpoint_script.py OUT [--async-save]
+    MALLOC_MMAP_THRESHOLD_=65536 torchrun --nproc-per-node 2 tests/support/checkpoint_script.py OUT [--async-save]
 
 First measures the peak memory of save_checkpoint, save_full and load_checkpoint on a 67 MB
 model at stage 3 (``OUT/memory-rank<r>.json``) -- first, while the processes are fresh --
@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
@@ -29,7 +29,7 @@ from torch import nn  # noqa: E402
 import shardpar  # noqa: E402
 from shardpar.checkpoint.save import TEST_CRASH_ENV  # noqa: E402
 from shardpar.comm import collectives as C  # noqa: E402
-from tests.models import KITCHEN, MLPStack  # noqa: E402
+from tests.support.models import KITCHEN, MLPStack  # noqa: E402
 
 
 def train_step(module: nn.Module, model: shardpar.ShardedModule, opt, seed: int) -> None:
