@@ -1,6 +1,6 @@
 """Sharded checkpoints (issue 5): resume at another world size and stage, the files on disk,
 ``latest``, and the Hugging Face full export. Errors: test_checkpoint_errors.py; crash
-safety and memory: test_checkpoint_crash.py; tools: test_tools.py.
+safety and memory: test_checkpoint_crash.py; tools: test_checkpoint_tools.py.
 
 World size 1 runs in this process; larger ones on harness ranks (tests.support.parity.run).
 """

@@ -8,7 +8,7 @@ tensor, ``torch.equal``, ``nonzero``, ``masked_select``, and tensors made from P
 frame that makes it is shardpar's own code, except shardpar/comm/host.py, whose reads are of
 host memory behind an event and whose copies go from pinned memory without blocking. The
 steps run on the paths CUDA takes (``forcing_native_paths`` and ``deferring_reads``: see
-tests/test_native_paths.py) and on gloo's own. tests/test_cuda.py runs the same kind of
+tests/test_nccl_paths_on_gloo.py) and on gloo's own. tests/test_cuda.py runs the same kind of
 step under ``torch.cuda.set_sync_debug_mode("error")`` where a GPU is lent.
 """
 

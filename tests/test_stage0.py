@@ -224,7 +224,7 @@ def test_aligned_buckets_train_alike_and_send_the_closed_form(world_size: int) -
     elements, buckets of lcm(N, 128)) changes where gradients live, not what training
     computes: parity with plain torch, padding zero in every buffer after every backward, and
     the all-reduce sends Ψ payload plus exactly the closed-form padding (at N = 2 five buckets
-    of 128 for 344 parameters: 296 elements, worked out in tests/test_buffer.py)."""
+    of 128 for 344 parameters: 296 elements, worked out in tests/test_buffer_layout.py)."""
     recipe = KITCHEN_ADAMW
     results = sharded(recipe, 0, world_size, ALIGNED)
     check_parity(results, recipe, world_size, what=f"stage 0 aligned, N={world_size}")

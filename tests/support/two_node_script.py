@@ -1,4 +1,4 @@
-"""Run by tests/test_launch.py under two torchrun agents (two "nodes" of 2 ranks, c10d
+"""Run by tests/test_two_node_launch.py under two torchrun agents (two "nodes" of 2 ranks, c10d
 rendezvous on loopback): what torchrun told this rank, a plain all-reduce over all ranks,
 ``shard_group_size="node"``'s groups and an all-reduce over each, three steps of stage-3
 training with ``shard_group_size="node"`` (its final parameters, for the test to compare with
