@@ -278,9 +278,11 @@ def broadcast_object(
     device = devices.object_device(group, device)
     sending = get_rank(group) == src
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if sending else None
-    size = host.to_device([payload.numel() if sending else 0], torch.int64, device)
+    size = host.to_device([payload.numel() if payload is not None else 0], torch.int64, device)
     broadcast(size, src, group=group)
-    received = payload.to(device) if sending else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    received = (
+        payload.to(device) if payload is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    )
     broadcast(received, src, group=group)
     return obj if sending else pickle.loads(received.cpu().numpy().tobytes())
 

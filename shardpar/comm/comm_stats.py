@@ -116,15 +116,16 @@ class Collective:
 @dataclass
 class OpTraffic:
     """Traffic of one collective kind. Totals are integers and divided once when read, so
-    sums over many calls stay exact."""
+    sums over many calls stay exact (live counts are whole bytes; the planner's :func:`tally`
+    sums its model's bytes, which may be fractional, hence ``float``)."""
 
     factor: int
     """Ring multiplier of S·(N-1)/N for this kind (see the note above)."""
     world_size: int
     calls: int = 0
-    payload_bytes: int = 0
+    payload_bytes: float = 0
     """Bytes of real data the op ran over (S without padding), summed over calls."""
-    padding_bytes: int = 0
+    padding_bytes: float = 0
 
     @property
     def sent_bytes(self) -> float:
@@ -154,7 +155,9 @@ class CommStats:
     def record(self, op: str, numel: int, padding_numel: int, element_size: int, world_size: int) -> None:
         self.record_bytes(op, (numel - padding_numel) * element_size, padding_numel * element_size, world_size)
 
-    def record_bytes(self, op: str, payload_bytes: int, padding_bytes: int, world_size: int, calls: int = 1) -> None:
+    def record_bytes(
+        self, op: str, payload_bytes: float, padding_bytes: float, world_size: int, calls: int = 1
+    ) -> None:
         traffic = self.ops.setdefault(op, OpTraffic(factor=SEND_FACTOR[op], world_size=world_size))
         assert traffic.world_size == world_size, "one CommStats counts one process group"
         traffic.calls += calls

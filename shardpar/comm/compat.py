@@ -67,11 +67,13 @@ def reduce_scatter_single(
 ) -> Any:
     """``dist.reduce_scatter_single`` (2.13+), otherwise ``dist.reduce_scatter_tensor``. Both take
     the same arguments and do the same thing."""
+    assert _REDUCE_SCATTER is not None, "a collective runs only where torch.distributed is available"
     return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=async_op)
 
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
     """``dist.all_gather_single`` (2.13+), otherwise ``dist.all_gather_into_tensor``."""
+    assert _ALL_GATHER is not None, "a collective runs only where torch.distributed is available"
     return _ALL_GATHER(output, input, group=group, async_op=async_op)
 
 
@@ -108,7 +110,8 @@ def default_backend_for_device(device: str | torch.device) -> str:
     ``Backend.default_device_backend_map``, which is where 2.6 reads it from."""
     getter = getattr(dist, "get_default_backend_for_device", None)
     if getter is not None:
-        return getter(device)
+        named: str = getter(device)
+        return named
     device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     backend = dist.Backend.default_device_backend_map.get(device_type)
     if backend is None:
@@ -122,5 +125,6 @@ def fully_shard(module: nn.Module, **kwargs: Any) -> Any:
     try:
         from torch.distributed.fsdp import fully_shard as impl
     except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard as impl
+        # torch 2.4-2.5 only; newer stubs no longer export it from there
+        from torch.distributed._composable.fsdp import fully_shard as impl  # type: ignore[attr-defined]
     return impl(module, **kwargs)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -93,7 +94,7 @@ class DeviceToHost:
         self.host = pinned(tensor.numel(), tensor.dtype, tensor.device).view(tensor.shape)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.host.copy_(tensor, non_blocking=True)
-            self.event = torch.cuda.Event()
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's Event.__new__ is unannotated
             self.event.record()
 
     @property
@@ -105,16 +106,16 @@ class DeviceToHost:
         """Whether ``values()`` would return without waiting for the device."""
         if self.event is None:
             return not _defer_cpu_reads
-        return bool(self.event.query())
+        return bool(self.event.query())  # type: ignore[no-untyped-call]  # torch's Event.query is unannotated
 
-    def values(self) -> list:
+    def values(self) -> list[Any]:
         """The values as Python numbers (waits for the copy on a GPU)."""
         if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
 
 
-def read_host(tensor: torch.Tensor) -> list:
+def read_host(tensor: torch.Tensor) -> list[Any]:
     """The values of a tensor in host memory, as Python numbers (no device is involved: the
     gloo paths' received bytes, which live on the CPU)."""
     assert tensor.device.type == "cpu", f"read_host of a {tensor.device} tensor would wait for the device"

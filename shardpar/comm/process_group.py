@@ -124,14 +124,16 @@ def attempt_store(timeout: datetime.timedelta) -> Any:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    store = dist.TCPStore(
+    # torch.distributed re-exports TCPStore and PrefixStore from torch._C without marking them exported
+    store = dist.TCPStore(  # type: ignore[attr-defined]
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         launched_world_size(),
         is_master=False,
         timeout=timeout,
     )
-    return dist.PrefixStore(f"shardpar/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"shardpar/attempt-{attempt}", store)  # type: ignore[attr-defined]
 
 
 _SIBLING_GROUPS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()

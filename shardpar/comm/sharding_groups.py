@@ -269,6 +269,7 @@ def _check_agreement(proposals: list[_Proposal], choice: ShardGroupSize) -> None
             "the same number of ranks)"
         )
     shard_size = proposals[0].shard_size
+    assert shard_size is not None  # a proposal without a size has a problem, raised above
     if choice == NODE and all(p.node is not None for p in proposals):
         for start in range(0, len(proposals), shard_size):
             nodes = _by_value([p.node for p in proposals[start : start + shard_size]])

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from ..errors import RanksOutOfStep, UnitOrderMismatch
+
+if TYPE_CHECKING:  # dist.Store itself, which torch.distributed does not mark as exported
+    from torch.distributed.distributed_c10d import Store
 
 STALL_S = 2.0
 """A wait not complete after this long posts where this rank is; see [Note: stalled waits]."""
@@ -120,7 +123,7 @@ class Stall:
                 pass
 
 
-def _multi_get(store: Any, keys: list[str]) -> list[bytes]:
+def _multi_get(store: Store, keys: list[str]) -> list[bytes]:
     try:
         return store.multi_get(keys)
     except AttributeError:  # a torch without it

@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -50,6 +50,8 @@ SILENT_AFTER_S = 15.0
 """A rank that has not said so for this long is gone (its process died or is stopped)."""
 POLL_S = 0.05
 """The longest pause between two looks for the other ranks' keys."""
+
+_Result = TypeVar("_Result")
 
 
 def default_store() -> Any | None:
@@ -134,7 +136,7 @@ class StoreExchange:
             except Exception:
                 pass
 
-    def _call(self, what: str, call: Callable[[], Any]) -> Any:
+    def _call(self, what: str, call: Callable[[], _Result]) -> _Result:
         try:
             return call()
         except Exception as error:

@@ -188,7 +188,7 @@ class TaggedAllGather:
         # One broadcast per rank of its tagged shard, received in place where the note says
         # it is safe and otherwise into a buffer sized for the largest shard, so another
         # unit's message always fits.
-        windows: list[torch.Tensor | None] = [None] * self.world_size
+        windows: dict[int, torch.Tensor] = {}  # src -> where its broadcast lands; every peer has one
         if self._through_buffer:
             received = torch.empty(
                 len(self._through_buffer), TAG_BYTES + self.max_shard_bytes, dtype=torch.uint8, device=send.device
@@ -321,13 +321,13 @@ class GatheredTags:
         return _tag_rows(self._read.values())
 
 
-_TAG_STREAMS: dict[torch.device, Any] = {}
+_TAG_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _tag_stream(device: torch.device) -> Any:
+def _tag_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per GPU for the copies of gather tags to the host."""
     if device not in _TAG_STREAMS:
-        _TAG_STREAMS[device] = torch.cuda.Stream(device=device)
+        _TAG_STREAMS[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # torch's Stream.__new__ is unannotated
     return _TAG_STREAMS[device]
 
 

@@ -50,12 +50,15 @@ import os
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from ..errors import RanksOutOfStep
 from . import stalls
+
+if TYPE_CHECKING:  # dist.Store itself, which torch.distributed does not mark as exported
+    from torch.distributed.distributed_c10d import Store
 from .store_exchange import default_store
 
 SLICE_S = 1.0
@@ -67,7 +70,7 @@ POLL_S = 0.05
 GLOO_MARGIN_S = 5.0
 """How much longer than ``timeout_s`` gloo's own timeout is (see ``process_group.backend_timeout``)."""
 
-_describers: list[weakref.ref] = []
+_describers: list[weakref.ref[Any]] = []
 _operations: list[str] = []
 _limits: dict[str, tuple[float, bool]] = {}
 """Per group: (timeout_s, whether waits are bounded: gloo only)."""
@@ -123,6 +126,7 @@ def doing() -> str:
 
 def _group_key(group: Any) -> str:
     pg = group if group is not None else dist.group.WORLD
+    assert pg is not None, "called only once a process group is initialized (WORLD exists)"
     return pg.group_name
 
 
@@ -149,7 +153,8 @@ class _Counted:
 
     def issued(self, pg: Any) -> int | None:
         try:
-            return pg._get_sequence_number_for_group() - self.point_to_point
+            number: int = pg._get_sequence_number_for_group() - self.point_to_point
+            return number
         except (AttributeError, RuntimeError):  # a torch or backend without it: no stall verdicts
             return None
 
@@ -208,7 +213,7 @@ def _error_text(error: BaseException) -> str:
     return text[:300]
 
 
-def _incident_declared(store: Any) -> bool:
+def _incident_declared(store: Store) -> bool:
     try:
         return store.check([f"{_incident_key()}/flag"])
     except Exception:  # an unreachable store answers nothing; the wait goes on to its deadline
@@ -306,6 +311,7 @@ def _stall(store: Any, group: Any, op: str, waiting: dict[str, Any]) -> stalls.S
     """Post this rank's position while its wait for ``op`` on ``group`` is stalled ([Note:
     stalled waits] in stalls.py): what it waits for, and where it is."""
     pg = group if group is not None else dist.group.WORLD
+    assert pg is not None, "a wait stalls only once a process group is initialized (WORLD exists)"
     waiting = {"group": pg.group_name, "ranks": dist.get_process_group_ranks(pg), "op": op, **waiting}
     position = {
         "waiting": waiting,
@@ -376,6 +382,7 @@ def post_mortem(group: Any, op: str, cause: str, verdict: dict[str, Any] | None 
 
 def _message(me: int, reports: dict[int, dict[str, str] | None], missing: list[int], store_problem: str | None) -> str:
     own = reports[me]
+    assert own is not None, "post_mortem enters this rank's own report first"
     lines = [f"ranks stopped meeting in their collectives (rank {me}: {own['cause']}). What each rank reported:"]
     for rank in sorted(reports):
         report = reports[rank]

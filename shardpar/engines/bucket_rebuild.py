@@ -41,6 +41,7 @@ class BucketRebuild:
         whether any layout changed (else nothing else moves)."""
         reducer, storage = self.reducer, self.storage
         record, reducer.ready_order = reducer.ready_order, None
+        assert record is not None  # the engine rebuilds only while the reducer records a ready order
         proposal = record.proposal(reducer.names)
         rows = C.all_gather_objects(proposal, group=self.group, device=self.device, stats=self.comm, kind="control")
         order = [reducer.names[i] for i in rows[0]]

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..config import MixedPrecision
+from ..core.reducer import ParamSpace
 from .hooks import engine_hook
 
 
@@ -46,14 +47,14 @@ class MixedPrecisionCasts:
                 self.original_buffer_dtypes[name] = buffer.dtype
                 buffer.data = buffer.data.to(mp.buffer_dtype)
 
-    def reduce_dtype(self, space: Any) -> torch.dtype:
+    def reduce_dtype(self, space: ParamSpace) -> torch.dtype:
         """dtype gradients of ``space`` are accumulated and communicated in."""
         mp = self.mp
         if mp is None or not space.master_dtype.is_floating_point:
             return space.compute_dtype
         return mp.reduce_dtype if mp.reduce_dtype is not None else space.master_dtype
 
-    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Floating-point inputs are cast to ``param_dtype`` so layers see one dtype (see
         [Note: what mixed precision casts])."""
         if self.param_dtype is None:

@@ -21,7 +21,7 @@ hook did (a backward through part of the model).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,9 +42,10 @@ from ..core.inventory import (
     module_device,
     sparse_gradient_error,
 )
+from ..core.layout import BufferLayout
 from ..core.pieces import TensorPiece
 from ..core.rebuild import ReadyOrder
-from ..core.reducer import GradientReducer
+from ..core.reducer import GradientReducer, ParamSpace
 from ..core.sharded import ShardedStorage
 from ..core.training_state import Phase, TrainingState
 from ..core.units import ModuleTree, Unit
@@ -55,6 +56,9 @@ from .casts import MixedPrecisionCasts
 from .grad_marks import GradPlaceholders
 from .hooks import engine_hook
 from .module_hooks import UnitHooks, UseHooks, module_of_params
+
+if TYPE_CHECKING:
+    from .stages import StageRow
 
 WRAPPED_MARK = "_shardpar_wrapped"
 """Set on the module an engine manages, so that wrapping it (or a model containing it) again
@@ -72,7 +76,7 @@ class Engine:
         module: nn.Module,
         config: ShardConfig,
         group: Any,
-        row: Any,
+        row: StageRow,
         deferred_init: DeferredInit | None = None,
         sharding: ShardingGroups | None = None,
     ) -> None:
@@ -127,6 +131,8 @@ class Engine:
         """Stage 3's hooks on units' hook and entry modules (installed by the stage's row)."""
 
         self.storage = row.storage(self)
+        """The stage's parameter storage (its class differs by stage, so it is untyped here: the
+        methods below that pass on its answers name their types)."""
         self.strategy = row.strategy(self, self.storage.spaces)
         rebuilds = config.rebuild_buckets and self.storage.relayouts
         ready_order = ReadyOrder(module_of_params(self._tree, self.storage)) if rebuilds else None
@@ -166,7 +172,7 @@ class Engine:
             for tensor in tensors:
                 C.broadcast(tensor, 0, group=self.group)
 
-    def reduce_dtype(self, space: Any) -> torch.dtype:
+    def reduce_dtype(self, space: ParamSpace) -> torch.dtype:
         """dtype gradients of ``space`` are accumulated and communicated in."""
         return self.casts.reduce_dtype(space)
 
@@ -232,7 +238,7 @@ class Engine:
                 "unfreeze parameters before wrapping (wrap the model again to change them)"
             )
 
-    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Floating-point inputs are cast to ``param_dtype`` so layers see one dtype (see
         [Note: what mixed precision casts] in casts.py)."""
         return self.casts.cast_inputs(args, kwargs)
@@ -397,7 +403,8 @@ class Engine:
 
     def optimizer_tensors(self, names: Sequence[str]) -> list[TensorPiece]:
         """The tensors the wrapped optimizer updates for these parameters, on this rank."""
-        return self.storage.optimizer_pieces(names, self.strategy)
+        pieces: list[TensorPiece] = self.storage.optimizer_pieces(names, self.strategy)
+        return pieces
 
     def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
         """Final gradients this rank is responsible for, and whether they are a shard (so a
@@ -466,7 +473,8 @@ class Engine:
         """Every parameter's element order: pieces' ranges count its elements in that order,
         which is row-major unless it was wrapped in another memory format ([Note: element
         order] in core/element_order.py); checkpoints and state dicts translate."""
-        return self.storage.element_orders()
+        orders: dict[str, ElementOrder] = self.storage.element_orders()
+        return orders
 
     def save_pieces(self) -> list[TensorPiece]:
         """What this rank writes to a checkpoint: 1-D pieces of parameters (trainable and
@@ -479,7 +487,8 @@ class Engine:
     def load_pieces(self) -> list[TensorPiece]:
         """Where this rank must put parameter values on load (1-D views into live storage).
         After filling them, call :meth:`after_load`."""
-        return self.storage.load_pieces()
+        pieces: list[TensorPiece] = self.storage.load_pieces()
+        return pieces
 
     def after_load(self) -> None:
         self.storage.after_load()
@@ -505,13 +514,15 @@ class Engine:
         reductions = [(kind, b.spec.range.size, self.reduce_dtype(b.space)) for b in self.reducer.buckets]
         return reductions + [("all_gather", numel, dtype) for numel, dtype in self.gatherer.gathers_per_step()]
 
-    def layouts(self):
+    def layouts(self) -> list[BufferLayout]:
         """The BufferLayout of every parameter space: stage 0-2 buffers, stage 3 groups."""
-        return self.storage.layouts()
+        layouts: list[BufferLayout] = self.storage.layouts()
+        return layouts
 
     def layout_summary(self) -> dict[str, Any]:
         """Where parameters live, as JSON-able information (checkpoint manifests carry it)."""
-        return self.storage.layout_summary()
+        summary: dict[str, Any] = self.storage.layout_summary()
+        return summary
 
     @property
     def hook_handles(self) -> list[Any]:

@@ -36,7 +36,7 @@ class GradPlaceholders:
         parameter gets a tensor hook, which runs before accumulation: it starts the backward
         (``start_backward``, a bound method of the engine, which takes the marks off) if
         nothing did yet, and otherwise returns at once."""
-        receiver = weakref.WeakMethod(start_backward)  # type: ignore[arg-type]
+        receiver = weakref.WeakMethod(start_backward)
 
         def before_accumulation(grad: torch.Tensor) -> None:
             start = receiver()
@@ -44,7 +44,7 @@ class GradPlaceholders:
                 start()
 
         hook = engine_hook(before_accumulation)
-        return [param.register_hook(hook) for _, param in self.trainable]
+        return [param.register_hook(hook) for _, param in self.trainable]  # type: ignore[no-untyped-call]  # torch's Tensor.register_hook is unannotated
 
     def put_on(self) -> None:
         """Placeholders on the ``.grad`` of parameters that have a gradient: all of them once the

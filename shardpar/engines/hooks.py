@@ -11,6 +11,7 @@ a graph break, and under ``fullgraph=True`` an error, so none is placed inside a
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -18,8 +19,8 @@ FORWARD_HOOK_MARK = "_shardpar_forward_hook"
 """Set on every forward hook an engine registers: what a registered method runs."""
 
 
-def engine_hook(fn: Callable) -> Callable:
+def engine_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` as one of the engine's hooks: never compiled, and marked."""
-    hook = torch.compiler.disable(fn)
+    hook: Callable[..., Any] = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]  # torch.compiler.disable is unannotated
     setattr(hook, FORWARD_HOOK_MARK, True)
     return hook

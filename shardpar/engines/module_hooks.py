@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.flat_param import FlatParamGroup
 from ..core.gatherer import UnitGatherer
 from ..core.reducer import GradientReducer
 from ..core.training_state import TrainingState
@@ -71,7 +72,7 @@ class UseHooks:
             handle = modules[hook_name].register_forward_pre_hook(hook, prepend=True)
             (self.gathers if groups else self.first_use).append(handle)
 
-    def _on_use(self, names: list[str], groups: list) -> None:
+    def _on_use(self, names: list[str], groups: list[FlatParamGroup]) -> None:
         if self.reducer.launch_order.recording and torch.is_grad_enabled() and not self.state.is_recompute():
             self.reducer.launch_order.saw(names)
         if self.reducer.ready_order is not None:

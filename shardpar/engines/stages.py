@@ -21,6 +21,7 @@ from ..core.gather_phases import GatherPhases, NoGatherer, PostStepGatherer
 from ..core.gatherer import UnitGatherer
 from ..core.masters import FullMaster, ShardedMaster
 from ..core.reduce_strategies import AllReduceStrategy, ReduceScatterInPlace
+from ..core.reducer import ParamSpace
 from ..core.replicas import AcrossReplicas
 from ..core.replicated import ReplicatedStorage
 from ..core.sharded import FromInit, FromLiveModule, ShardedStorage
@@ -87,14 +88,15 @@ def _no_gatherer(engine: Engine) -> NoGatherer:
 
 def _post_step_gatherer(engine: Engine) -> PostStepGatherer:
     engine.install_use_hooks()  # they also complete the lazy gathers of the current buckets
-    return engine.storage.gatherer
+    gatherer: PostStepGatherer = engine.storage.gatherer  # the replicated storage's, over its buckets
+    return gatherer
 
 
 def _unit_gatherer(engine: Engine) -> UnitGatherer:
     return engine.install_unit_gatherer()
 
 
-def _all_reduce(engine: Engine, spaces: list) -> AllReduceStrategy:
+def _all_reduce(engine: Engine, spaces: list[ParamSpace]) -> AllReduceStrategy:
     return AllReduceStrategy(
         spaces,
         engine.reduce_dtype,
@@ -110,7 +112,7 @@ def _across_replicas(engine: Engine) -> AcrossReplicas | None:
     return AcrossReplicas(shards.replica_group, shards.shard_rank, engine.replica_comm) if shards.is_hybrid else None
 
 
-def _reduce_scatter_in_place(engine: Engine, spaces: list) -> ReduceScatterInPlace:
+def _reduce_scatter_in_place(engine: Engine, spaces: list[ParamSpace]) -> ReduceScatterInPlace:
     shards = engine.shards
     return ReduceScatterInPlace(
         spaces,
@@ -125,7 +127,7 @@ def _reduce_scatter_in_place(engine: Engine, spaces: list) -> ReduceScatterInPla
     )
 
 
-def _staged_reduce_scatter(engine: Engine, spaces: list) -> StagedReduceScatter:
+def _staged_reduce_scatter(engine: Engine, spaces: list[ParamSpace]) -> StagedReduceScatter:
     shards = engine.shards
     return StagedReduceScatter(
         spaces,
@@ -145,8 +147,10 @@ def _reduce_when_complete(engine: Engine) -> ReduceWhenComplete:
 
 
 def _reshard_then_reduce(engine: Engine) -> ReshardThenReduce:
+    gatherer = engine.gatherer
+    assert isinstance(gatherer, UnitGatherer)  # stage 3's row built the unit gatherer before its path
     # One rank cannot depart from the others' unit order: nothing to wait for.
-    return ReshardThenReduce(engine.reducer, engine.gatherer, gated=engine.world_size > 1)
+    return ReshardThenReduce(engine.reducer, gatherer, gated=engine.world_size > 1)
 
 
 @dataclass(frozen=True)
@@ -154,7 +158,7 @@ class StageRow:
     stage: int
     storage: Callable[[Engine], Any]
     """Builds the parameter storage (stages 0-2 with their master part: full or sharded)."""
-    strategy: Callable[[Engine, list], Any]
+    strategy: Callable[[Engine, list[ParamSpace]], Any]
     """Builds the reducer's strategy over the storage's parameter spaces."""
     gatherer: Callable[[Engine], GatherPhases]
     """Builds the gatherer and installs the module hooks that drive it."""
