@@ -1,5 +1,7 @@
 """Exception types of shardpar's public API."""
 
+from typing import Any
+
 
 class CheckpointError(Exception):
     """Anything wrong with a checkpoint on disk: missing, incomplete, corrupted, or not
@@ -14,7 +16,7 @@ class RanksOutOfStep(RuntimeError):
     doing; ``reports`` maps each rank to its report (None: it sent none) and ``missing``
     lists the ranks that sent none."""
 
-    def __init__(self, message: str, reports: dict | None = None, missing: list | None = None) -> None:
+    def __init__(self, message: str, reports: dict[int, Any] | None = None, missing: list[int] | None = None) -> None:
         super().__init__(message)
         self.reports = reports or {}
         self.missing = list(missing or [])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -120,7 +120,8 @@ def _agree_across_ranks(
     the same error if any rank failed or differs, so no rank is left waiting in a collective.
     ``device`` is where this rank trains; after a problem, its own device (the model's may be
     the wrong one)."""
-    signature = model_signature(module, config.fingerprint()) if problem is None else None
+    # config is None only after a problem (the options could not be read)
+    signature = model_signature(module, cast(ShardConfig, config).fingerprint()) if problem is None else None
     verdict = None if problem is None else f"{type(problem).__name__}: {problem}"
     if problem is not None and C.is_initialized():
         device = D.rank_device(group).device
@@ -158,7 +159,7 @@ def _sharding(config: ShardConfig, group: Any) -> ShardingGroups | None:
 
 
 def wrap(
-    module: nn.Module, stage: int = 0, *, process_group: Any = None, init_fn: InitFn | None = None, **options: Any
+    module: nn.Module, stage: int | str = 0, *, process_group: Any = None, init_fn: InitFn | None = None, **options: Any
 ) -> ShardedModule:
     """Train ``module`` data-parallel at ZeRO ``stage`` (0-3) on every rank of the job.
 
@@ -201,6 +202,7 @@ def wrap(
         except (TypeError, ValueError) as error:
             problem = error
     _agree_across_ranks(problem, module, config, process_group, device)
+    assert config is not None  # it raised on every rank after any problem, and only a problem leaves config None
     deferred_init = None
     if deferred and config.stage == 3:
         deferred_init = DeferredInit(init_fn, device)

@@ -176,6 +176,7 @@ def _report_at_exit() -> None:
     error = None if _pending is None else _pending.unraised_error()
     if error is None:
         return
+    assert _pending is not None  # it gave the error
     print(
         f"[rank{_pending.rank}] shardpar: {error} (the script exited without waiting for this save)",
         file=sys.stderr,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -69,8 +69,14 @@ def save_full(
         max_bytes = parse_bytes(max_shard_size, "max_shard_size")
         out_dtype = _resolve_dtype(dtype)
         engine.wait_for_params()
-        local = {(p.name, *p.param_range): p.tensor for p in engine.save_pieces()}
-        mine = [(name, start, end, dtype_name(t.dtype)) for (name, start, end), t in local.items()]
+        # a reordered piece's values become a function making its row-major values (below)
+        local: dict[tuple[str, int, int], torch.Tensor | Callable[[], torch.Tensor]] = {
+            (p.name, *p.param_range): p.tensor for p in engine.save_pieces()
+        }
+        mine = [
+            (name, start, end, dtype_name(cast(torch.Tensor, t).dtype))  # every one a tensor yet
+            for (name, start, end), t in local.items()
+        ]
     except Exception as error:
         problem = error
     everyone = agree(problem, "save_full", group, mine)
@@ -79,7 +85,7 @@ def save_full(
     # write ([Note: reordered pieces] in reorder.py): the same plan on every rank.
     orders = engine.element_orders()
     reordered = [
-        MemoryPiece(("model", name), start, end, local.pop((name, start, end)))
+        MemoryPiece(("model", name), start, end, cast(torch.Tensor, local.pop((name, start, end))))  # not made yet
         for name, start, end, _ in mine
         if orders[name].reorders
     ]
@@ -129,6 +135,7 @@ def save_full(
                 values = values() if callable(values) else values  # a reordered piece: made now, one at a time
                 for first, last in _chunk_ranges(start, end, stored.itemsize):
                     if owner == rank:
+                        assert values is not None  # this rank's own piece
                         chunk = values[first - start : last - start]
                         if rank != 0:
                             C.send(chunk.contiguous(), 0, group=group)
@@ -143,12 +150,14 @@ def save_full(
     if rank == 0:
         try:
             if problem is None:
+                assert writer is not None  # rank 0 made it, or problem is set
                 names = writer.close()
             elif writer is not None:
                 writer.abort()
         except Exception as error:
             problem = error
-    return agree(problem, "save_full", group, names)[0]
+    written: list[str] = agree(problem, "save_full", group, names)[0]  # rank 0's, on every rank
+    return written
 
 
 def _save_full_state_dict(
@@ -181,8 +190,8 @@ def _save_full_state_dict(
                 where = (value.data_ptr(), tuple(value.shape), value.dtype)
                 if where not in written:
                     written[where] = name
-                    cast = out_dtype if out_dtype is not None and value.is_floating_point() else value.dtype
-                    tensors.append((name, value.to(cast)))
+                    cast_to = out_dtype if out_dtype is not None and value.is_floating_point() else value.dtype
+                    tensors.append((name, value.to(cast_to)))
             entries = [(name, value.dtype, tuple(value.shape)) for name, value in tensors]
             json_files = config_files(hf_config_of(model.module), floating_dtype([d for _, d, _ in entries]))
             writer = HFLayoutWriter(out_dir, entries, max_bytes, json_files)
@@ -195,12 +204,16 @@ def _save_full_state_dict(
                 raise
         except Exception as error:
             problem = error
-    return agree(problem, "save_full", engine.group, names)[0]
+    files: list[str] = agree(problem, "save_full", engine.group, names)[0]  # rank 0's, on every rank
+    return files
 
 
-def _write_chunk(writer: HFLayoutWriter | None, chunk: torch.Tensor, problem: BaseException | None):
+def _write_chunk(
+    writer: HFLayoutWriter | None, chunk: torch.Tensor, problem: BaseException | None
+) -> BaseException | None:
     if problem is None:
         try:
+            assert writer is not None  # rank 0 made it, or problem is set
             writer.write(chunk)
         except Exception as error:
             return error

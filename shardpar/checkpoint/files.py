@@ -55,8 +55,9 @@ import stat
 import time
 import uuid
 from collections.abc import Callable, Collection
+from io import FileIO
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from ..errors import CheckpointError
 
@@ -141,7 +142,7 @@ def _check_regular(mode: int, path: Path, what: str) -> None:
         raise CheckpointError(f"{what} {path} is not a regular file ({kind}); refusing to read it")
 
 
-def open_regular_file(path: Path, what: str) -> BinaryIO:
+def open_regular_file(path: Path, what: str) -> FileIO:
     """``open(path, "rb", buffering=0)`` for a regular file only, refused before it could
     block; see [Note: only regular files are read]. ``what`` names the file in errors
     ("shard file"). A missing file raises FileNotFoundError."""
@@ -216,7 +217,7 @@ def make_temp_dir(target: Path) -> Path:
     return tmp
 
 
-def _temporaries(parent: Path) -> list[tuple[os.DirEntry, str]]:
+def _temporaries(parent: Path) -> list[tuple[os.DirEntry[str], str]]:
     """``(entry, target name)`` of every temporary in ``parent``."""
     try:
         entries = list(os.scandir(parent))
@@ -225,7 +226,7 @@ def _temporaries(parent: Path) -> list[tuple[os.DirEntry, str]]:
     return [(entry, match["target"]) for entry in entries if (match := TEMP_NAME.fullmatch(entry.name))]
 
 
-def _remove_entry(entry: os.DirEntry) -> None:
+def _remove_entry(entry: os.DirEntry[str]) -> None:
     """A directory with its contents; anything else (a symlink included) is unlinked."""
     try:
         if entry.is_dir(follow_symlinks=False):
@@ -236,7 +237,7 @@ def _remove_entry(entry: os.DirEntry) -> None:
         pass  # gone already, or not ours to remove: leave it
 
 
-def _last_modified(entry: os.DirEntry) -> float:
+def _last_modified(entry: os.DirEntry[str]) -> float:
     """Newest mtime of a temporary and (for a directory) of its entries; +inf if it changes
     under us (another saver is busy with it)."""
     try:

@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -267,7 +267,7 @@ def parse_manifest(raw: Any, directory: Path) -> Manifest:
     for name, entry in tensors_raw.items():
         kind = entry.get("kind") if isinstance(entry, dict) else None
         _expect(kind in KINDS, f"{where}: tensor '{name}' has kind {kind!r}, expected one of {KINDS}")
-        tensors[name] = _parse_entry(name, entry, kind, files, where)
+        tensors[name] = _parse_entry(name, entry, cast(str, kind), files, where)  # _expect: one of KINDS
 
     aliases = raw.get("aliases", {})
     _expect(

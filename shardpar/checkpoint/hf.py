@@ -25,7 +25,7 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -99,7 +99,8 @@ def _read_index(path: Path) -> dict[str, str]:
         raise CheckpointError(f"{where}: 'metadata' is not an object")
     for tensor, file_name in index["weight_map"].items():
         check_file_name(file_name, f"{where}: tensor {tensor!r}")
-    return index["weight_map"]
+    weight_map: dict[str, str] = index["weight_map"]  # checked above: an object of file names
+    return weight_map
 
 
 def _locate(path: Path) -> tuple[Path, Path | None, Path | None]:
@@ -141,7 +142,8 @@ def open_hf_checkpoint(
     """
     directory, single, index = _locate(Path(path))
     weight_map = _read_index(index) if index is not None else None
-    names = sorted(set(weight_map.values())) if weight_map is not None else [single.name]
+    # _locate gives a single file exactly when it gives no index
+    names = sorted(set(weight_map.values())) if weight_map is not None else [cast(Path, single).name]
     headers: dict[str, SafetensorsHeader] = {}
     tensors: dict[str, StoredTensor] = {}
     for name in names:
@@ -153,6 +155,7 @@ def open_hf_checkpoint(
                 )
             tensors[key] = tensor
     if weight_map is not None:
+        assert index is not None  # the weight map was read from it
         _check_weight_map(weight_map, tensors, directory, index)
     return HFCheckpoint(directory, headers, tensors, max_open=max_open, chunk_bytes=chunk_bytes)
 

@@ -29,7 +29,8 @@ def bytes_of(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         return memoryview(b"")
     dense = tensor.detach().as_strided((tensor.numel(),), (1,))
-    return memoryview(dense.view(torch.uint8).numpy()).cast("B")
+    # numpy's stubs give ndarray a __buffer__ only for Python >= 3.12 (the config's target is 3.11)
+    return memoryview(dense.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 class PinnedBounce:
@@ -54,7 +55,7 @@ class PinnedBounce:
     def _record(self, turn: int) -> None:
         if not self._on_gpu:
             return
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's Event.__new__ is unannotated
         event.record(torch.cuda.current_stream(self.device))
         self.events[turn % 2] = event
 
@@ -147,7 +148,7 @@ class HostStaging:
             copy.copy_(values.detach().reshape(-1), non_blocking=values.device.type == "cuda")
             copies.append(copy)
         if on_gpu:
-            done = torch.cuda.Event()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's Event.__new__ is unannotated
             done.record(torch.cuda.current_stream(device))
             done.synchronize()  # the one host sync of the save: see [Note: staging a snapshot]
         return copies

@@ -58,8 +58,9 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from io import FileIO
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -173,6 +174,7 @@ class SafetensorsWriter:
         nbytes = tensor.numel() * (dtype.itemsize if dtype is not None else 0)
         if key is None or nbytes > self._entry_left:
             raise ValueError(f"{self.path.name}: more data than the header announced for {key!r}")
+        assert dtype is not None  # a row of _sizes gives key and dtype together
         if tensor.device.type == "cuda":
             on_device = tensor if tensor.dtype == dtype else tensor.to(dtype)
             PinnedBounce(dtype, tensor.device, tensor.numel()).to_host(on_device, self._raw_write)
@@ -237,7 +239,7 @@ class SafetensorsHeader:
     tensors: dict[str, StoredTensor]
 
 
-def _read_exact(file: BinaryIO, offset: int, view: memoryview, where: str) -> None:
+def _read_exact(file: FileIO, offset: int, view: memoryview, where: str) -> None:
     """Read exactly ``view.nbytes`` bytes at ``offset`` into ``view``. The one place this
     module reads file data: every byte read goes through here."""
     file.seek(offset)
@@ -252,7 +254,7 @@ def _read_exact(file: BinaryIO, offset: int, view: memoryview, where: str) -> No
         view = view[n:]
 
 
-def _read_bytes(file: BinaryIO, offset: int, n: int, where: str) -> bytes:
+def _read_bytes(file: FileIO, offset: int, n: int, where: str) -> bytes:
     buffer = bytearray(n)
     _read_exact(file, offset, memoryview(buffer), where)
     return bytes(buffer)
@@ -272,7 +274,7 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _read_header(file: BinaryIO, size: int, where: str) -> tuple[dict[str, Any], int]:
+def _read_header(file: FileIO, size: int, where: str) -> tuple[dict[str, Any], int]:
     """The JSON header of a safetensors file and the byte where its data starts."""
     if size < 8:
         raise CheckpointError(f"{where} is truncated or not a safetensors file ({size} bytes)")
@@ -349,7 +351,7 @@ def _check_tiling(tensors: Iterable[StoredTensor], data_start: int, data_size: i
         )
 
 
-def _parse_header(file: BinaryIO, status: os.stat_result, name: str, where: str) -> SafetensorsHeader:
+def _parse_header(file: FileIO, status: os.stat_result, name: str, where: str) -> SafetensorsHeader:
     header, data_start = _read_header(file, status.st_size, where)
     data_size = status.st_size - data_start
     tensors = {}

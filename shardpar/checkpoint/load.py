@@ -105,6 +105,7 @@ def _plan_optimizer(
     tensors go to ``reordered``). State of a whole parameter (stage 0) has its strides, as
     torch's ``zeros_like(param)`` gives."""
     record = manifest.optimizer
+    assert record is not None  # _check_optimizer_matches refused a checkpoint without one
     states: list[list[dict[str, Any]]] = []
     reads: list[PieceRead] = []
     for tensors, group in zip(optimizer.pieces(), optimizer.group_options()):
@@ -187,12 +188,19 @@ def load_checkpoint(
         except Exception as error:
             problem = error
         agree(problem, "load_checkpoint", group)
-        read_on_every_rank(lambda: (reader.run(reads), reordered.run(reader.run)), staged, "load_checkpoint", group)
+        assert reader is not None  # agree raised on every rank if any could not plan its reads
+
+        def read_all() -> None:
+            reader.run(reads)
+            reordered.run(reader.run)
+
+        read_on_every_rank(read_all, staged, "load_checkpoint", group)
     finally:
         if reader is not None:
             reader.close()
     engine.after_load()
     if optimizer is not None:
+        assert manifest.optimizer is not None  # _check_optimizer_matches refused a checkpoint without one
         options = [
             {k: decode_value(v) for k, v in saved["hyperparameters"].items()}
             for saved in manifest.optimizer.param_groups

@@ -22,9 +22,10 @@ import torch
 
 from ..comm import watch
 from ..core.inventory import state_dict_hook_modules
+from ..engines import Engine
 from ..errors import CheckpointError
 from ..facade import sharded_module_of
-from .hf import RangeRead, open_hf_checkpoint
+from .hf import HFCheckpoint, RangeRead, open_hf_checkpoint
 from .hf_keys import KeyReport, hf_ignore_patterns, match_keys, tied_groups
 from .protocol import agree, buffer_target, model_tensors, read_on_every_rank
 from .reorder import ReorderedReads
@@ -56,12 +57,13 @@ def load_pretrained(model: Any, path: str | os.PathLike[str], strict: bool = Tru
             except Exception as error:
                 problem = error
             agree(problem, "load_pretrained", group)
-            read_on_every_rank(
-                lambda: (checkpoint.read_ranges(reads), reordered.run(checkpoint.read_ranges)),
-                staged,
-                "load_pretrained",
-                group,
-            )
+            assert checkpoint is not None  # agree raised on every rank if any could not open it
+
+            def read_all() -> None:
+                checkpoint.read_ranges(reads)
+                reordered.run(checkpoint.read_ranges)
+
+            read_on_every_rank(read_all, staged, "load_pretrained", group)
         finally:
             if checkpoint is not None:
                 checkpoint.close()
@@ -93,6 +95,7 @@ def _load_through_hooks(model: Any, path: str | os.PathLike[str], strict: bool) 
             except Exception as error:
                 problem = error
             agree(problem, "load_pretrained", group)
+            assert checkpoint is not None  # agree raised on every rank if any could not open it
             read_on_every_rank(lambda: checkpoint.read_ranges(reads), [], "load_pretrained", group)
         finally:
             if checkpoint is not None:
@@ -127,8 +130,8 @@ def _load_through_hooks(model: Any, path: str | os.PathLike[str], strict: bool) 
 
 
 def _plan(
-    engine: Any, checkpoint: Any, strict: bool, reordered: ReorderedReads
-) -> tuple[KeyReport, list[RangeRead], list]:
+    engine: Engine, checkpoint: HFCheckpoint, strict: bool, reordered: ReorderedReads
+) -> tuple[KeyReport, list[RangeRead], list[tuple[torch.Tensor, torch.Tensor]]]:
     inventory, aliases = model_tensors(engine)
     stored = checkpoint.tensors
     ignore_missing, ignore_unexpected = hf_ignore_patterns(engine.module)
@@ -156,7 +159,7 @@ def _plan(
     checkpoint.check_shapes({source[name]: tuple(tensors[name].shape) for name in source})
     engine.wait_for_params()
     orders = engine.element_orders()
-    reads = []
+    reads: list[RangeRead] = []
     for piece in engine.load_pieces():
         if piece.name in source:
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,15 +27,17 @@ from ..errors import CheckpointError
 from ..facade import sharded_module_of
 from ..optim import ShardedOptimizer
 
+_Result = TypeVar("_Result")
 
-def collective_phase(name: str) -> Callable:
+
+def collective_phase(name: str) -> Callable[[Callable[..., _Result]], Callable[..., _Result]]:
     """Run a checkpoint function as a phase every rank enters together: the ranks first meet
     through the store, so a call on some ranks only is named instead of pairing its
     collectives with training's (see [Note: ranks out of step] in shardpar.comm.watch)."""
 
-    def decorate(fn: Callable) -> Callable:
+    def decorate(fn: Callable[..., _Result]) -> Callable[..., _Result]:
         @functools.wraps(fn)
-        def run(path: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        def run(path: Any, model: Any, *args: Any, **kwargs: Any) -> _Result:
             model = sharded_module_of(model, f"shardpar.{name}")  # or a torch.compile wrapper of it
             group = model.engine.group
             with watch.operation(name):

@@ -84,8 +84,8 @@ def _plan(held: Sequence[Sequence[tuple[Ref, int, int]]], orders: Mapping[str, E
     """Every transfer of every rank, in the one order all ranks run them in; a CheckpointError
     (the same on every rank) where some block would be written with elements no rank holds."""
     by_ref: dict[Ref, list[tuple[int, int, int]]] = defaultdict(list)
-    for rank, ranges in enumerate(held):
-        for ref, start, end in ranges:
+    for rank, rank_ranges in enumerate(held):
+        for ref, start, end in rank_ranges:
             if start < end:
                 by_ref[ref].append((start, end, rank))
     transfers = []
@@ -174,7 +174,9 @@ def to_row_major(
         own = piece.tensor[first - piece.start :]
         tail = tails.get((piece.ref, piece.start))
 
-        def values(order: ElementOrder = order, own: torch.Tensor = own, tail: torch.Tensor | None = tail):
+        def values(
+            order: ElementOrder = order, own: torch.Tensor = own, tail: torch.Tensor | None = tail
+        ) -> torch.Tensor:
             return order.to_row_major(own if tail is None else torch.cat([own, tail]))
 
         out.append(RowMajorPiece(piece.ref, first, last, piece.tensor.dtype, values))

@@ -198,6 +198,7 @@ class _ManifestInputs:
         """The manifest's ``optimizer`` object (elementwise state is added from the pieces)."""
         if self.optimizer_class is None:
             return None
+        assert self.hyperparameters is not None  # taken with the class, from the same optimizer
         position = {name: i for i, name in enumerate(self.order)}
         groups = []
         for index, hyper in enumerate(self.hyperparameters):  # a rank lists only the names it holds pieces of
@@ -290,7 +291,11 @@ def _save(
     engine = model.engine
     plan = _prepare(Path(path).absolute(), model, optimizer, extra)
     if not async_save:
-        _write_and_commit(plan, lambda problem, what, payload=None: agree(problem, what, engine.group, payload))
+
+        def agree_in_group(problem: BaseException | None, what: str, payload: Any = None) -> list[Any]:
+            return agree(problem, what, engine.group, payload)
+
+        _write_and_commit(plan, agree_in_group)
         return SaveHandle.finished(plan.target)
     problem: BaseException | None = None
     try:
@@ -389,6 +394,7 @@ def _write_and_commit(plan: _SavePlan, agree_: Agree) -> None:
 def _commit(plan: _SavePlan, reports: list[_RankReport]) -> None:
     """Rank 0: the manifest, then the one rename that makes the checkpoint visible, then ``latest``."""
     inputs = plan.manifest
+    assert inputs is not None  # only rank 0 commits, and it holds the manifest's inputs
     manifest = assemble_manifest(
         stage=inputs.stage,
         world_size=inputs.world_size,

@@ -32,11 +32,13 @@ from ..engines import Engine
 from ..engines.hooks import FORWARD_HOOK_MARK
 
 
-def _ours(hooks: dict[int, Callable]) -> list[tuple[int, Callable]]:
+def _ours(hooks: dict[int, Callable[..., Any]]) -> list[tuple[int, Callable[..., Any]]]:
     return [(key, hook) for key, hook in hooks.items() if getattr(hook, FORWARD_HOOK_MARK, False)]
 
 
-def call_as_forward(module: nn.Module, method: Callable, args: tuple, kwargs: dict) -> Any:
+def call_as_forward(
+    module: nn.Module, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """``method(*args, **kwargs)`` with ``module``'s shardpar forward hooks around it, in the
     order and with the conventions of ``nn.Module.__call__``."""
     pre_hooks = _ours(module._forward_pre_hooks)
@@ -73,7 +75,7 @@ def call_as_forward(module: nn.Module, method: Callable, args: tuple, kwargs: di
 class ForwardMethod:
     """What ``module.<name>`` is once registered (see [Note: forward methods])."""
 
-    def __init__(self, module: nn.Module, name: str, original: Callable | None) -> None:
+    def __init__(self, module: nn.Module, name: str, original: Callable[..., Any] | None) -> None:
         self.module = module
         self.name = name
         self.original = original

@@ -34,14 +34,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from ..comm import collectives as C
 from ..comm import watch
-from ..core.param_guard import guard, is_guarded, metadata_only, unguard
+from ..core.param_guard import Guard, GuardedParameter, guard, is_guarded, metadata_only, unguard
 from ..core.pieces import FullValues, TensorPiece
 from ..core.training_state import Phase
 
@@ -73,7 +73,7 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 class _Shown:
     """What :meth:`ModuleState.full_values` changed, to undo it."""
 
-    params: list[tuple[str, nn.Parameter, torch.Tensor, torch.Tensor, Any]]
+    params: list[tuple[str, nn.Parameter, torch.Tensor, torch.Tensor, Guard | None]]
     """``(name, parameter, its storage's tensor, the full value shown, its guard or None)``."""
     buffers: list[tuple[str, nn.Module, str, torch.Tensor, torch.Tensor]]
     """``(name, owner module, attribute, the buffer object, its own data)`` of each buffer shown."""
@@ -135,7 +135,8 @@ class ModuleState:
             for name, param in named:
                 own = param.data
                 value = values.get(name, own)
-                shown.params.append((name, param, own, value, param._shardpar_guard if is_guarded(param) else None))
+                held_guard = cast(GuardedParameter, param)._shardpar_guard if is_guarded(param) else None
+                shown.params.append((name, param, own, value, held_guard))
         for _, param, _, value, _ in shown.params:
             unguard(param)
             param.data = value
@@ -181,10 +182,10 @@ class ModuleState:
                 changed[name] = current
         changed_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for qualified, sub, attr, buffer, own in shown.buffers:
-            current = sub._buffers.get(attr)
-            if current is not buffer:  # re-assigned (``self.cache = ...``): its values go into ours,
+            current_buffer = sub._buffers.get(attr)
+            if current_buffer is not buffer:  # re-assigned (``self.cache = ...``): its values go into ours,
                 sub._buffers[attr] = buffer  # whose object the engine keeps (broadcasts, casts)
-            value = current if current is not None and current is not buffer else buffer.data
+            value = current_buffer if current_buffer is not None and current_buffer is not buffer else buffer.data
             buffer.data = own
             if shown.writeback and not _same_tensor(value, own):
                 if value.shape != own.shape:

@@ -55,7 +55,7 @@ def plain_copy(surface: ModuleSurface, memo: dict[int, Any], marks: tuple[str, .
         for _, param in module.named_parameters():
             memo[id(param)] = nn.Parameter(param.data.clone(), requires_grad=param.requires_grad)
         # ... and each hook dict the engine registered into, without the engine's entries.
-        ours: dict[int, tuple[dict, set[int]]] = {}
+        ours: dict[int, tuple[dict[int, Any], set[int]]] = {}
         for handle in surface.hook_handles:
             for ref in (handle.hooks_dict_ref, *getattr(handle, "extra_dict_ref", ())):
                 hooks = ref()

@@ -58,7 +58,8 @@ class ShardedModule(nn.Module):
 
     @property
     def stage(self) -> int:
-        return self.engine.stage
+        stage: int = self.engine.stage  # the engine's row's stage
+        return stage
 
     @property
     def module_state(self) -> ModuleState:
@@ -94,7 +95,7 @@ class ShardedModule(nn.Module):
             "ShardparStrategy"
         )
 
-    def __deepcopy__(self, memo: dict) -> Any:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         raise TypeError(
             "copy.deepcopy of a model wrapped by shardpar would make a second engine over the same process groups; "
             "copy.deepcopy(model.module) gives a plain copy of the module with the current weights (on every rank, "
@@ -132,7 +133,7 @@ class ShardedModule(nn.Module):
         return self._surface.full_state_dict()
 
     def state_dict(  # type: ignore[override]
-        self, *args: Any, destination: dict | None = None, prefix: str = "", keep_vars: bool = False
+        self, *args: Any, destination: dict[str, torch.Tensor] | None = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, torch.Tensor]:
         """Same as :meth:`full_state_dict` (the wrapped module's keys, full tensors, under
         ``prefix``). A collective at every stage: call it on every rank."""
@@ -143,7 +144,7 @@ class ShardedModule(nn.Module):
             out[prefix + key] = value
         return out
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load full tensors (keys as in ``module.state_dict()``) into every stage's storage:
         torch's own ``load_state_dict`` of the wrapped module, with its hooks, strictness and
         missing/unexpected keys, run on the full values and written back to the masters and

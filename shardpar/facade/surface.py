@@ -15,8 +15,10 @@ something attached (:meth:`Engine.attach`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..engines import Engine
@@ -31,11 +33,16 @@ class ModuleSurface:
         self.engine = engine
         self.state = ModuleState(engine)
         module = engine.module
+
+        def _apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+            self.state.refuse_moves(fn)  # .to()/.half()...
+            return module
+
         root: dict[str, Any] = {
             "zero_grad": lambda set_to_none=True: engine.zero_grad(
                 set_to_none=set_to_none
             ),  # the module's own clears ours
-            "_apply": lambda fn, recurse=True: self.state.refuse_moves(fn) or module,  # .to()/.half()...
+            "_apply": _apply,
         }
         marks = (*root, "state_dict", "load_state_dict", *engine.module_attributes)
         root.update(plain_copy.copy_hooks(self, marks=marks))  # copy.deepcopy / torch.save
@@ -60,7 +67,7 @@ class ModuleSurface:
         """Every hook on the module that a plain copy leaves out: the engine's."""
         return self.engine.hook_handles
 
-    def full_state_dict(self) -> dict:
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self.state.full_state_dict()
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ import functools
 import inspect
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -39,7 +39,7 @@ def check_wrap_options(stage: int | str, options: dict[str, Any], who: str) -> N
     elif "memory_budget" in options:
         raise ValueError(f"memory_budget is used with stage='auto' only, got stage={stage!r}")
     else:
-        ShardConfig(stage=stage, **config_options)
+        ShardConfig(stage=cast(int, stage), **config_options)  # a wrong stage is ShardConfig's to refuse by name
 
 
 def shard_optimizer(model: ShardedModule, optimizer: Any, schedulers: Iterable[Any] = ()) -> ShardedOptimizer:
@@ -97,8 +97,8 @@ def _mark_step_calls(optimizer: ShardedOptimizer) -> None:
 
     @functools.wraps(step)
     def marked_step(*args: Any, **kwargs: Any) -> Any:
-        target = owner()
-        target._opt_called = True
+        target = cast(ShardedOptimizer, owner())  # called as its own step: it is alive
+        target._opt_called = True  # type: ignore[attr-defined]  # torch's LRScheduler flag, not declared on Optimizer
         return step(target, *args, **kwargs)
 
     marked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]

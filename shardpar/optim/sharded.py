@@ -135,8 +135,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.group_tensors: list[list[TensorPiece]] = self._pieces_of_inner_groups(requested)
         """Per param group of the inner optimizer (the class's own grouping), its pieces."""
         self._group_names: list[list[str]] = self._names_of_inner_groups(request, requested)
-        self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
         self._layout_generation = engine.layout_generation
 
     def _tensors_of(self, pieces: list[TensorPiece]) -> list[torch.Tensor]:
@@ -188,7 +188,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # Live views of the inner optimizer, so schedulers that set group["lr"] reach it.
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.inner.param_groups
 
     @param_groups.setter
@@ -196,7 +196,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner.param_groups = value
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         return self.inner.state
 
     @state.setter
@@ -204,7 +204,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner.state = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         return self.inner.defaults
 
     @defaults.setter
@@ -228,7 +228,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "which agrees on overflow across ranks. Nothing was changed"
             )
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         self._refuse_torch_grad_scaler()
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
@@ -357,7 +357,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     states[piece.name] = (piece.tensor, state)
         moved = self.engine.carry_optimizer_state(states)
         self.group_tensors = [self.engine.optimizer_tensors(names) for names in self._group_names]
-        new_state: defaultdict = defaultdict(dict)
+        new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         for group, tensors in zip(self.inner.param_groups, self.group_tensors):
             group["params"] = self._tensors_of(tensors)  # the same group dicts: schedulers keep theirs
             for piece in tensors:
@@ -400,7 +400,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``options[g]`` the options of group ``g``. Tensor-valued options are filled in place
         (a scheduler may hold them), tuples stay tuples."""
         self._follow_layout()
-        new_state = defaultdict(dict)
+        new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         for tensors, group_states in zip(self.group_tensors, states):
             for piece, state in zip(tensors, group_states):
                 if state:
@@ -546,7 +546,7 @@ def _probe_step(param: nn.Parameter, probe: torch.optim.Optimizer, grad: torch.T
         param.grad = grad.clone()
         return torch.dot(param.detach().reshape(-1), grad.reshape(-1))
 
-    probe.step(closure)
+    probe.step(closure)  # type: ignore[arg-type]  # torch types closures as returning float, not a loss tensor
 
 
 class _CannotProbe(Exception):
@@ -583,8 +583,9 @@ def _not_elementwise(
     first_half = torch.arange(numel) < numel // 2
     values = (torch.randn(numel, generator=generator) * torch.where(first_half, 1.0, 8.0)).to(device)
     grads = [(torch.randn(numel, generator=generator) * torch.where(first_half, 8.0, 1.0)).to(device) for _ in range(2)]
-    results = []
-    for shapes in ([_PROBE_SHAPE], [(numel,)], [(numel // 2,), (numel // 2,)]):
+    results: list[torch.Tensor] = []
+    layouts: tuple[list[tuple[int, ...]], ...] = ([_PROBE_SHAPE], [(numel,)], [(numel // 2,), (numel // 2,)])
+    for shapes in layouts:
         try:
             built = _probe(optimizer_class, defaults, options, values, shapes)
         except Exception as error:

@@ -80,7 +80,7 @@ GATHERED_UNITS = 2
 (the default ``prefetch_units=1``)."""
 
 
-def _largest(values: list[int], count: int) -> int:
+def _largest(values: list[float], count: int) -> float:
     return sum(sorted(values, reverse=True)[:count])
 
 
@@ -245,7 +245,7 @@ def estimate_memory(
         # r != d: the reduced gradients are copied to the master dtype for the optimizer.
         grads = (r * stored + (d * stored / n if r != d else 0)) if stage < 2 else d * stored / n
         workspace = r * _largest(list(shape.buckets), STAGING_BUCKETS) if stage == 2 else 0
-    parts = [round(x) for x in (params, grads, optimizer_state, workspace)]
+    parts = (round(params), round(grads), round(optimizer_state), round(workspace))
     startup_built = startup_meta = params + grads
     if stage == 3:
         largest_unit = max((d * u.trainable + u.frozen_bytes for u in shape.units), default=0)

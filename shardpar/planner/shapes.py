@@ -16,7 +16,7 @@ from torch import nn
 from ..config import WrapPolicy
 from ..core.inventory import group_by_dtype
 from ..core.layout import Alignment, BufferLayout, alignment_for
-from ..core.units import ROOT, encloses, plan_units
+from ..core.units import ROOT, UnitPlan, encloses, plan_units
 
 STAGES = (0, 1, 2, 3)
 
@@ -108,7 +108,7 @@ def _layout(
     return BufferLayout(shapes, world_size, cap, **alignment._asdict())
 
 
-def _last_hook_module(module: nn.Module, plans: list) -> str:
+def _last_hook_module(module: nn.Module, plans: list[UnitPlan]) -> str:
     """The units' hook module registered last: taken as the one whose forward runs last, as
     modules usually run in the order they are registered."""
     position = {name: i for i, (name, _) in enumerate(module.named_modules())}

@@ -197,6 +197,7 @@ def _describe(plan: StagePlan, node_size: int) -> str:
     n, g = plan.communication.world_size, plan.shard_group_size
     if plan.stage == 0:
         return "stage 0 (replicated, nothing sharded)"
+    assert g is not None  # None only at stage 0
     if g == n:
         return f"stage {plan.stage}, full sharding over {n} ranks"
     where = "within a node" if g <= node_size else f"spanning {g // node_size} nodes"

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
@@ -38,6 +38,9 @@ from ...optim import ShardedOptimizer
 from ...wrap import wrap
 from ..shared import check_wrap_options, shard_optimizer
 from .precision import PrecisionSpec
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import ClusterEnvironment
 
 __all__ = [
     "DistributedParts",
@@ -72,7 +75,8 @@ class WrapOptions:
 
     @property
     def timeout_s(self) -> float:
-        return self.options.get("timeout_s", ShardConfig.timeout_s)
+        timeout_s: float = self.options.get("timeout_s", ShardConfig.timeout_s)
+        return timeout_s
 
     def wrap(
         self, module: nn.Module, precision: PrecisionSpec, device: torch.device, built_where: str
@@ -122,6 +126,13 @@ class DistributedParts:
     wrap_options: WrapOptions
     _process_group_backend: str | None
     _timeout: timedelta | None
+    # What the framework's ParallelStrategy (and the strategy's own __init__) provides:
+    parallel_devices: list[torch.device] | None
+    cluster_environment: ClusterEnvironment | None
+    num_nodes: int
+    global_rank: int
+    local_rank: int
+    node_rank: int
 
     @property
     def root_device(self) -> torch.device:
@@ -159,6 +170,7 @@ class DistributedParts:
         kwargs: dict[str, Any] = {"timeout": timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        assert self.cluster_environment is not None  # Lightning's connector gave one, as to _configure_launcher
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         self._process_group_backend = backend
 
@@ -166,7 +178,8 @@ class DistributedParts:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # the attribute Lightning sets on its function, which its stubs do not declare
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if _distributed_is_initialized():
@@ -257,6 +270,7 @@ def read_saved_state(path: Any, model: ShardedModule, who: str) -> SavedState:
     except Exception as error:
         problem = error
     agree(problem, who, model.engine.group)
+    assert result is not None  # agree raised on every rank after any problem
     return result
 
 

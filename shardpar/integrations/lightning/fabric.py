@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -44,7 +44,7 @@ from .precision import ShardparFabricPrecision, shardpar_precision
 class _NoSync(_BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: backward passes inside reduce nothing."""
 
-    def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
         if not enabled:
             return contextlib.nullcontext()
         return sharded_module_of(module, "fabric.no_backward_sync").no_sync()
@@ -93,7 +93,7 @@ class ShardparFabricStrategy(DistributedParts, ParallelStrategy):
     def precision(self) -> ShardparFabricPrecision:
         if self._precision is None:
             self._precision = ShardparFabricPrecision()
-        return self._precision
+        return cast(ShardparFabricPrecision, self._precision)  # the setter makes every plugin one
 
     @precision.setter
     def precision(self, plugin: Any) -> None:
@@ -104,7 +104,7 @@ class ShardparFabricStrategy(DistributedParts, ParallelStrategy):
 
     # ------------------------------------------------------------------ model and optimizers
 
-    def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+    def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager[Any]:
         """``fabric.init_module(empty_init=True)`` builds on the meta device: ``wrap`` gives the
         values, one unit at a time at stage 3."""
         if not empty_init:
@@ -139,7 +139,7 @@ class ShardparFabricStrategy(DistributedParts, ParallelStrategy):
 
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
-    ) -> tuple[ShardedModule, list[ShardedOptimizer], Any]:
+    ) -> tuple[ShardedModule, list[torch.optim.Optimizer], Any]:  # each a ShardedOptimizer
         model = self.setup_module(module)
         schedulers = [] if scheduler is None else [scheduler]
         return model, [shard_optimizer(model, opt, schedulers) for opt in optimizers], scheduler
@@ -208,7 +208,7 @@ class ShardparFabricStrategy(DistributedParts, ParallelStrategy):
         if optimizer is not None and not saved.has_optimizer:
             raise CheckpointError(f"{saved.path} holds no optimizer state, but state['{optimizer_key}'] asks for it")
         saved_state = decode_state(load_checkpoint(saved.path, model, optimizer), saved.path)
-        others = saved_state["state"]
+        others: dict[str, Any] = saved_state["state"]
         requested = [key for key in state if key not in (model_key, optimizer_key)]
         _validate_keys_for_strict_loading(requested, others.keys(), strict=strict)
         for key in requested:
@@ -238,4 +238,5 @@ def _model_and_optimizer(state: dict[str, Any]) -> tuple[str, ShardedModule, str
         )
     model_key, model = models[0]
     optimizer_key, optimizer = optimizers[0] if optimizers else (None, None)
-    return model_key, model, optimizer_key, optimizer
+    # their classes were checked above
+    return model_key, cast(ShardedModule, model), optimizer_key, cast("ShardedOptimizer | None", optimizer)

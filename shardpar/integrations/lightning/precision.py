@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from lightning.fabric.plugins import precision as fabric_precision
@@ -36,6 +36,9 @@ from torch import nn
 from ...config import MixedPrecision
 from ...facade import ShardedModule, sharded_module_of
 from ...optim import GradScaler
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,8 @@ class _ShardparPrecisionBase:
             raise ValueError(
                 f"precision {precision!r} is not supported by shardpar; use one of {', '.join(PRECISIONS)}"
             )
-        self.precision = precision
+        # Lightning's type for the attribute its own plugins set: every key of PRECISIONS is one of its names
+        self.precision: _PRECISION_INPUT_STR = cast("_PRECISION_INPUT_STR", precision)
         self.spec = PRECISIONS[precision]
         self.scaler: GradScaler | None = None
         self._model: ShardedModule | None = None
@@ -132,15 +136,15 @@ class _ShardparPrecisionBase:
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module if self.spec.module_dtype is None else module.to(dtype=self.spec.module_dtype)
 
-    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+    def tensor_init_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.spec.module_dtype is None:
             return contextlib.nullcontext()
         return _default_dtype(self.spec.module_dtype)
 
-    def module_init_context(self) -> contextlib.AbstractContextManager:
+    def module_init_context(self) -> contextlib.AbstractContextManager[Any]:
         return self.tensor_init_context()
 
-    def forward_context(self) -> contextlib.AbstractContextManager:
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.spec.autocast_dtype is not None:
             device_type = "cpu" if self._model is None else self._model.engine.device.type
             return torch.autocast(device_type, dtype=self.spec.autocast_dtype, cache_enabled=False)
@@ -168,20 +172,23 @@ class ShardparPrecision(_ShardparPrecisionBase, pl_precision.Precision):
     yourself (``plugins=[ShardparPrecision("16-mixed")]``) only to get a precision Lightning
     would change (it turns '16-mixed' into 'bf16-mixed' on the CPU)."""
 
-    def connect(self, model: nn.Module, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple:
+    def connect(
+        self, model: nn.Module, optimizers: list[Any], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Any], list[Any]]:
         self.connect_model(model)
         return super().connect(model, optimizers, lr_schedulers)
 
-    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
 
-    def optimizer_step(
+    # Lightning's Trainer plugin narrows Fabric's optimizer_step(optimizer, **kwargs) the same way
+    def optimizer_step(  # type: ignore[override]
         self,
         optimizer: Any,
         model: Any,
-        closure: Callable[[], Any],  # type: ignore[override]
+        closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
         """As Lightning's AMP plugin: backward (the closure), unscale, clip, step unless some

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -103,7 +103,7 @@ class ShardparStrategy(DistributedParts, ParallelStrategy):
     def precision_plugin(self) -> ShardparPrecision:
         if self._precision_plugin is None:
             self._precision_plugin = ShardparPrecision()
-        return self._precision_plugin
+        return cast(ShardparPrecision, self._precision_plugin)  # the setter makes every plugin one
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Any) -> None:
@@ -132,7 +132,7 @@ class ShardparStrategy(DistributedParts, ParallelStrategy):
 
     def _wrapped(self, trainer: Any) -> ShardedModule:
         """The LightningModule wrapped, once; a later fit/validate/test of it reuses the wrap."""
-        module = self.lightning_module
+        module: torch.nn.Module | None = self.lightning_module  # the sync and the conversion give plain modules
         assert module is not None
         if self._sharded is not None and self._sharded.module is module:
             return self._sharded
@@ -165,7 +165,7 @@ class ShardparStrategy(DistributedParts, ParallelStrategy):
         self.lr_scheduler_configs = scheduler_configs
 
     def _optimizer(self) -> ShardedOptimizer | None:
-        return self.optimizers[0] if self.optimizers else None
+        return cast(ShardedOptimizer, self.optimizers[0]) if self.optimizers else None  # setup_optimizers' own
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:

@@ -134,6 +134,7 @@ class ShardparTrainer(Trainer):
     def sharded_model(self) -> ShardedModule:
         """The ``ShardedModule`` around ``self.model``, made on first use (on every rank)."""
         if self._sharded is None:
+            assert self.model is not None  # the Trainer requires model= (model_init= is refused at __init__)
             refuse_sharded_model(self.model, type(self).__name__)
             if self.accelerator.native_amp:
                 # the autocast accelerate gives the models it prepares (see the Note)
@@ -192,11 +193,12 @@ class ShardparTrainer(Trainer):
 
     # ------------------------------------------------------------------ saving
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         """The Trainer's ``_save`` (``save_pretrained`` on rank 0) with the full state dict
         gathered on every rank first: every rank calls it, and at stages 1-3 the gather is a
         collective."""
         if self._sharded is not None and state_dict is None:
+            assert self.model is not None  # it was wrapped
             state_dict = self.model.state_dict()
         super()._save(output_dir, state_dict=state_dict)
 
@@ -209,6 +211,7 @@ class ShardparTrainer(Trainer):
             self.sharded_optimizer,
             extra={"global_step": self.state.global_step},
         )
+        assert self.lr_scheduler is not None  # made with the optimizer, before training
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
@@ -230,4 +233,5 @@ class ShardparTrainer(Trainer):
         if read_manifest(path).optimizer is None:
             raise CheckpointError(f"{path} is a shardpar checkpoint without optimizer state")
         load_checkpoint(path, self._sharded, self.sharded_optimizer)
+        assert self.lr_scheduler is not None  # made with the optimizer, before training
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
