@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ def averaging_per_space(
     spaces: Sequence[ParamSpace],
     reduce_dtype: ReduceDtype,
     world_size: int,
-    group,
+    group: Any,
     divide_before: bool,
     divide_factor: float | None = None,
 ) -> dict[ParamSpace, Averaging]:

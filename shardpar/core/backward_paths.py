@@ -23,10 +23,11 @@ that orders the two, so neither calls the other.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 from torch import nn
 
+from .flat_param import FlatParamGroup
 from .gatherer import UnitGatherer
 from .reducer import GradientReducer
 
@@ -67,7 +68,8 @@ class ReshardThenReduce:
     def grad_ready(self, name: str, param: nn.Parameter) -> None:
         bucket = self.reducer.on_grad_ready(name, param)
         if bucket is not None:
-            self.gatherer.grads_final(bucket.space)
+            # At stage 3 every parameter space is a flat parameter group (a bucket is one).
+            self.gatherer.grads_final(cast(FlatParamGroup, bucket.space))
             # Asking completes the gathers in flight if none was checked yet; asking again
             # for every later gradient would wait for each prefetch as soon as it is issued.
             allowed = not self.gated or self.gatherer.may_reduce()
@@ -81,6 +83,6 @@ class ReshardThenReduce:
         if self.gated:
             self.gatherer.may_reduce()  # its answer does not matter now; what it completes first does
         for bucket in self.reducer.complete_missing():
-            self.gatherer.grads_final(bucket.space)
+            self.gatherer.grads_final(cast(FlatParamGroup, bucket.space))
         self._waiting = False
         self.reducer.finish_backward()

@@ -107,7 +107,8 @@ def total_norm(
     if all_reduce is None:
         if not norms:
             return torch.zeros((), dtype=dtype, device=device)
-        return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+        norm: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+        return norm
     # 1-D, one fp64 norm per piece (a zero where this rank holds none)
     stacked = (
         torch.stack([n.to(device=device, dtype=torch.float64) for n in norms])

@@ -238,7 +238,8 @@ class InitWalk:
         for param in module._parameters.values():
             if param is not None and id(param) not in self._materialized:
                 if param.is_meta:
-                    torch.utils.swap_tensors(param, nn.Parameter(_fresh(param), requires_grad=param.requires_grad))
+                    fresh = nn.Parameter(_fresh(param), requires_grad=param.requires_grad)
+                    torch.utils.swap_tensors(param, fresh)  # type: ignore[no-untyped-call]  # untyped in torch
                 self._materialized.add(id(param))
         for name, buffer in list(module._buffers.items()):
             if buffer is not None and buffer.is_meta:
@@ -251,7 +252,8 @@ class InitWalk:
                 if self.init_fn is not None:
                     self.init_fn(module)
                 elif callable(getattr(module, "reset_parameters", None)):
-                    module.reset_parameters()
+                    # nn.Module.__getattr__ is typed as returning a Tensor or a Module
+                    module.reset_parameters()  # type: ignore[operator]
         except ShardedParameterAccess as error:  # what an init did, not a forward: say so
             raise ValueError(
                 f"shardpar.wrap of a meta-device model at stage 3: {self._init_name(module)} read or wrote parameter "

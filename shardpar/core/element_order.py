@@ -132,6 +132,7 @@ class ElementOrder:
     def _blocks(self, values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
         """``values`` (1-D, whole blocks in memory order) as (blocks, *block dims) in logical
         order, a strided view; and that logical shape."""
+        assert self.strides is not None, "blocks exist only where the order differs from row-major"
         lead = self._leading_dims
         tail_shape = tuple(self.shape[lead:])
         count = values.numel() // self.block

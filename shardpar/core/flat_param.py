@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from ..comm import collectives as C
-from .layout import BufferLayout
+from .layout import Bucket, BufferLayout
 from .param_guard import guard, storageless, unguard
 
 
@@ -153,7 +153,8 @@ class FlatParamGroup:
         self.full = full  # 1-D, compute dtype, numel = layout.numel (padded)
         # Stage 3's full buffers have a gather tag's room in front in their storage (see
         # tagged_gather.gather_target); the room is not counted in the byte figures.
-        self._storage_bytes = (full.storage_offset() + full.numel()) * full.element_size()
+        # (an eager tensor's storage offset is an int; torch's stubs allow a SymInt for tracing)
+        self._storage_bytes = cast(int, (full.storage_offset() + full.numel()) * full.element_size())
         self.shard = shard  # 1-D, master dtype, numel = layout.shard_numel
         self.rank = rank
         self.frees_storage = frees_storage
@@ -181,7 +182,7 @@ class FlatParamGroup:
     # ------------------------------------------------------------------ sizes and spaces
 
     @property
-    def bucket(self):
+    def bucket(self) -> Bucket:
         return self.layout.buckets[0]
 
     @property
@@ -243,6 +244,7 @@ class FlatParamGroup:
         if self.state is ShardState.UNSHARDED:
             return
         assert self.state is ShardState.GATHERING, f"'{self.label}' is {self.state.value}, not gathering"
+        assert self.channel is not None  # start_unshard, which began the gather, set it
         self.channel.before_gather_wait(self)
         if self.state is not ShardState.GATHERING:
             return  # completed or dropped by a recovery while earlier gathers were waited for
@@ -259,6 +261,8 @@ class FlatParamGroup:
 
     def _complete_gather(self) -> object:
         handle, self.handle = self.handle, None
+        # Only called while gathering: start_unshard set both.
+        assert handle is not None and self.channel is not None
         result = self.channel.wait_gather(handle)
         self.state = ShardState.UNSHARDED
         self.point_params_at_full()

@@ -73,12 +73,12 @@ class _PostBackward(torch.autograd.Function):
     unit's pre-backward starts its prefetch."""
 
     @staticmethod
-    def forward(ctx, gatherer, unit, *tensors):  # type: ignore[override]
+    def forward(ctx: Any, gatherer: UnitGatherer, unit: Unit, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.gatherer, ctx.unit = gatherer, unit
         return tensors
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         ctx.gatherer.post_backward(ctx.unit)
         return (None, None) + grads
 
@@ -97,7 +97,7 @@ def on_first_grad(tensors: list[torch.Tensor], hook: Callable[[Any], None]) -> A
     computed (``register_multi_grad_hook(mode="any")``; for one tensor its own hook does the
     same without the per-forward setup, which matters once per unit per step)."""
     if len(tensors) == 1:
-        return tensors[0].register_hook(hook)
+        return tensors[0].register_hook(hook)  # type: ignore[no-untyped-call]  # untyped in torch
     return torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
 
 
@@ -151,7 +151,9 @@ class UnitGatherer(GatherPhases, GatherChannel):
         """The units the last forward kept gathered into backward (one gather fewer each: gathers_per_step)."""
         # Made once: a hook per unit output per forward is only registered, not built.
         self._pre_backward_hooks = {
-            unit: torch.compiler.disable(lambda grad, unit=unit: self.pre_backward(unit)) for unit in units
+            # (torch.compiler.disable is untyped in torch)
+            unit: torch.compiler.disable(lambda grad, unit=unit: self.pre_backward(unit))  # type: ignore[no-untyped-call]
+            for unit in units
         }
         self._shard_bytes = sum(f.shard_bytes for f in self.flats)
         self.gathered = GatheredBytes(sum(f.allocated_full_bytes() for f in self.flats))
@@ -312,7 +314,9 @@ class UnitGatherer(GatherPhases, GatherChannel):
         self._free_forward_ended(None)
         self._free_kept()
 
-    def pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def pre_forward(
+        self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self.state.is_recompute():
             # A unit recomputed after its gradients were final in this backward: reentrant
             # checkpointing of one module twice. More gradients will follow (late ones; see
@@ -330,7 +334,9 @@ class UnitGatherer(GatherPhases, GatherChannel):
         unit.running += 1
         return self._hook_inputs(unit, args, kwargs)
 
-    def enter(self, unit: Unit, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def enter(
+        self, unit: Unit, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """An entry module of ``unit`` starts its forward: a use of the unit, unless one is in
         progress (see [Note: entry modules] in units.py)."""
         if unit.running:
@@ -378,7 +384,9 @@ class UnitGatherer(GatherPhases, GatherChannel):
         graph made by a double backward still multiplies by every gathered unit."""
         return self.hold_for_double_backward or (self.order.leftovers_held and not unit.from_policy)
 
-    def _hook_inputs(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def _hook_inputs(
+        self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if not torch.is_grad_enabled():
             return None
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # block(x): no tree walk
@@ -388,7 +396,7 @@ class UnitGatherer(GatherPhases, GatherChannel):
         positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
             return None  # freed when its gradients are final, or at the end of backward
-        outputs = _PostBackward.apply(self, unit, *[leaves[i] for i in positions])
+        outputs = _PostBackward.apply(self, unit, *[leaves[i] for i in positions])  # type: ignore[no-untyped-call]
         for i, tensor in zip(positions, outputs):
             leaves[i] = tensor
         return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)

@@ -75,6 +75,7 @@ class ShardedMaster:
     def after_relayout(self, storage: ReplicatedStorage) -> None:
         """New buckets, new flat groups to gather."""
         storage.groups = [g for buf in storage.buffers for g in buf.bucket_groups(storage.rank)]
+        assert storage.gatherer is not None  # finish_setup made it
         storage.gatherer.track(storage.groups)
 
     def optimizer_pieces(self, storage: ReplicatedStorage, names: Sequence[str], strategy: Any) -> list[TensorPiece]:

@@ -24,7 +24,7 @@ torch raise ("data is not allocated yet") instead of reading freed memory.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -99,7 +99,13 @@ class GuardedParameter(nn.Parameter):
     _shardpar_class: type
 
     @classmethod
-    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         if name == "__repr__":
@@ -108,8 +114,10 @@ class GuardedParameter(nn.Parameter):
                 f"Parameter(shape={tuple(param.shape)}, dtype={param.dtype}, requires_grad={param.requires_grad}, "
                 f"values not on this rank right now: {param._shardpar_guard})"
             )
-        if name in ("__get__", "__set__") and getattr(getattr(func, "__self__", None), "__name__", "") in _VIEWS:
-            name = func.__self__.__name__  # a view that reads the values later: guarded like an operation
+        if name in ("__get__", "__set__"):
+            descriptor: Any = getattr(func, "__self__", None)  # the property a getter/setter belongs to
+            if getattr(descriptor, "__name__", "") in _VIEWS:
+                name = descriptor.__name__  # a view that reads the values later: guarded like an operation
         if name not in _METADATA and name not in _ALLOWED:
             leaves, _ = tree_flatten((args, kwargs))
             for leaf in leaves:
@@ -129,10 +137,11 @@ def metadata_only() -> Any:
 
 def guard(param: nn.Parameter, reason: Guard) -> None:
     """Switch ``param`` to :class:`GuardedParameter` (idempotent; the guard is replaced)."""
+    guarded = cast(GuardedParameter, param)  # the same object: its class is switched just below
     if type(param) is not GuardedParameter:
-        param._shardpar_class = type(param)
+        guarded._shardpar_class = type(param)
         param.__class__ = GuardedParameter
-    param._shardpar_guard = reason
+    guarded._shardpar_guard = reason
 
 
 def unguard(param: nn.Parameter) -> None:
@@ -155,8 +164,12 @@ class _NoStorage(torch.Tensor):
     ) -> _NoStorage:
         return torch.Tensor._make_wrapper_subclass(cls, shape, strides=strides, dtype=dtype, device=device)
 
+    # torch declares Tensor.__torch_dispatch__ as a plain function attribute, not the classmethod
+    # every subclass must define, so mypy sees any real override as incompatible.
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         if func is torch.ops.aten._has_compatible_shallow_copy_type.default:
             # ``param.data = placeholder`` asks this (a metadata question) when inference mode
             # bypasses the autograd kernel that answers it otherwise: the swap is shardpar's own.

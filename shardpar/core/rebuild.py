@@ -219,13 +219,14 @@ class Relayout:
                 piece = self._new_pieces.get(name)
                 target = receive(piece) if piece is not None else None
                 if target is not None:
+                    assert piece is not None  # a target is only asked for where there is a piece
                     offset = self.old.slots[name].range.start - bucket.range.start
                     target.copy_(piece.param_range.shift(offset).of(full))
 
 
 # --------------------------------------------------------------------------- optimizer state
 
-StateDescription = dict[str, dict[str, tuple]]
+StateDescription = dict[str, dict[str, tuple[Any, ...]]]
 """name -> key -> ``("elementwise", dtype)`` or ``("scalar", value, on_the_tensors_device)``."""
 
 

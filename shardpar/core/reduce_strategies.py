@@ -27,14 +27,15 @@ the carry back. The carry (``4Ψ/N``) exists only then and ``zero_grad`` frees i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..comm import collectives as C
 from .averaging import Averaging, ReduceDtype, averaging_per_space, scale
-from .layout import ShardPiece
+from .layout import Bucket, ShardPiece
 from .rebuild import Relayout
 from .reducer import GradBucket, ParamSpace
 from .replicas import AcrossReplicas
@@ -47,7 +48,7 @@ def zero_pieces(space: ParamSpace, rank: int, names: set[str], shards: torch.Ten
             piece.local_range.of(shards).zero_()
 
 
-def nbytes(tensors) -> int:
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of ``tensors`` together."""
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -69,6 +70,7 @@ class _FullGradBuffer:
         self.views = {name: s.layout.view(self.data[s], name) for s in spaces for name in s.params}
 
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        assert param.grad is not None  # called from its post-accumulate-grad hook: the gradient is there
         view = self.views[name]
         if param.grad is view:
             return
@@ -87,6 +89,7 @@ class _FullGradBuffer:
         """A second gradient of this backward before the bucket launched (see [Note: a gradient
         that arrives twice] in reducer.py): autograd added it into the view in place, or it is
         added here."""
+        assert param.grad is not None  # called from its post-accumulate-grad hook
         view = self.views[name]
         if param.grad is view:
             return
@@ -172,8 +175,8 @@ class AllReduceStrategy(_FullGradBuffer):
         spaces: Sequence[ParamSpace],
         reduce_dtype: ReduceDtype,
         world_size: int,
-        group,
-        comm,
+        group: Any,
+        comm: C.CommStats,
         divide_factor: float | None = None,
     ) -> None:
         super().__init__(spaces, reduce_dtype)
@@ -265,6 +268,8 @@ class ShardedAverage:
 
     world_size: int
     rank: int
+    group: Any
+    comm: C.CommStats
     spaces: list[ParamSpace]
     averaging_of: dict[ParamSpace, Averaging]
     replicas: AcrossReplicas | None = None
@@ -285,7 +290,7 @@ class ShardedAverage:
         taken over ([Note: a norm per piece] in core/clipping.py)."""
         return [self.piece_grad(space, piece) for space in self.spaces for piece in space.layout.pieces(self.rank)]
 
-    def owned_in_space(self, spec, space_buffer: torch.Tensor) -> torch.Tensor:
+    def owned_in_space(self, spec: Bucket, space_buffer: torch.Tensor) -> torch.Tensor:
         """This rank's slice of bucket ``spec`` in a buffer indexed like the whole space."""
         return spec.shard(self.rank).of(space_buffer)
 
@@ -323,12 +328,12 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
 
     def __init__(
         self,
-        spaces,
+        spaces: Sequence[ParamSpace],
         reduce_dtype: ReduceDtype,
         world_size: int,
         rank: int,
-        group,
-        comm,
+        group: Any,
+        comm: C.CommStats,
         replicas: AcrossReplicas | None = None,
         ranks_summed: int | None = None,
         divide_factor: float | None = None,

@@ -83,7 +83,7 @@ from ..comm import collectives as C
 from ..comm import host
 from .launch_order import LaunchOrder
 from .layout import Bucket, BufferLayout
-from .rebuild import ReadyOrder, completion_order
+from .rebuild import ReadyOrder, Relayout, completion_order
 from .training_state import TrainingState
 from .used_flags import FlagsInFlight
 from .wait_clock import WaitClock
@@ -165,7 +165,7 @@ class ReduceStrategy(Protocol):
     def owned_grad_pieces(self) -> list[torch.Tensor]: ...
     def grad_bytes(self) -> int: ...
     def workspace_bytes(self) -> int: ...
-    def relayout(self, moves: dict) -> None: ...
+    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None: ...
 
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
     def accumulate_no_sync(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
@@ -333,6 +333,7 @@ class GradientReducer:
 
     def _finish_oldest(self) -> None:
         bucket = self._in_flight.pop(0)
+        assert bucket.handle is not None  # _launch gave every bucket in flight its handle
         self.wait_clock.wait(bucket.handle, gather=False)
         self.strategy.finish(bucket)
         bucket.reset()
@@ -341,6 +342,7 @@ class GradientReducer:
         late = self._late.get(bucket.position)
         if late is None:
             late = self._late[bucket.position] = self.strategy.late_buffer(bucket)
+        assert param.grad is not None  # called from its post-accumulate-grad hook: the gradient is there
         bucket.slot_in(late, name).add_(param.grad)
         param.grad = None
 
@@ -471,7 +473,7 @@ class GradientReducer:
     def register_hooks(self, on_ready: Callable[[str, nn.Parameter], None]) -> list[Any]:
         """One post-accumulate-grad hook per trainable parameter, calling ``on_ready`` (a bound
         method) through a weak reference: see [Note: hooks hold their owner weakly]."""
-        receiver = weakref.WeakMethod(on_ready)  # type: ignore[arg-type]
+        receiver = weakref.WeakMethod(on_ready)
 
         def hook(param: nn.Parameter, name: str) -> None:
             engine_method = receiver()
@@ -482,6 +484,9 @@ class GradientReducer:
         for name in self.names:
             param = self.bucket_of[name].params[name]
             handles.append(
-                param.register_post_accumulate_grad_hook(torch.compiler.disable(lambda p, name=name: hook(p, name)))
+                # both are untyped in torch
+                param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    torch.compiler.disable(lambda p, name=name: hook(p, name))  # type: ignore[no-untyped-call]
+                )
             )
         return handles

@@ -24,7 +24,7 @@ flat groups (and use-module hooks) for the new buckets.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,12 +33,15 @@ from ..comm import collectives as C
 from .element_order import ElementOrder
 from .flat_param import FlatParamGroup
 from .gather_phases import PostStepGatherer
-from .inventory import group_by_dtype
+from .inventory import ParamInventory, group_by_dtype
 from .layout import Alignment, BufferLayout, ShardPiece, alignment_for
 from .masters import FullMaster, ShardedMaster
 from .pieces import FullValues, TensorPiece
 from .rebuild import Relayout, same_buckets
 from .wait_clock import WaitClock
+
+if TYPE_CHECKING:
+    from ..config import ShardConfig
 
 
 class ParamBuffer:
@@ -159,8 +162,8 @@ class ReplicatedStorage:
     def __init__(
         self,
         module: nn.Module,
-        inventory,
-        config,
+        inventory: ParamInventory,
+        config: ShardConfig,
         group: Any,
         comm: C.CommStats,
         world_size: int,

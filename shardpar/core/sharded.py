@@ -10,7 +10,7 @@ is built, so building never holds more than the shards plus one group.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from .inventory import ParamInventory, group_by_dtype
 from .layout import BufferLayout, alignment_for
 from .pieces import FullValues, TensorPiece
 from .units import Unit, UnitPlan, plan_units
+
+if TYPE_CHECKING:
+    from ..config import ShardConfig
 
 
 class ValueSource(Protocol):
@@ -107,7 +110,7 @@ class ShardedStorage:
         self,
         module: nn.Module,
         inventory: ParamInventory,
-        config: Any,
+        config: ShardConfig,
         group: Any,
         world_size: int,
         rank: int,

@@ -67,6 +67,9 @@ class ShardedGrad(torch.Tensor):
     """Stands in ``param.grad`` where shardpar keeps the gradient elsewhere: the parameter's
     shape and dtype, no values; any operation raises."""
 
+    _shardpar_name: str
+    _shardpar_where: str
+
     @staticmethod
     def __new__(cls, param: nn.Parameter, name: str, where: str) -> ShardedGrad:
         grad = torch.Tensor._make_wrapper_subclass(
@@ -76,11 +79,16 @@ class ShardedGrad(torch.Tensor):
         grad._shardpar_where = where
         return grad
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+    # torch's Tensor.__repr__ takes a keyword-only ``tensor_contents`` that it leaves untyped.
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
         return f"ShardedGrad(parameter '{self._shardpar_name}': {self._shardpar_where}; only shardpar can read it)"
 
+    # torch declares Tensor.__torch_dispatch__ as a plain function attribute, not the classmethod
+    # every subclass must define, so mypy sees any real override as incompatible.
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         first = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedGrad))
         raise ShardedGradError(
             f"the gradient of parameter '{first._shardpar_name}' was read ({func}), but {first._shardpar_where}: "
@@ -127,7 +135,7 @@ class ShardedGradMarks:
 
 # --------------------------------------------------------------------------- torch optimizers
 
-_OWNERS: dict[int, tuple[weakref.ref, str, str]] = {}
+_OWNERS: dict[int, tuple[weakref.ref[nn.Parameter], str, str]] = {}
 """id of a parameter whose gradient shardpar keeps elsewhere -> (the parameter, its name, where)."""
 _HOOK: Any = None
 

@@ -13,6 +13,9 @@ stages (``memory_stats()["grads"]`` counts them while they exist).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -36,12 +39,12 @@ class StagedReduceScatter(ShardedAverage):
 
     def __init__(
         self,
-        spaces,
+        spaces: Sequence[ParamSpace],
         reduce_dtype: ReduceDtype,
         world_size: int,
         rank: int,
-        group,
-        comm,
+        group: Any,
+        comm: C.CommStats,
         replicas: AcrossReplicas | None = None,
         ranks_summed: int | None = None,
         divide_factor: float | None = None,
@@ -113,6 +116,7 @@ class StagedReduceScatter(ShardedAverage):
     # ------------------------------------------------------------------ gradients arriving
 
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        assert param.grad is not None  # called from its post-accumulate-grad hook: the gradient is there
         slot = self._slot(bucket, name)
         slot.copy_(param.grad)
         if bucket.space in self._accumulated:
@@ -121,10 +125,12 @@ class StagedReduceScatter(ShardedAverage):
 
     def accept_again(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
         """See [Note: a gradient that arrives twice] in reducer.py."""
+        assert param.grad is not None  # called from its post-accumulate-grad hook
         self._slot(bucket, name).add_(param.grad)
         param.grad = None
 
     def accumulate_no_sync(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
+        assert param.grad is not None  # called from its post-accumulate-grad hook
         self._slot(bucket, name, self._accumulation(bucket.space)).add_(param.grad)
         param.grad = None
 
@@ -173,6 +179,7 @@ class StagedReduceScatter(ShardedAverage):
             shard.copy_(owned).mul_(scale)
         bucket.reduced = True
         self._free.append((staging, bucket.spec))
+        assert self.max_in_flight is not None  # this strategy always bounds the reductions in flight
         if len(self._free) > self.max_in_flight + 1:
             self._free.pop(0)
 

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -343,7 +343,8 @@ class UnitOrder:
         while True:
             if pending:
                 flat = pending.popleft()
-                rows = flat.drop_gather()
+                # Only tolerant gathers are drained (_recoverable): their handles return the rows.
+                rows = cast(list[list[int]], flat.drop_gather())
                 self._received(flat)
             else:
                 send, _ = C.tagged_buffer(0, torch.uint8, self.flats[0].device)

@@ -164,10 +164,10 @@ class ModuleTree:
     hooks go on the one object once."""
 
     def __init__(self, root: nn.Module) -> None:
-        self.modules = dict(root.named_modules())
-        self.every_name = dict(root.named_modules(remove_duplicate=False))
+        self.modules: dict[str, nn.Module] = dict(root.named_modules())
+        self.every_name: dict[str, nn.Module] = dict(root.named_modules(remove_duplicate=False))
         canonical = {id(module): name for name, module in self.modules.items()}
-        self.canonical = {name: canonical[id(module)] for name, module in self.every_name.items()}
+        self.canonical: dict[str, str] = {name: canonical[id(module)] for name, module in self.every_name.items()}
         """Any name of a module -> its canonical name."""
         self.aliases: dict[str, list[str]] = {name: [] for name in self.modules}
         for name, first in self.canonical.items():
@@ -324,8 +324,8 @@ def plan_units(root: nn.Module, policy: Any, min_params: int) -> list[UnitPlan]:
         if enclosing:
             assigned[max(enclosing, key=len)].append(name)
             continue
-        hooks = sorted({_hook_module(tree, o, policy_units) for o in owners[param]}, key=tree.order.__getitem__)
-        leftovers.setdefault(tuple(hooks), []).append(name)
+        hook_names = sorted({_hook_module(tree, o, policy_units) for o in owners[param]}, key=tree.order.__getitem__)
+        leftovers.setdefault(tuple(hook_names), []).append(name)
     # Leftover units below the threshold are not worth a gather of their own (each costs a
     # collective's latency twice per step): they join the parameters the root itself uses.
     numel = {name: p.numel() for p, name in canonical.items()}
