@@ -107,7 +107,7 @@ def operation(name: str) -> Iterator[None]:
 
 def _live_describers() -> list[Any]:
     """The trackers still in use. A wrapped model dropped by the script is a reference cycle
-    until the collector runs ([Note: collecting at exit] in engines/lifetime.py), so one collection
+    until the collector runs ([Note: collecting at exit] in engines/engine.py), so one collection
     first keeps dropped models out of the report; this runs only where a report or a stalled
     wait's position is written, never per step."""
     gc.collect()

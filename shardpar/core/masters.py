@@ -7,8 +7,12 @@ replicated storage (core/replicated.py), the column of the stage table that stag
   buffer after each step.
 - :class:`ShardedMaster` (stages 1-2): each rank updates its slice of every bucket (its *master
   shard*: the slice of the buffer itself, or a full-precision copy of it under mixed precision),
-  and the updated slices are all-gathered back into every rank's buffer after ``step()`` by a
-  :class:`PostStepGatherer`, one :class:`FlatParamGroup` per bucket.
+  and the updated slices are all-gathered back into every rank's buffer after ``step()`` by its
+  :class:`PostStepGatherer`, over its flat groups (one :class:`FlatParamGroup` per bucket).
+
+Each part owns what the step does to the values after the optimizer (the copy at stage 0, the
+gather at stages 1-2) and what a reader waits for; the storage asks its part and never which
+stage it is.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..comm import collectives as C
+from .flat_param import FlatParamGroup
 from .gather_phases import PostStepGatherer
 from .pieces import FullValues, TensorPiece
 from .wait_clock import WaitClock
@@ -29,12 +34,28 @@ class FullMaster:
     """Stage 0 (see the module docstring)."""
 
     sharded = False
+    gatherer: PostStepGatherer | None = None
+    """Nothing is gathered: every rank updates every value."""
+    groups: list[FlatParamGroup] = []
+    """No flat groups: the parameters are views of the buffer, never pending."""
 
     def finish_setup(self, storage: ReplicatedStorage, group: Any, comm: C.CommStats, wait_clock: WaitClock) -> None:
         """Nothing to shard: every rank keeps every value."""
 
     def after_relayout(self, storage: ReplicatedStorage) -> None:
         """Nothing tracks the buckets."""
+
+    def before_optimizer_step(self) -> None:
+        """Nothing is in flight."""
+
+    def after_optimizer_step(self, storage: ReplicatedStorage) -> None:
+        """Under mixed precision the updated full-precision masters become the compute values."""
+        for buf in storage.buffers:
+            if buf.full_master is not None:
+                buf.data.copy_(buf.full_master)
+
+    def wait_for_params(self) -> None:
+        """The parameters are always current."""
 
     def optimizer_pieces(self, storage: ReplicatedStorage, names: Sequence[str], strategy: Any) -> list[TensorPiece]:
         """Whole parameters (their full-precision copies under mixed precision)."""
@@ -65,18 +86,40 @@ class ShardedMaster:
 
     sharded = True
 
+    def __init__(self) -> None:
+        self.groups: list[FlatParamGroup] = []
+        """One flat group per bucket: what the post-step gather completes."""
+        self._gatherer: PostStepGatherer | None = None
+
+    @property
+    def gatherer(self) -> PostStepGatherer:
+        """The post-step gatherer over :attr:`groups` (made by :meth:`finish_setup`)."""
+        assert self._gatherer is not None, "the sharded master is set up after the broadcast from rank 0"
+        return self._gatherer
+
     def finish_setup(self, storage: ReplicatedStorage, group: Any, comm: C.CommStats, wait_clock: WaitClock) -> None:
         """After the broadcast: keep only this rank's master shard, and track the buckets."""
         for buf in storage.buffers:
             buf.shard_master(storage.rank)
-        storage.groups = [g for buf in storage.buffers for g in buf.bucket_groups(storage.rank)]
-        storage.gatherer = PostStepGatherer(storage.groups, group, comm, wait_clock, storage.buffers[0].device)
+        self.groups = [g for buf in storage.buffers for g in buf.bucket_groups(storage.rank)]
+        self._gatherer = PostStepGatherer(self.groups, group, comm, wait_clock, storage.buffers[0].device)
 
     def after_relayout(self, storage: ReplicatedStorage) -> None:
         """New buckets, new flat groups to gather."""
-        storage.groups = [g for buf in storage.buffers for g in buf.bucket_groups(storage.rank)]
-        assert storage.gatherer is not None  # finish_setup made it
-        storage.gatherer.track(storage.groups)
+        self.groups = [g for buf in storage.buffers for g in buf.bucket_groups(storage.rank)]
+        self.gatherer.track(self.groups)
+
+    def before_optimizer_step(self) -> None:
+        """The step overwrites the slices a pending gather sends."""
+        self.gatherer.wait_all()
+
+    def after_optimizer_step(self, storage: ReplicatedStorage) -> None:
+        """Launch the all-gather of every bucket's updated slices (completed lazily: [Note: lazy
+        parameter gather] in replicated.py)."""
+        self.gatherer.start_all()
+
+    def wait_for_params(self) -> None:
+        self.gatherer.wait_all()
 
     def optimizer_pieces(self, storage: ReplicatedStorage, names: Sequence[str], strategy: Any) -> list[TensorPiece]:
         """This rank's pieces of the named parameters (names it owns nothing of drop out)."""

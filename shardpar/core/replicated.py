@@ -197,8 +197,6 @@ class ReplicatedStorage:
                 if param.is_floating_point() and param.dtype != param_dtype:
                     self.frozen_masters[name] = param.data
                     param.data = param.data.to(param_dtype)
-        self.gatherer: PostStepGatherer | None = None
-        self.groups: list[FlatParamGroup] = []
         self.params_are_masters = param_dtype is None
         """Whether the module's parameters hold the values the optimizer updates (else they are
         compute copies of fp32 masters: state dicts and loads go to the masters)."""
@@ -216,6 +214,16 @@ class ReplicatedStorage:
             + list(self.frozen_masters.values())
             + [p.data for _, p in self.inventory.frozen]
         )
+
+    @property
+    def groups(self) -> list[FlatParamGroup]:
+        """The master part's flat groups, one per bucket at stages 1-2 (none at stage 0)."""
+        return self.master.groups
+
+    @property
+    def gatherer(self) -> PostStepGatherer | None:
+        """The master part's post-step gatherer (stages 1-2; None at stage 0)."""
+        return self.master.gatherer
 
     @property
     def sharded_master(self) -> bool:
@@ -265,22 +273,15 @@ class ReplicatedStorage:
         return self.master.optimizer_pieces(self, names, strategy)
 
     def before_optimizer_step(self) -> None:
-        if self.gatherer is not None:
-            self.gatherer.wait_all()  # the step overwrites the slices a pending gather sends
+        self.master.before_optimizer_step()
 
     def after_optimizer_step(self) -> None:
-        """Make the updated values the ones forward computes with."""
+        """Make the updated values the ones forward computes with (see the master part)."""
         with torch.no_grad():
-            if self.gatherer is not None:
-                self.gatherer.start_all()
-                return
-            for buf in self.buffers:
-                if buf.full_master is not None:
-                    buf.data.copy_(buf.full_master)
+            self.master.after_optimizer_step(self)
 
     def wait_for_params(self) -> None:
-        if self.gatherer is not None:
-            self.gatherer.wait_all()
+        self.master.wait_for_params()
 
     # ------------------------------------------------------------------ checkpoint pieces
 

@@ -7,8 +7,7 @@ from torch import nn
 from ..comm.sharding_groups import ShardingGroups
 from ..config import ShardConfig
 from ..core.deferred_init import DeferredInit
-from .engine import WRAPPED_MARK, Engine
-from .lifetime import collect_cycles_before_exit
+from .engine import WRAPPED_MARK, Engine, collect_cycles_before_exit
 from .stages import STAGES, StageRow
 
 

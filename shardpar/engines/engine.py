@@ -20,6 +20,8 @@ hook did (a backward through part of the model).
 
 from __future__ import annotations
 
+import atexit
+import gc
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,13 +46,12 @@ from ..core.inventory import (
 )
 from ..core.layout import BufferLayout
 from ..core.pieces import TensorPiece
-from ..core.rebuild import ReadyOrder
+from ..core.rebuild import BucketRebuild, ReadyOrder, carry_state
 from ..core.reducer import GradientReducer, ParamSpace
 from ..core.sharded import ShardedStorage
 from ..core.training_state import Phase, TrainingState
 from ..core.units import ModuleTree, Unit
 from ..core.wait_clock import WaitClock
-from .bucket_rebuild import BucketRebuild, carry_state
 from .buffer_sync import BufferSync
 from .casts import MixedPrecisionCasts
 from .grad_marks import GradPlaceholders
@@ -549,3 +550,17 @@ class Engine:
         for part in reversed(self._attached):
             part.close()
         self._attached.clear()
+
+
+def collect_cycles_before_exit() -> None:
+    """[Note: collecting at exit] A wrapped model is a reference cycle (its modules' hooks
+    hold the engine, which holds the modules), so a script that drops it leaves it to the
+    cycle collector, with the process group the engine holds. Left to the interpreter's
+    finalisation, the group would be destroyed after torch's own state, which can abort the
+    process ("terminate called without an active exception") after a run that succeeded.
+    Collecting at exit, while everything is alive, frees them in a healthy state; see also
+    [Note: no group outlives destroy_process_group] in comm/process_group.py."""
+    gc.collect()
+
+
+atexit.register(collect_cycles_before_exit)

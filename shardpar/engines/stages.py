@@ -88,7 +88,8 @@ def _no_gatherer(engine: Engine) -> NoGatherer:
 
 def _post_step_gatherer(engine: Engine) -> PostStepGatherer:
     engine.install_use_hooks()  # they also complete the lazy gathers of the current buckets
-    gatherer: PostStepGatherer = engine.storage.gatherer  # the replicated storage's, over its buckets
+    gatherer: PostStepGatherer | None = engine.storage.gatherer  # the sharded master's, over its buckets
+    assert gatherer is not None, "stages 1-2 keep a sharded master, which gathers after the step"
     return gatherer
 
 
