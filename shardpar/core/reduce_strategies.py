@@ -64,10 +64,10 @@ class _FullGradBuffer:
 
     def __init__(self, spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype) -> None:
         self.spaces = list(spaces)
-        self.data = {s: torch.zeros(s.layout.numel, dtype=reduce_dtype(s), device=s.device) for s in spaces}
+        self.grad_buffers = {s: torch.zeros(s.layout.numel, dtype=reduce_dtype(s), device=s.device) for s in spaces}
         # .grad stays None until a backward gives the parameter a gradient, as in plain torch
         # (accept_grad points it at its view then).
-        self.views = {name: s.layout.view(self.data[s], name) for s in spaces for name in s.params}
+        self.views = {name: s.layout.view(self.grad_buffers[s], name) for s in spaces for name in s.params}
 
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
         assert param.grad is not None  # called from its post-accumulate-grad hook: the gradient is there
@@ -97,7 +97,7 @@ class _FullGradBuffer:
         param.grad = view if view.dtype == param.dtype else None
 
     def late_buffer(self, bucket: GradBucket) -> torch.Tensor:
-        data = self.data[bucket.space]
+        data = self.grad_buffers[bucket.space]
         return torch.zeros(bucket.spec.range.size, dtype=data.dtype, device=data.device)
 
     def _take_views_off(self, bucket: GradBucket) -> None:
@@ -128,7 +128,7 @@ class _FullGradBuffer:
         # of each parameter is copied over the stale values (accept_grad), parameters that get
         # none are zeroed (fill_missing). Only a buffer that accumulates by add_ (reduce dtype
         # differs from the parameters') is zeroed.
-        for space, grad in self.data.items():
+        for space, grad in self.grad_buffers.items():
             if grad.dtype != space.compute_dtype:
                 grad.zero_()
             for param in space.params.values():
@@ -154,7 +154,7 @@ class _FullGradBuffer:
         """``data`` (the space's gradient buffer in its new layout) replaces the old one;
         a ``param.grad`` that was a view of the old buffer becomes the same view of the new."""
         old_views = {name: self.views[name] for name in space.params}
-        self.data[space] = data
+        self.grad_buffers[space] = data
         for name, param in space.params.items():
             self.views[name] = space.layout.view(data, name)
             if param.grad is old_views[name]:
@@ -187,15 +187,15 @@ class AllReduceStrategy(_FullGradBuffer):
         # What the optimizer reads: reduced gradients in the master dtype.
         self.master_grads = {
             s: g if g.dtype == s.master_dtype else torch.zeros_like(g, dtype=s.master_dtype)
-            for s, g in self.data.items()
+            for s, g in self.grad_buffers.items()
         }
 
     def start(self, bucket: GradBucket) -> C.Handle:
         self._take_views_off(bucket)
-        return self.start_late(bucket, bucket.spec.range.of(self.data[bucket.space]))
+        return self.start_late(bucket, bucket.spec.range.of(self.grad_buffers[bucket.space]))
 
     def finish(self, bucket: GradBucket) -> None:
-        scale(bucket.spec.range.of(self.data[bucket.space]), self.averaging_of[bucket.space].after)
+        scale(bucket.spec.range.of(self.grad_buffers[bucket.space]), self.averaging_of[bucket.space].after)
         self._copy_to_master(bucket)
 
     def start_late(self, bucket: GradBucket, data: torch.Tensor) -> C.Handle:
@@ -207,13 +207,13 @@ class AllReduceStrategy(_FullGradBuffer):
 
     def finish_late(self, bucket: GradBucket, late: torch.Tensor) -> None:
         scale(late, self.averaging_of[bucket.space].after)
-        bucket.spec.range.of(self.data[bucket.space]).add_(late)
+        bucket.spec.range.of(self.grad_buffers[bucket.space]).add_(late)
         self._copy_to_master(bucket)
 
     def _copy_to_master(self, bucket: GradBucket) -> None:
         master = self.master_grads[bucket.space]
-        if master is not self.data[bucket.space]:
-            bucket.spec.range.of(master).copy_(bucket.spec.range.of(self.data[bucket.space]))
+        if master is not self.grad_buffers[bucket.space]:
+            bucket.spec.range.of(master).copy_(bucket.spec.range.of(self.grad_buffers[bucket.space]))
 
     def after_sync_backward(self) -> None:
         """``.grad`` is the buffer's view again once nothing more can arrive (see _take_views_off)."""
@@ -232,16 +232,16 @@ class AllReduceStrategy(_FullGradBuffer):
     def clear_params(self, names: set[str], set_to_none: bool = True) -> None:
         super().clear_params(names, set_to_none)
         for space, master in self.master_grads.items():
-            if master is not self.data[space]:
+            if master is not self.grad_buffers[space]:
                 for name in names & space.params.keys():
                     space.layout.view(master, name).zero_()
 
     def relayout(self, moves: dict[ParamSpace, Relayout]) -> None:
         """See [Note: bucket rebuild]: reduced gradients are complete on every rank."""
         for space, move in moves.items():
-            shared = self.master_grads[space] is self.data[space]
-            self._relayout_buffer(space, move.full(self.data[space]))
-            self.master_grads[space] = self.data[space] if shared else move.full(self.master_grads[space])
+            shared = self.master_grads[space] is self.grad_buffers[space]
+            self._relayout_buffer(space, move.full(self.grad_buffers[space]))
+            self.master_grads[space] = self.grad_buffers[space] if shared else move.full(self.master_grads[space])
 
     def master_grad(self, space: ParamSpace, name: str) -> torch.Tensor:
         return space.layout.view(self.master_grads[space], name)
@@ -255,8 +255,8 @@ class AllReduceStrategy(_FullGradBuffer):
         return [self.master_grad(space, name) for space in self.spaces for name in space.params]
 
     def grad_bytes(self) -> int:
-        extra = [g for s, g in self.master_grads.items() if g is not self.data[s]]
-        return nbytes(list(self.data.values()) + extra)
+        extra = [g for s, g in self.master_grads.items() if g is not self.grad_buffers[s]]
+        return nbytes(list(self.grad_buffers.values()) + extra)
 
     def workspace_bytes(self) -> int:
         return 0
@@ -352,18 +352,18 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
         )
         self.master_grad_shards = {
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device)
-            for s, g in self.data.items()
+            for s, g in self.grad_buffers.items()
             if g.dtype != s.master_dtype
         }
         self._carry: dict[ParamSpace, torch.Tensor] | None = None
 
     def start(self, bucket: GradBucket) -> C.Handle:
         self._take_views_off(bucket)
-        data = bucket.spec.range.of(self.data[bucket.space])
+        data = bucket.spec.range.of(self.grad_buffers[bucket.space])
         plan = self.averaging_of[bucket.space]
         scale(data, plan.before)
         return C.reduce_scatter(
-            self.owned_in_space(bucket.spec, self.data[bucket.space]),
+            self.owned_in_space(bucket.spec, self.grad_buffers[bucket.space]),
             data,
             group=self.group,
             async_op=True,
@@ -374,14 +374,14 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
 
     def finish_late(self, bucket: GradBucket, late: torch.Tensor) -> None:
         space = bucket.space
-        reduced = self.owned_in_space(bucket.spec, self.data[space])
+        reduced = self.owned_in_space(bucket.spec, self.grad_buffers[space])
         reduced.add_(self._reduced_late(bucket, late))
         if space in self.master_grad_shards:
             space.layout.shard_of(bucket.spec, self.master_grad_shards[space]).copy_(reduced)
 
     def finish(self, bucket: GradBucket) -> None:
         space = bucket.space
-        reduced = self.owned_in_space(bucket.spec, self.data[space])
+        reduced = self.owned_in_space(bucket.spec, self.grad_buffers[space])
         self.sum_replicas(bucket, reduced)
         scale(reduced, self.averaging_of[space].after)
         if self._carry is not None:
@@ -397,11 +397,14 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
     def _carry_reduced(self, bucket: GradBucket) -> None:
         if self._carry is None:
             self._carry = {
-                s: torch.zeros(s.layout.shard_numel, dtype=g.dtype, device=s.device) for s, g in self.data.items()
+                s: torch.zeros(s.layout.shard_numel, dtype=g.dtype, device=s.device)
+                for s, g in self.grad_buffers.items()
             }
         space = bucket.space
-        space.layout.shard_of(bucket.spec, self._carry[space]).add_(self.owned_in_space(bucket.spec, self.data[space]))
-        bucket.spec.range.of(self.data[space]).zero_()
+        space.layout.shard_of(bucket.spec, self._carry[space]).add_(
+            self.owned_in_space(bucket.spec, self.grad_buffers[space])
+        )
+        bucket.spec.range.of(self.grad_buffers[space]).zero_()
         bucket.reduced = False
 
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
@@ -439,11 +442,11 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
         for space, move in moves.items():
             if space in self.master_grad_shards:
                 master = self.master_grad_shards[space] = move.local(self.master_grad_shards[space])
-                data = torch.zeros(move.new.numel, dtype=self.data[space].dtype, device=space.device)
+                data = torch.zeros(move.new.numel, dtype=self.grad_buffers[space].dtype, device=space.device)
                 for spec in move.new.buckets:
                     self.owned_in_space(spec, data).copy_(move.new.shard_of(spec, master))
             else:
-                data = move.owned(self.data[space])
+                data = move.owned(self.grad_buffers[space])
             self._relayout_buffer(space, data)
             if self._carry is not None:
                 assert not self._carry[space].any(), "a carry still holds gradients"
@@ -452,15 +455,15 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
     def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor:
         if space in self.master_grad_shards:
             return piece.local_range.of(self.master_grad_shards[space])
-        return piece.buffer_range.of(self.data[space])
+        return piece.buffer_range.of(self.grad_buffers[space])
 
     def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
         if self.master_grad_shards:
             return list(self.master_grad_shards.values()), True
-        return [self.owned_in_space(spec, self.data[s]) for s in self.spaces for spec in s.layout.buckets], True
+        return [self.owned_in_space(spec, self.grad_buffers[s]) for s in self.spaces for spec in s.layout.buckets], True
 
     def grad_bytes(self) -> int:
-        tensors = list(self.data.values()) + list(self.master_grad_shards.values())
+        tensors = list(self.grad_buffers.values()) + list(self.master_grad_shards.values())
         if self._carry is not None:
             tensors += list(self._carry.values())
         return nbytes(tensors)

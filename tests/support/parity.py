@@ -281,7 +281,7 @@ def padding_magnitude(model: Any) -> tuple[float, int]:
         tensors = [getattr(space, name, None) for name in ("data", "full_master", "master_shard", "full", "shard")]
         tensors += [
             (getattr(engine.strategy, name, None) or {}).get(space)
-            for name in ("data", "master_grads", "master_grad_shards", "grad_shards", "_accumulated", "_carry")
+            for name in ("grad_buffers", "master_grads", "master_grad_shards", "grad_shards", "_accumulated", "_carry")
         ]
         for tensor in tensors:
             if tensor is None or tensor.untyped_storage().nbytes() == 0:  # a freed stage-3 full buffer
