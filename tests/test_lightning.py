@@ -25,28 +25,16 @@ from shardpar.checkpoint.format import read_manifest
 from shardpar.checkpoint.json_values import decode_tree, encode_tree
 from shardpar.errors import CheckpointError
 from tests.support.harness import run_ranks
-from tests.support.parity import TOLERANCE
+from tests.support.parity import TOLERANCE, assert_params_close, relative_to_oracle
 
 TIMEOUT_S = 300.0  # a launch imports Lightning on each rank (seconds on a loaded machine), then trains
 BF16_TOLERANCE = 0.05
 FP16_TOLERANCE = 0.01  # float16 keeps 3 more bits than bfloat16
 
 
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-12)).item()
-
-
-def _assert_params_close(got: dict, want: dict, tolerance: float, what: str) -> None:
-    assert got.keys() == want.keys(), what
-    for name in want:
-        assert got[name].dtype == want[name].dtype, f"{what}: {name} is {got[name].dtype}, not {want[name].dtype}"
-        error = _relative(got[name], want[name])
-        assert error <= tolerance, f"{what}: {name} differs from the oracle by {error:.2e} (relative)"
-
-
 def _assert_losses_close(got: list, want: list, tolerance: float, what: str) -> None:
     assert len(got) == len(want) > 0, f"{what}: {len(got)} losses, the oracle {len(want)}"
-    error = _relative(torch.tensor(got), torch.tensor(want))
+    error = relative_to_oracle(torch.tensor(got), torch.tensor(want))
     assert error <= tolerance, f"{what}: losses {got} differ from the oracle's {want} by {error:.2e}"
 
 
@@ -87,7 +75,7 @@ def test_trainer_trains_as_ddp(parity: list[dict], stage: int) -> None:
         assert ours["synchronising_backwards"] == 4, f"{what}: accumulation reduced outside the last micro-batch"
         for loop in ("train", "val", "test"):
             _assert_losses_close(ours[loop], ddp[loop], TOLERANCE, f"{what}, {loop} losses")
-        _assert_params_close(ours["params"], ddp["params"], TOLERANCE, what)
+        assert_params_close(ours["params"], ddp["params"], TOLERANCE, what)
         assert ours["lr"] == pytest.approx(ddp["lr"]) and ours["lr"] != [0.02, 0.02], what
 
 
@@ -102,10 +90,10 @@ def test_bf16_mixed_is_shardpar_bf16_under_autocast(parity: list[dict]) -> None:
         assert ours["compute_dtypes"] == ["torch.bfloat16"], ours["compute_dtypes"]
         assert ddp["compute_dtypes"] == ["torch.float32"], ddp["compute_dtypes"]  # autocast only
         assert ours["train"] == by_hand["train"], f"rank {rank}"
-        _assert_params_close(ours["params"], by_hand["params"], 0.0, f"rank {rank}, against shardpar by hand")
+        assert_params_close(ours["params"], by_hand["params"], 0.0, f"rank {rank}, against shardpar by hand")
         _assert_losses_close(ours["train"], ddp["train"], BF16_TOLERANCE, f"rank {rank}, against DDP bf16-mixed")
         # Far from fp32 training: the runs above really computed in bf16.
-        assert _relative(torch.tensor(ours["train"]), torch.tensor(runs["stage3"]["train"])) > 1e-4
+        assert relative_to_oracle(torch.tensor(ours["train"]), torch.tensor(runs["stage3"]["train"])) > 1e-4
 
 
 def test_16_mixed_scales_the_loss_with_shardpars_scaler(parity: list[dict]) -> None:
@@ -211,7 +199,7 @@ def test_resume_at_another_stage_continues_as_ddp(checkpoints: tuple[list[dict],
         _assert_losses_close(resumed["train"], ddp["train"][4:], TOLERANCE, f"{what}, epoch 2")
         _assert_losses_close(resumed["val"], ddp["val"][4:], TOLERANCE, f"{what}, epoch 2 validation")
         _assert_losses_close(resumed["test"], ddp["test"], TOLERANCE, f"{what}, test")
-        _assert_params_close(resumed["params"], ddp["params"], TOLERANCE, what)
+        assert_params_close(resumed["params"], ddp["params"], TOLERANCE, what)
         assert resumed["lr"] == pytest.approx(ddp["lr"]), what
         # its last checkpoint, tested by a fresh Trainer at stage 1: the weights load alone
         _assert_losses_close(run["tested"], ddp["test"], TOLERANCE, f"{what}, trainer.test(ckpt_path=...)")
@@ -223,7 +211,7 @@ def test_resume_at_another_world_size(checkpoints: tuple[list[dict], dict]) -> N
     runs, alone = checkpoints
     ddp = runs[0]["ddp"]
     assert alone["global_step"] == 8
-    _assert_params_close(alone["params"], ddp["params"], TOLERANCE, "world size 1, stage 0")
+    assert_params_close(alone["params"], ddp["params"], TOLERANCE, "world size 1, stage 0")
     assert alone["lr"] == pytest.approx(ddp["lr"])
 
 
@@ -268,9 +256,9 @@ def test_fabric_trains_as_ddp_and_resumes_at_another_stage(fabric: list[dict]) -
         ddp, ours, resumed = runs["ddp"], runs["stage3"], runs["resumed at stage 1"]
         what = f"rank {rank}"
         _assert_losses_close(ours["train"], ddp["train"], TOLERANCE, what)
-        _assert_params_close(ours["params"], ddp["params"], TOLERANCE, what)
+        assert_params_close(ours["params"], ddp["params"], TOLERANCE, what)
         _assert_losses_close(resumed["train"], ddp["train"][4:], TOLERANCE, f"{what}, resumed")
-        _assert_params_close(resumed["params"], ddp["params"], TOLERANCE, f"{what}, resumed")
+        assert_params_close(resumed["params"], ddp["params"], TOLERANCE, f"{what}, resumed")
         assert resumed["lr"] == pytest.approx(ddp["lr"]) and resumed["remainder"] == {}, what
         assert (ours["synchronising_backwards"], resumed["synchronising_backwards"]) == (4, 2), what
 

@@ -23,27 +23,15 @@ import torch
 
 from shardpar.checkpoint.format import read_manifest
 from tests.support.harness import run_ranks
-from tests.support.parity import TOLERANCE
+from tests.support.parity import TOLERANCE, assert_params_close, relative_to_oracle
 
 TIMEOUT_S = 300.0  # a launch imports transformers on each rank (seconds on a loaded machine), then trains
 BF16_TOLERANCE = 1e-4
 
 
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-12)).item()
-
-
-def _assert_params_close(got: dict, want: dict, tolerance: float, what: str) -> None:
-    assert got.keys() == want.keys(), what
-    for name in want:
-        assert got[name].dtype == want[name].dtype, f"{what}: {name} is {got[name].dtype}, not {want[name].dtype}"
-        error = _relative(got[name], want[name])
-        assert error <= tolerance, f"{what}: {name} differs from the oracle by {error:.2e} (relative)"
-
-
 def _assert_close(got: list, want: list, tolerance: float, what: str) -> None:
     assert len(got) == len(want) > 0, f"{what}: {len(got)} values, the oracle {len(want)}"
-    error = _relative(torch.tensor(got), torch.tensor(want))
+    error = relative_to_oracle(torch.tensor(got), torch.tensor(want))
     assert error <= tolerance, f"{what}: {got} differ from the oracle's {want} by {error:.2e}"
 
 
@@ -91,7 +79,7 @@ def test_trainer_trains_evaluates_and_predicts_as_ddp(parity: list[dict], stage:
         _assert_close(ours["grad_norms"], ddp["grad_norms"], max(tolerance, 1e-6), f"{what}, logged grad norms")
         assert min(ddp["grad_norms"]) > 0.3, "the oracle's steps must all clip"
         assert ours["lrs"] == ddp["lrs"] == [0.01, 0.0075, 0.005, 0.0025], what
-        _assert_params_close(ours["params"], ddp["params"], tolerance, what)
+        assert_params_close(ours["params"], ddp["params"], tolerance, what)
         for metric in ("eval_loss", "test_loss"):
             _assert_close([ours[metric]], [ddp[metric]], tolerance, f"{what}, {metric}")
         _assert_close(
@@ -107,9 +95,12 @@ def test_max_grad_norm_zero_logs_the_norm_and_clips_nothing(parity: list[dict]) 
     for rank, runs in enumerate(parity):
         ours, ddp = runs["stage2 unclipped"], runs["ddp unclipped"]
         _assert_close(ours["grad_norms"], ddp["grad_norms"], TOLERANCE, f"rank {rank}, grad norms")
-        _assert_params_close(ours["params"], ddp["params"], TOLERANCE, f"rank {rank}")
+        assert_params_close(ours["params"], ddp["params"], TOLERANCE, f"rank {rank}")
         # unclipped training went elsewhere than clipped training
-        assert _relative(ours["params"]["model.norm.weight"], runs["stage2"]["params"]["model.norm.weight"]) > 1e-4
+        assert (
+            relative_to_oracle(ours["params"]["model.norm.weight"], runs["stage2"]["params"]["model.norm.weight"])
+            > 1e-4
+        )
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -124,7 +115,7 @@ def test_bf16_is_the_ddp_trainers_bf16(parity: list[dict], stage: int) -> None:
         assert all(value.dtype == torch.float32 for value in ours["params"].values()), what
         if stage == 0:
             assert ours["losses"] == ddp["losses"] and ours["grad_norms"] == ddp["grad_norms"], what
-            _assert_params_close(ours["params"], ddp["params"], 0.0, what)
+            assert_params_close(ours["params"], ddp["params"], 0.0, what)
             assert ours["eval_loss"] == ddp["eval_loss"], what
         else:
             assert ours["losses"][0] == ddp["losses"][0], what
@@ -132,7 +123,9 @@ def test_bf16_is_the_ddp_trainers_bf16(parity: list[dict], stage: int) -> None:
             _assert_close(ours["losses"], ddp["losses"], BF16_TOLERANCE, f"{what}, losses")
             _assert_close([ours["eval_loss"]], [ddp["eval_loss"]], BF16_TOLERANCE, f"{what}, eval loss")
         # and it really computed in bf16: the first step's norm is not float32's
-        assert _relative(torch.tensor(ours["grad_norms"][:1]), torch.tensor(fp32["grad_norms"][:1])) > 1e-5, what
+        assert relative_to_oracle(torch.tensor(ours["grad_norms"][:1]), torch.tensor(fp32["grad_norms"][:1])) > 1e-5, (
+            what
+        )
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -143,7 +136,7 @@ def test_save_model_writes_what_from_pretrained_loads(parity: list[dict], stage:
         saved = runs[f"stage{stage} saved"]
         assert {"config.json", "model.safetensors"} <= set(saved["files"]), saved["files"]
         assert saved["tied"], f"rank {rank}: lm_head no longer tied to the embedding"
-        _assert_params_close(saved["reloaded"], saved["trained"], 0.0, f"stage {stage}, rank {rank}")
+        assert_params_close(saved["reloaded"], saved["trained"], 0.0, f"stage {stage}, rank {rank}")
 
 
 def test_naive_patterns_are_refused_by_name(parity: list[dict]) -> None:
@@ -261,10 +254,10 @@ def test_resume_at_another_stage_continues_as_ddp_resumed(checkpoints: tuple[lis
         assert ours["global_step"] == ddp["global_step"] == 4, what
         assert len(_after(ours, 2)) == 2, what
         _assert_close(_after(ours, 2), _after(ddp, 2), TOLERANCE, f"{what}, steps 3-4")
-        _assert_params_close(ours["params"], ddp["params"], TOLERANCE, what)
+        assert_params_close(ours["params"], ddp["params"], TOLERANCE, what)
         assert ours["lrs"][-2:] == ddp["lrs"][-2:] == [0.005, 0.0025], what
         # and the uninterrupted runs agree with each other too
-        _assert_params_close(run["saved"]["params"], run["ddp"]["params"], TOLERANCE, f"{what}, saving runs")
+        assert_params_close(run["saved"]["params"], run["ddp"]["params"], TOLERANCE, f"{what}, saving runs")
 
 
 def test_resume_at_another_world_size(checkpoints: tuple[list[dict], dict, str]) -> None:
@@ -274,8 +267,8 @@ def test_resume_at_another_world_size(checkpoints: tuple[list[dict], dict, str])
     ours, ddp = alone["stage2"], alone["ddp"]
     assert ours["global_step"] == ddp["global_step"] == 4
     _assert_close(_after(ours, 2), _after(ddp, 2), TOLERANCE, "world size 1, steps 3-4")
-    _assert_params_close(ours["params"], ddp["params"], TOLERANCE, "world size 1")
-    _assert_params_close(ours["params"], runs[0]["ddp resumed"]["params"], TOLERANCE, "world size 1 against 2")
+    assert_params_close(ours["params"], ddp["params"], TOLERANCE, "world size 1")
+    assert_params_close(ours["params"], runs[0]["ddp resumed"]["params"], TOLERANCE, "world size 1 against 2")
 
 
 def test_resuming_a_ddp_trainers_checkpoint_is_refused(checkpoints: tuple[list[dict], dict, str]) -> None:
@@ -312,4 +305,4 @@ def test_sft_trainer_through_the_mixin(tmp_path: str) -> None:
             assert ours["wrapped"] == "ShardedModule" and ours["global_step"] == 4, what
             _assert_close(ours["losses"], ddp["losses"], tolerance, f"{what}, losses")
             _assert_close(ours["grad_norms"], ddp["grad_norms"], max(tolerance, 1e-6), f"{what}, grad norms")
-            _assert_params_close(ours["params"], ddp["params"], tolerance, what)
+            assert_params_close(ours["params"], ddp["params"], tolerance, what)

@@ -332,6 +332,21 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 12
 # --------------------------------------------------------------------------- comparison
 
 
+def relative_to_oracle(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max|got - want| / max|want|`` in float64, the scale floored at 1e-12 (the integration
+    tests' measure against a framework's DDP run)."""
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-12)).item()
+
+
+def assert_params_close(got: dict, want: dict, tolerance: float, what: str) -> None:
+    """Same names and dtypes, and every tensor within ``tolerance`` of the oracle's (relative)."""
+    assert got.keys() == want.keys(), what
+    for name in want:
+        assert got[name].dtype == want[name].dtype, f"{what}: {name} is {got[name].dtype}, not {want[name].dtype}"
+        error = relative_to_oracle(got[name], want[name])
+        assert error <= tolerance, f"{what}: {name} differs from the oracle by {error:.2e} (relative)"
+
+
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``max|a - b| / max|b|`` (absolute error where ``b`` is all zeros)."""
     if not actual.is_floating_point():
