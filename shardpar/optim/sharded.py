@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import inspect
 import math
+import traceback
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -549,6 +551,20 @@ def _probe_step(param: nn.Parameter, probe: torch.optim.Optimizer, grad: torch.T
     probe.step(closure)  # type: ignore[arg-type]  # torch types closures as returning float, not a loss tensor
 
 
+def _error_text(error: BaseException) -> str:
+    """``Type: message`` of an error the probe caught; for one without a message (a bare
+    ``assert``, as nanochat's Muon has on a matrix's dimensions) where it was raised and that
+    line of source, so the refusal does not show an empty ``AssertionError:``."""
+    if str(error):
+        return f"{type(error).__name__}: {error}"
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return f"{type(error).__name__}, with no message"
+    last = frames[-1]
+    source = f": {last.line.strip()}" if last.line else ""
+    return f"{type(error).__name__}, with no message, at {Path(last.filename).name}:{last.lineno}{source}"
+
+
 class _CannotProbe(Exception):
     """The elementwise check could not build the class at all: it cannot tell."""
 
@@ -593,9 +609,9 @@ def _not_elementwise(
                 what = "a list of one" if options is None else "one param group of one"
                 raise _CannotProbe(
                     f"it could not be built over {what} {'x'.join(map(str, _PROBE_SHAPE))} tensor "
-                    f"({type(error).__name__}: {error})"
+                    f"({_error_text(error)})"
                 ) from error
-            return f"it refuses a 1-D tensor ({type(error).__name__}: {error})"
+            return f"it refuses a 1-D tensor ({_error_text(error)})"
         try:
             for grad in grads:
                 start = 0
@@ -605,7 +621,7 @@ def _not_elementwise(
                     _probe_step(param, probe, piece, needs_closure)
         except Exception as error:
             shape = "x".join(map(str, shapes[0]))
-            return f"a step on a {shape} tensor failed ({type(error).__name__}: {error})"
+            return f"a step on a {shape} tensor failed ({_error_text(error)})"
         results.append(torch.cat([param.detach().reshape(-1) for param, _ in built]))
     whole_2d, whole, halves = results
     if not torch.equal(whole_2d, whole):
@@ -657,11 +673,12 @@ def _refuse_if_not_elementwise(
             )
         if reason is not None:
             raise ValueError(
-                f"{name} does not update parameters element by element{which} ({reason}), but at stage "
-                f"{engine.stage} each rank updates 1-D slices of the parameters, where it would compute something "
-                "else than on the whole parameters: shardpar does not combine an optimizer's per-parameter norms "
-                "across ranks. Use stage=0, where every rank updates whole parameters, or an optimizer that updates "
-                "element by element (torch.optim.AdamW, Adam, SGD, Adagrad, RMSprop, NAdam, RAdam, Adamax, ...)"
+                f"{name} does not update parameters element by element{which} ({reason}): its update reads whole "
+                f"tensors, but at stage {engine.stage} each rank updates 1-D slices of the parameters, where it would "
+                "compute something else than on the whole parameters. Optimizers whose update reads whole tensors "
+                "(Muon, Adafactor, LAMB, LARS, Shampoo, LBFGS) run at stage 0 today, where every rank updates whole "
+                "parameters. Use stage=0, or an optimizer that updates element by element (torch.optim.AdamW, Adam, "
+                "SGD, Adagrad, RMSprop, NAdam, RAdam, Adamax, ...)"
             )
     return None
 
