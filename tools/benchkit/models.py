@@ -1,5 +1,7 @@
 """The model zoo: MLP stacks and pre-norm transformers at three sizes (``--models KIND:SIZE``),
-each with its per-rank batch and the block class that stage 3 and FSDP2 shard by."""
+each with its per-rank batch and the block class that stage 3 and FSDP2 shard by; and a
+nanochat-shaped GPT (:class:`NanochatGPT`, sizes in ``NANOCHAT_SIZES``) for issue #43's Muon
+benchmark, not yet among ``--models``."""
 
 from __future__ import annotations
 
@@ -68,9 +70,89 @@ class Transformer(nn.Module):
         return self.head(self.ln(x))  # (batch, seq, vocab)
 
 
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    """nanochat's RMSNorm: no learnable scale, so its model has matrices only."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` (batch, seq, heads, head_dim): its two halves rotated by the
+    position's angles (``cos``, ``sin``: (1, seq, 1, head_dim/2))."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+class NanochatAttention(nn.Module):
+    """Causal attention as nanochat's: separate bias-free q, k, v and output projections,
+    RoPE on q and k, then QK norm."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.c_q, self.c_k, self.c_v = (nn.Linear(width, width, bias=False) for _ in range(3))
+        self.c_proj = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (proj(x).view(b, t, self.heads, c // self.heads) for proj in (self.c_q, self.c_k, self.c_v))
+        q, k = _norm(_rotate(q, cos, sin)), _norm(_rotate(k, cos, sin))
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))  # y: (b, heads, t, c/heads)
+
+
+class NanochatBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + W2 relu(W1 norm(x))^2; no biases."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.attn = NanochatAttention(width, heads)
+        self.c_fc = nn.Linear(width, 4 * width, bias=False)
+        self.c_proj = nn.Linear(4 * width, width, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(_norm(x), cos, sin)
+        return x + self.c_proj(F.relu(self.c_fc(_norm(x))).square())
+
+
+class NanochatGPT(nn.Module):
+    """nanochat's GPT in shape: token embedding (no position embedding: RoPE in every block),
+    an RMSNorm after it, blocks, a final RMSNorm, an untied bias-free head and nanochat's logit
+    soft cap of 15. Every parameter is a matrix: the blocks' go to Muon, the embedding and the
+    head to AdamW (:meth:`muon_params`, :meth:`adamw_params`), as nanochat's optimizers split
+    them. Default torch initialisation (nanochat zeroes its output projections and head, which
+    would make the first steps of a short run degenerate)."""
+
+    def __init__(self, width: int, layers: int, heads: int, vocab: int, seq: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(NanochatBlock(width, heads) for _ in range(layers))
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        half = width // heads // 2
+        angles = torch.outer(torch.arange(seq, dtype=torch.float32), 10000.0 ** (-torch.arange(half) / half))
+        self.register_buffer("cos", angles.cos()[None, :, None, :], persistent=False)  # (1, seq, 1, head_dim/2)
+        self.register_buffer("sin", angles.sin()[None, :, None, :], persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        cos, sin = self.cos[:, :t], self.sin[:, :t]
+        x = _norm(self.wte(idx))
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.lm_head(_norm(x))
+        return 15.0 * torch.tanh(logits / 15.0)  # (batch, seq, vocab)
+
+    def muon_params(self) -> list[nn.Parameter]:
+        """The blocks' matrices, Muon's share."""
+        return list(self.blocks.parameters())
+
+    def adamw_params(self) -> list[nn.Parameter]:
+        """The embedding and the head, AdamW's share."""
+        return [self.wte.weight, self.lm_head.weight]
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    kind: str  # "mlp" or "gpt"
+    kind: str  # "mlp", "gpt" or "nanochat"
     size: str
     width: int
     layers: int
@@ -86,12 +168,14 @@ class ModelSpec:
     def build(self) -> nn.Module:
         if self.kind == "mlp":
             return MLPStack(self.width, self.layers, classes=self.width)
+        if self.kind == "nanochat":
+            return NanochatGPT(self.width, self.layers, self.heads, self.vocab, self.seq)
         return Transformer(self.width, self.layers, self.heads, self.vocab, self.seq)
 
     @property
     def unit_class(self) -> type[nn.Module]:
         """Stage-3 units and FSDP2 ``fully_shard`` calls: one per block, then the root."""
-        return MLPBlock if self.kind == "mlp" else Block
+        return {"mlp": MLPBlock, "nanochat": NanochatBlock}.get(self.kind, Block)
 
     def batch_for(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kind == "mlp":
@@ -103,8 +187,9 @@ class ModelSpec:
     def describe(self) -> str:
         if self.kind == "mlp":
             return f"MLP stack, width {self.width}, {self.layers} blocks, batch {self.batch} rows/rank"
+        shape = "nanochat-shaped GPT (RoPE, QK norm, relu^2, untied head)" if self.kind == "nanochat" else "transformer"
         return (
-            f"transformer, width {self.width}, {self.layers} blocks, {self.heads} heads, vocab {self.vocab}, "
+            f"{shape}, width {self.width}, {self.layers} blocks, {self.heads} heads, vocab {self.vocab}, "
             f"batch {self.batch}x{self.seq} tokens/rank"
         )
 
@@ -121,6 +206,15 @@ SIZES = {
         "large": {"width": 256, "layers": 6, "heads": 4, "vocab": 4096, "seq": 64, "batch": 4},
     },
 }
+
+
+NANOCHAT_SIZES = {
+    "tiny": {"width": 32, "layers": 2, "heads": 2, "vocab": 64, "seq": 16, "batch": 2},
+    "small": {"width": 256, "layers": 4, "heads": 4, "vocab": 4096, "seq": 128, "batch": 4},
+}
+"""Sizes of :class:`NanochatGPT` (kind "nanochat"); ``SIZES["nanochat"] = NANOCHAT_SIZES``
+makes them ``--models nanochat:SIZE`` (issue #43's benchmark). Head dim 16 and 64, even, as
+RoPE's two halves need."""
 
 
 def parse_models(text: str) -> list[ModelSpec]:
