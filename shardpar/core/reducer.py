@@ -44,19 +44,20 @@ optimizer for some layers) clears only its own parameters in ``zero_grad``, as t
 does, so ``opt1.zero_grad(); opt2.step()`` still steps ``opt2``'s parameters with their
 gradients. The strategy zeroes just those parameters' gradients wherever it keeps them (the
 full buffer, the owned slices, the gradient shards, a stage-1 carry, a no_sync accumulation)
-and the reducer's ledger marks them *cleared* (gradient_ledger.py): they have no gradient for the optimizer until a
-synchronising backward's used-flags say again who has one. Every other parameter keeps its
-gradient, and its bucket stays in "add" mode, so the next backward accumulates on top as
-torch does. A ``zero_grad`` that covers every parameter is the plain clear.
+and the reducer's ledger (gradient_ledger.py) marks them *cleared*: they have no gradient
+for the optimizer until a synchronising backward's used-flags say again who has one. Every
+other parameter keeps its gradient, and its bucket stays in "add" mode, so the next backward
+accumulates on top as torch does. A ``zero_grad`` that covers every parameter is the plain clear.
 
 [Note: zero_grad(set_to_none=False)]
 torch's ``zero_grad(set_to_none=False)`` zeroes each ``.grad`` that exists and keeps it; one
 that was None stays None. A kept zero gradient stays a gradient: a ``step()`` right after
 (no backward), or after a backward that did not use the parameter, still updates it --
-AdamW decays it and moves its moments. The reducer's ledger keeps those names (*kept as zeros*) until
-a ``zero_grad`` that sets them to None: they have a gradient whatever the used-flags say, its
-values are zeroed wherever the strategy keeps them (``clear_params``), and at stage 0,
-where ``.grad`` is a view of the full buffer, ``.grad`` stays that zeroed view.
+AdamW decays it and moves its moments. The reducer's ledger keeps those names (*kept as
+zeros*) until a ``zero_grad`` that sets them to None: they have a gradient whatever the
+used-flags say, its values are zeroed wherever the strategy keeps them (``clear_params``),
+and at stage 0, where ``.grad`` is a view of the full buffer, ``.grad`` stays that zeroed
+view.
 
 [Note: hooks hold their owner weakly]
 A tensor hook lives in C++ state that Python's cycle collector cannot see into, so a hook
