@@ -15,7 +15,7 @@ module, and only through it:
   blocking and records an event behind the copy. Its values are read *later*, where the
   host needs them (``ready()`` asks the event without waiting; ``values()`` waits). The
   callers decide when that is: see [Note: reading the used-parameter flags] in
-  core/used_flags.py and [Note: deferred tag checks] in core/unit_order.py.
+  core/gradient_ledger.py and [Note: deferred tag checks] in core/unit_order.py.
 
 On the CPU both directions are plain tensors already on the host: nothing is copied and
 every result is ready at once, so CPU runs keep their immediate checks. ``tests`` make

@@ -7,23 +7,12 @@ the last of its gradients does, so when forward runs modules in another order th
 registered in (reversed, interleaved, a parameter registered on a parent and used at the end
 of its forward), a bucket mixes gradients that are ready early with some that are ready late:
 it completes late, its collective overlaps less of backward, and at stage 2 its staging is
-held longer. The learnt launch order ([Note: launch order] in launch_order.py) only orders those
+held longer. The learnt launch order ([Note: launch order] in first_step_orders.py) only orders those
 fixed buckets. So, as torch DDP does, the buckets are rebuilt once from what backward did:
 
-1. *Record.* During the first synchronising backward (a ``no_sync`` one records nothing)
-   the reducer notes the order in which gradients become final (:class:`ReadyOrder`). What
-   counts is the order of *modules*: a module's gradients are ready when the last of them is,
-   and among one module's parameters the layout order is kept. Within one module the order
-   is an artifact of its kernels (LayerNorm returns its weight's gradient before its bias's,
-   a Linear its bias's first), and a compiled region returns all of its gradients at once,
-   in the order of its graph's inputs; taken literally, compiling a block would change the
-   buckets and with them the number of collectives per step (DESIGN.md says it must not).
-   Modules are those the use-module hooks run on: the one registering a parameter (the
-   first, for a tied one), lifted to a compiled module enclosing it. Where compiled code
-   hides a module (``nn.Module.compile()`` in place, or ``torch.compile`` of the wrapped
-   model: its hook never fires), the engine cannot tell which gradients one compiled region
-   handed out together, so a run of consecutive gradients of such modules counts as one
-   group.
+1. *Record.* During the first synchronising backward the reducer's first-step orders note
+   the order in which gradients become final, module by module ([Note: ready order] in
+   first_step_orders.py).
 2. *Agree.* At the end of that backward -- every bucket reduced and waited for, nothing in
    flight -- every rank proposes "the ready order, then the parameters that got no gradient
    here in today's layout order" and all adopt rank 0's: one object all-gather, once.
@@ -83,66 +72,9 @@ if TYPE_CHECKING:
     from .reducer import GradientReducer
 
 
-class ReadyOrder:
-    """The order gradients became final in the first synchronising backward (step 1 of
-    [Note: bucket rebuild]). ``module_of`` names each parameter's module: the one registering
-    it (the first, for a tied one), lifted to a compiled module enclosing it."""
-
-    def __init__(self, module_of: Mapping[str, str]) -> None:
-        self.module_of = dict(module_of)
-        self._ready: dict[str, None] = {}  # insertion-ordered set
-        self._ran: set[str] = set()
-
-    def regroup(self, module_of: Mapping[str, str]) -> None:
-        """Parameters' modules changed: modules were compiled after wrapping, and hooks moved
-        to them ([Note: compiled after wrap] in engines/module_hooks.py)."""
-        self.module_of = dict(module_of)
-
-    def ran(self, names: Iterable[str]) -> None:
-        """The hook of the module registering ``names`` fired (in any forward, also without
-        autograd, as under reentrant activation checkpointing)."""
-        self._ran.update(names)
-
-    def saw(self, name: str) -> None:
-        """``name``'s gradient became final in a synchronising backward."""
-        self._ready.setdefault(name, None)
-
-    def proposal(self, layout_names: Sequence[str]) -> list[int]:
-        """Positions in ``layout_names`` (today's layout order over every space): first the
-        parameters whose gradient became ready, as groups in the order each group's last
-        gradient did, each group in layout order; then the others in layout order. A group is
-        the parameters of one module whose hook the engine saw fire, or a run of consecutive
-        gradients of parameters whose module's hook never fired (hidden in compiled code)."""
-        position = {name: i for i, name in enumerate(layout_names)}
-        group_of: dict[str, tuple[str, object]] = {}
-        done: dict[tuple[str, object], int] = {}  # group -> when its last gradient became ready
-        unseen_runs = 0
-        previous_unseen = False
-        for when, name in enumerate(self._ready):
-            seen = name in self._ran
-            if seen:
-                group: tuple[str, object] = ("module", self.module_of.get(name, name))
-            else:
-                unseen_runs += not previous_unseen
-                group = ("unseen", unseen_runs)
-            previous_unseen = not seen
-            group_of[name] = group
-            done[group] = when
-        ready = sorted(self._ready, key=lambda name: (done[group_of[name]], position[name]))
-        return [position[name] for name in ready] + [
-            i for i, name in enumerate(layout_names) if name not in self._ready
-        ]
-
-
 def same_buckets(old: BufferLayout, new: BufferLayout) -> bool:
     """Whether ``new`` puts the same tensors together in every bucket as ``old``."""
     return [set(b.names) for b in old.buckets] == [set(b.names) for b in new.buckets]
-
-
-def completion_order(bucket_names: Sequence[Sequence[str]], order: Sequence[str]) -> list[int]:
-    """Bucket positions sorted by when each completes: at the last of its names in ``order``."""
-    position = {name: i for i, name in enumerate(order)}
-    return sorted(range(len(bucket_names)), key=lambda b: max(position[name] for name in bucket_names[b]))
 
 
 class Relayout:
@@ -326,9 +258,7 @@ class BucketRebuild:
         """Agree on the ready order and move the storage, the strategy and the reducer to it;
         whether any layout changed (else nothing else moves)."""
         reducer, storage = self.reducer, self.storage
-        record, reducer.ready_order = reducer.ready_order, None
-        assert record is not None  # the engine rebuilds only while the reducer records a ready order
-        proposal = record.proposal(reducer.names)
+        proposal = reducer.orders.end_ready_record().proposal(reducer.names)
         rows = C.all_gather_objects(proposal, group=self.group, device=self.device, stats=self.comm, kind="control")
         order = [reducer.names[i] for i in rows[0]]
         layouts = storage.rebuilt_layouts(order)

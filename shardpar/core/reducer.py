@@ -8,7 +8,7 @@ computes earlier layers. Collectives pair up across ranks by the order they are 
 so buckets are *launched in one agreed order*, the same on every rank: a bucket that
 completes early waits until every bucket before it in that order has launched.
 
-The order is learnt once ([Note: launch order] in launch_order.py); until then it is the
+The order is learnt once ([Note: launch order] in first_step_orders.py); until then it is the
 layout order (reverse registration order). At the end of backward (a callback queued on the
 *outermost* backward: see the engine) every bucket not launched yet -- those holding
 parameters that got no gradient on this rank -- is launched with zeros for the missing
@@ -44,19 +44,20 @@ optimizer for some layers) clears only its own parameters in ``zero_grad``, as t
 does, so ``opt1.zero_grad(); opt2.step()`` still steps ``opt2``'s parameters with their
 gradients. The strategy zeroes just those parameters' gradients wherever it keeps them (the
 full buffer, the owned slices, the gradient shards, a stage-1 carry, a no_sync accumulation)
-and the reducer marks them *cleared*: they have no gradient for the optimizer until a
-synchronising backward's used-flags say again who has one. Every other parameter keeps its
-gradient, and its bucket stays in "add" mode, so the next backward accumulates on top as
-torch does. A ``zero_grad`` that covers every parameter is the plain clear.
+and the reducer's ledger (gradient_ledger.py) marks them *cleared*: they have no gradient
+for the optimizer until a synchronising backward's used-flags say again who has one. Every
+other parameter keeps its gradient, and its bucket stays in "add" mode, so the next backward
+accumulates on top as torch does. A ``zero_grad`` that covers every parameter is the plain clear.
 
 [Note: zero_grad(set_to_none=False)]
 torch's ``zero_grad(set_to_none=False)`` zeroes each ``.grad`` that exists and keeps it; one
 that was None stays None. A kept zero gradient stays a gradient: a ``step()`` right after
 (no backward), or after a backward that did not use the parameter, still updates it --
-AdamW decays it and moves its moments. The reducer keeps those names (*kept as zeros*) until
-a ``zero_grad`` that sets them to None: they have a gradient whatever the used-flags say, its
-values are zeroed wherever the strategy keeps them (``clear_params``), and at stage 0,
-where ``.grad`` is a view of the full buffer, ``.grad`` stays that zeroed view.
+AdamW decays it and moves its moments. The reducer's ledger keeps those names (*kept as
+zeros*) until a ``zero_grad`` that sets them to None: they have a gradient whatever the
+used-flags say, its values are zeroed wherever the strategy keeps them (``clear_params``),
+and at stage 0, where ``.grad`` is a view of the full buffer, ``.grad`` stays that zeroed
+view.
 
 [Note: hooks hold their owner weakly]
 A tensor hook lives in C++ state that Python's cycle collector cannot see into, so a hook
@@ -80,12 +81,11 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
-from ..comm import host
-from .launch_order import LaunchOrder
+from .first_step_orders import FirstStepOrders, LaunchOrder, ReadyOrder
+from .gradient_ledger import GradientLedger
 from .layout import Bucket, BufferLayout
-from .rebuild import ReadyOrder, Relayout, completion_order
+from .rebuild import Relayout
 from .training_state import TrainingState
-from .used_flags import FlagsInFlight
 from .wait_clock import WaitClock
 
 
@@ -199,7 +199,7 @@ class ShardedGradients(ReduceStrategy, Protocol):
 
 class GradientReducer:
     """See [Note: gradient readiness and launch order], [Note: a gradient that arrives twice]
-    and [Note: used parameters] (used_flags.py)."""
+    and [Note: used parameters] (gradient_ledger.py)."""
 
     def __init__(
         self,
@@ -215,39 +215,18 @@ class GradientReducer:
         self._build_buckets()
         self.strategy = strategy
         self.state = state
-        self.comm = comm
-        self.group = group
         self.wait_clock = wait_clock
-        self.launch_order = LaunchOrder([bucket.names for bucket in self.buckets])
-        self.device = spaces[0].device
-        self.used = bytearray(len(self.names))
-        """Host flags of the parameters that got a gradient on this rank since ``zero_grad``."""
-        self.unused: set[str] = set()
-        """Parameters no rank used since ``zero_grad`` (known after a synchronising backward,
-        once ``unused_known``)."""
-        self.unused_known = True
-        """Whether ``unused`` is read yet (see [Note: reading the used-parameter flags] in used_flags.py)."""
-        self.flags_in_flight: FlagsInFlight | None = None
-        """The last synchronising backward's flags, not read yet."""
-        self._window = 0
-        """Counts the ``zero_grad`` calls: which gradients a flag vector speaks of."""
-        self.grads_ready = False
-        """Some synchronising backward reduced gradients since the last ``zero_grad``."""
-        self.cleared: set[str] = set()
-        """Parameters whose gradients a ``zero_grad`` of some parameters forgot since the last
-        synchronising backward (see [Note: zero_grad of some parameters])."""
-        self.kept_as_zeros: set[str] = set()
-        """Parameters whose gradient ``zero_grad(set_to_none=False)`` zeroed and kept (see
-        [Note: zero_grad(set_to_none=False)])."""
+        self.orders = FirstStepOrders([bucket.names for bucket in self.buckets], state, ready_order)
+        """The launch order and, until the buckets are rebuilt, the ready order (see
+        first_step_orders.py)."""
+        self.ledger = GradientLedger(self.names, state, comm, group, spaces[0].device, wait_clock)
+        """Which parameters have a gradient (see gradient_ledger.py)."""
         self._cursor = 0
         self._in_flight: list[GradBucket] = []
         self.last_backward_wait_s = 0.0
         """Seconds the end of the last backward waited for gradient collectives."""
         self.timeline: list[tuple[str, object]] | None = None
         """Set to a list to record ("grad", name) and ("launch", bucket position) events."""
-        self.ready_order = ready_order
-        """Recorded in synchronising backwards until the buckets are rebuilt (see
-        [Note: bucket rebuild]); None once they are, or where they never are."""
         self._arrived = bytearray(len(self.names))
         """Parameters whose gradient arrived in the backward in progress."""
         self._late: dict[int, torch.Tensor] = {}
@@ -261,6 +240,21 @@ class GradientReducer:
         self.names = [name for bucket in self.buckets for name in bucket.names]
         self.flag_index = {name: i for i, name in enumerate(self.names)}
 
+    @property
+    def launch_order(self) -> LaunchOrder:
+        """The order buckets launch in (see [Note: launch order] in first_step_orders.py)."""
+        return self.orders.launch
+
+    @property
+    def ready_order(self) -> ReadyOrder | None:
+        """The ready order being recorded, None once the buckets are rebuilt or where they never are."""
+        return self.orders.ready
+
+    @property
+    def unused(self) -> set[str]:
+        """Parameters no rank used since ``zero_grad``, once the ledger's flags are read."""
+        return self.ledger.unused
+
     def relayout(self, ready: Sequence[str]) -> None:
         """After the buckets were rebuilt (the spaces carry their new layouts; see [Note:
         bucket rebuild]): new buckets and maps, used-flags moved by name, and the launch order
@@ -269,14 +263,12 @@ class GradientReducer:
         reduced = {bucket.reduced for bucket in self.buckets}
         assert len(reduced) == 1, "some buckets hold reduced gradients and some do not"
         self.settle(block=True)  # the flags vector is in the old order
-        used = dict(zip(self.names, self.used))
         self._build_buckets()
         for bucket in self.buckets:
             bucket.reduced = next(iter(reduced))
-        self.used = bytearray(used[name] for name in self.names)
+        self.ledger.reorder(self.names)
         self._arrived = bytearray(len(self.names))
-        self.launch_order = LaunchOrder([bucket.names for bucket in self.buckets])
-        self.launch_order.adopt(completion_order([bucket.names for bucket in self.buckets], ready))
+        self.orders.follow_rebuilt_buckets([bucket.names for bucket in self.buckets], ready)
 
     # ------------------------------------------------------------------ during backward
 
@@ -293,7 +285,7 @@ class GradientReducer:
         backward_paths.py) decides when it launches."""
         bucket = self.bucket_of[name]
         index = self.flag_index[name]
-        self.used[index] = 1
+        self.ledger.got_gradient(name)
         if not self.state.backward_syncs:
             self.strategy.accumulate_no_sync(bucket, name, param)
             return None
@@ -306,8 +298,7 @@ class GradientReducer:
         self._arrived[index] = 1
         if self.timeline is not None:
             self.timeline.append(("grad", name))
-        if self.ready_order is not None:
-            self.ready_order.saw(name)
+        self.orders.gradient_ready(name)
         self.strategy.accept_grad(bucket, name, param)
         bucket.mark_ready(name)
         return bucket if bucket.phase is BucketPhase.COMPLETE else None
@@ -374,7 +365,7 @@ class GradientReducer:
     def finish_backward(self) -> None:
         """End of a synchronising backward, after :meth:`complete_missing`: launch what is left,
         agree on which parameters were used, wait for everything (on CUDA: order the current
-        stream after it; see [Note: reading the used-parameter flags] in used_flags.py)."""
+        stream after it; see [Note: reading the used-parameter flags] in gradient_ledger.py)."""
         started = time.perf_counter()
         order = self.launch_order.order
         for position in order[self._cursor :]:
@@ -383,58 +374,30 @@ class GradientReducer:
         while self._in_flight:
             self._finish_oldest()
         self._reduce_late()
-        # Each rank's counters ride along, as themselves and negated, so that one MAX
-        # reduction yields both the highest and the lowest: see [Note: ranks out of step].
-        counters = self.state.counters()
-        flags = host.flags_to_device(self.used, counters + [-c for c in counters], self.device)
-        flags_handle = C.all_reduce(
-            flags, group=self.group, async_op=True, stats=self.comm, op="max", kind="used_flags"
-        )
-        self.wait_clock.wait(flags_handle, gather=False)
+        self.ledger.reduce()
         self._cursor = 0
         self.last_backward_wait_s = time.perf_counter() - started
-        self.flags_in_flight = FlagsInFlight(host.DeviceToHost(flags), counters, self._window)
         self.strategy.after_sync_backward()
-        self.cleared = set()  # this backward's flags say who has a gradient now
-        self.grads_ready = True
-        self.unused_known = 0 not in self.used  # used here, so used: nothing to read for that
-        if self.unused_known:
-            self.unused = set()
-        if self.flags_in_flight.read.ready():
+        if self.ledger.flags_landed():
             self.settle(block=True)
 
     def settle(self, block: bool) -> bool:
-        """Read the flags in flight if they have landed (``block``: wait for them), check the
-        counters and learn which parameters no rank used; see [Note: reading the
-        used-parameter flags] in used_flags.py. Returns whether nothing is left in flight."""
-        pending = self.flags_in_flight
-        if pending is None:
-            return True
-        if not block and not pending.read.ready():
+        """The ledger reads the flags in flight if they have landed (``block``: waits for
+        them); the strategy releases the gradients of the parameters it learnt no rank used
+        (see [Note: reading the used-parameter flags] in gradient_ledger.py). Returns whether
+        nothing is left in flight."""
+        unused = self.ledger.settle(block)
+        if unused is None:
             return False
-        self.flags_in_flight = None
-        flags = pending.checked_flags(self.state.COUNTER_NAMES, self.group, self.device)
-        if pending.window == self._window and not self.unused_known:
-            self.unused = {name for name, flag in zip(self.names, flags) if not flag}
-            self.unused_known = True
-            self.strategy.release_unused(self.unused - self.kept_as_zeros)
+        if unused:
+            self.strategy.release_unused(unused)
         return True
 
     def has_gradient(self, name: str) -> bool:
-        if not self.unused_known:
+        """Whether ``name`` has a gradient for the optimizer (reading the flags if need be)."""
+        if not self.ledger.unused_known:
             self.settle(block=True)
-        return name in self.kept_as_zeros or (self.grads_ready and name not in self.unused and name not in self.cleared)
-
-    def has_gradient_here(self, name: str) -> bool:
-        """:meth:`has_gradient` as far as the host knows without the flags: what this rank used."""
-        return name in self.kept_as_zeros or (
-            self.grads_ready and bool(self.used[self.flag_index[name]]) and name not in self.cleared
-        )
-
-    @property
-    def any_gradient(self) -> bool:
-        """Whether a ``step()`` now has something to update."""
-        return self.grads_ready or bool(self.kept_as_zeros)
+        return self.ledger.has_gradient(name)
 
     # ------------------------------------------------------------------ between steps
 
@@ -442,33 +405,22 @@ class GradientReducer:
         """Forget the gradients of the parameters ``some`` (None: of every parameter), or with
         ``set_to_none=False`` zero those that have one and keep them; see [Note: zero_grad of
         some parameters] and [Note: zero_grad(set_to_none=False)]."""
-        kept: set[str] = set()
-        if not set_to_none:  # (a name already kept has a gradient, so it is kept again)
-            kept = {name for name in (self.names if some is None else some) if self.has_gradient(name)}
-            self.kept_as_zeros |= kept
-        elif self.kept_as_zeros:
-            self.kept_as_zeros = set() if some is None else self.kept_as_zeros - some
+        if not set_to_none and not self.ledger.unused_known:
+            self.settle(block=True)  # which gradients exist decides which are kept
+        kept = self.ledger.keep_as_zeros(some, set_to_none)
         self._forget(some)
         if kept:
             self.strategy.clear_params(kept, set_to_none=False)
 
     def _forget(self, some: set[str] | None) -> None:
-        self.settle(block=some is not None and not self.unused_known)  # a partial clear keeps the others' flags
-        self._window += 1
+        self.settle(block=some is not None and not self.ledger.unused_known)  # a partial clear keeps the others' flags
+        self.ledger.forget(some)
         if some is None:
             self.strategy.clear()
-            self.used = bytearray(len(self.names))
-            self.unused = set()
-            self.unused_known = True
-            self.cleared = set()
-            self.grads_ready = False
             for bucket in self.buckets:
                 bucket.reduced = False
             return
         self.strategy.clear_params(some)
-        for name in some:
-            self.used[self.flag_index[name]] = 0
-        self.cleared |= some
 
     def register_hooks(self, on_ready: Callable[[str, nn.Parameter], None]) -> list[Any]:
         """One post-accumulate-grad hook per trainable parameter, calling ``on_ready`` (a bound

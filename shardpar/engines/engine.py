@@ -35,6 +35,7 @@ from ..config import ShardConfig
 from ..core.backward_paths import BackwardPath
 from ..core.deferred_init import DeferredInit
 from ..core.element_order import ElementOrder
+from ..core.first_step_orders import ReadyOrder
 from ..core.gather_phases import GatherPhases
 from ..core.gatherer import UnitGatherer, grad_tensors, on_first_grad
 from ..core.inventory import (
@@ -46,7 +47,7 @@ from ..core.inventory import (
 )
 from ..core.layout import BufferLayout
 from ..core.pieces import TensorPiece
-from ..core.rebuild import BucketRebuild, ReadyOrder, carry_state
+from ..core.rebuild import BucketRebuild, carry_state
 from ..core.reducer import GradientReducer, ParamSpace
 from ..core.sharded import ShardedStorage
 from ..core.training_state import Phase, TrainingState
@@ -140,7 +141,7 @@ class Engine:
         self.reducer = GradientReducer(
             self.storage.spaces, self.strategy, self.state, self.comm, group, self.wait_clock, ready_order=ready_order
         )
-        self.use_hooks = UseHooks(self._tree, self.storage, self.reducer, self.state)
+        self.use_hooks = UseHooks(self._tree, self.storage, self.reducer)
         """Stages 0-2's hooks on the modules that use parameters (installed by the stage's row)."""
         # Where param.grad cannot be the gradient (shards; fp32 masters under mixed precision),
         # plain torch code that reads it must fail loudly: see core/sharded_grads.py.
@@ -222,8 +223,8 @@ class Engine:
             self.unit_hooks.move_to(tree)  # first: it may refuse, before anything moved
         self._tree = tree
         self.use_hooks.move_to(tree)
-        if self.reducer.ready_order is not None:
-            self.reducer.ready_order.regroup(module_of_params(tree, self.storage))
+        if self.reducer.orders.ready is not None:
+            self.reducer.orders.ready.regroup(module_of_params(tree, self.storage))
         for handle in self._cast_hooks:
             handle.remove()
         self._cast_hooks = self.casts.install_hooks(tree)
@@ -263,7 +264,7 @@ class Engine:
             tensors = grad_tensors(output)
             if tensors:
                 on_first_grad(tensors, self._backward_start_hook)
-            self.reducer.launch_order.stop_recording()
+            self.reducer.orders.forward_ended()
             self.use_hooks.remove_first_use()  # those of stage 0: needed for the first forward only
         self.gatherer.end_forward()
 
@@ -276,8 +277,7 @@ class Engine:
         self.gatherer.abandon_forward()
 
     def _on_unit_use(self, unit: Unit) -> None:
-        if self.reducer.launch_order.recording and torch.is_grad_enabled():
-            self.reducer.launch_order.saw(name for flat in unit.trainable for name in flat.params)
+        self.reducer.orders.module_runs(name for flat in unit.trainable for name in flat.params)
 
     # ------------------------------------------------------------------ backward
 
@@ -290,8 +290,7 @@ class Engine:
         self.reducer.begin_backward()
         self.state.final_callback_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        if self.state.backward_syncs and not self.reducer.launch_order.agreed:
-            self.reducer.launch_order.agree(self._exchange_with_every_rank)
+        self.reducer.orders.backward_starts(self._exchange_with_every_rank)
         self.gatherer.begin_backward()
 
     def _exchange_with_every_rank(self, values: list[int]) -> list[list[int]]:
@@ -321,7 +320,7 @@ class Engine:
                 self.gatherer.check_previous_backward()  # before any wait on reductions: see its note
                 if self.state.backward_syncs:
                     self.backward_path.finish_backward()
-                    if self.reducer.ready_order is not None:
+                    if self.reducer.orders.ready is not None:
                         self._rebuild_buckets()
                     self._put_grad_marks()
                 self.gatherer.finish_backward()
@@ -367,13 +366,13 @@ class Engine:
 
     @property
     def grads_ready(self) -> bool:
-        return self.reducer.grads_ready
+        return self.reducer.ledger.grads_ready
 
     @property
     def any_gradient(self) -> bool:
         """Whether a ``step()`` has something to update: reduced gradients, or gradients that
         ``zero_grad(set_to_none=False)`` kept as zeros."""
-        return self.reducer.any_gradient
+        return self.reducer.ledger.any_gradient
 
     @property
     def last_backward_wait_s(self) -> float:
@@ -389,7 +388,7 @@ class Engine:
         some = None if names is None else self.reducer.flag_index.keys() & names
         if some is not None and len(some) == len(self.reducer.names):
             some = None
-        if (some is not None or not set_to_none) and not self.reducer.unused_known:
+        if (some is not None or not set_to_none) and not self.reducer.ledger.unused_known:
             self.settle_gradients()
         self._take_off_grad_marks(some)
         self.reducer.zero_grad(some, set_to_none)
@@ -424,8 +423,8 @@ class Engine:
 
     def has_gradient(self, name: str) -> bool:
         """Whether the optimizer should update ``name`` in the coming step (plain torch skips
-        a parameter whose ``.grad`` is None; see [Note: used parameters] in core/used_flags.py)."""
-        if not self.reducer.unused_known:
+        a parameter whose ``.grad`` is None; see [Note: used parameters] in core/gradient_ledger.py)."""
+        if not self.reducer.ledger.unused_known:
             self.settle_gradients()
         return self.reducer.has_gradient(name)
 

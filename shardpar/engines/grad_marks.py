@@ -49,10 +49,10 @@ class GradPlaceholders:
     def put_on(self) -> None:
         """Placeholders on the ``.grad`` of parameters that have a gradient: all of them once the
         used-parameter flags are read, until then those this rank used (see [Note: reading the
-        used-parameter flags] in core/used_flags.py; the rest follow when the flags are read)."""
+        used-parameter flags] in core/gradient_ledger.py; the rest follow when the flags are read)."""
         reducer = self.reducer
-        self.wait_for_flags = not reducer.unused_known
-        known = reducer.has_gradient if reducer.unused_known else reducer.has_gradient_here
+        self.wait_for_flags = not reducer.ledger.unused_known
+        known = reducer.has_gradient if reducer.ledger.unused_known else reducer.ledger.has_gradient_here
         self.marks.put_on(n for n, _ in self.trainable if known(n))
 
     def take_off(self, names: Iterable[str] | None = None) -> None:

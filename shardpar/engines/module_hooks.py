@@ -24,13 +24,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..core.flat_param import FlatParamGroup
 from ..core.gatherer import UnitGatherer
 from ..core.reducer import GradientReducer
-from ..core.training_state import TrainingState
 from ..core.units import Unit, UnitPlan, display_name
 from .hooks import engine_hook
 
@@ -47,10 +45,11 @@ def module_of_params(tree: Any, storage: Any) -> dict[str, str]:
 
 class UseHooks:
     """Stages 0-2: the modules that register parameters (lifted out of compiled regions)
-    record first use (launch order) and complete lazy gathers (stages 1-2)."""
+    tell the first-step orders they run (core/first_step_orders.py) and complete lazy gathers
+    (stages 1-2)."""
 
-    def __init__(self, tree: Any, storage: Any, reducer: GradientReducer, state: TrainingState) -> None:
-        self.tree, self.storage, self.reducer, self.state = tree, storage, reducer, state
+    def __init__(self, tree: Any, storage: Any, reducer: GradientReducer) -> None:
+        self.tree, self.storage, self.reducer = tree, storage, reducer
         self.first_use: list[Any] = []
         """Stage 0's use-module hooks: they record first use in the first forward only."""
         self.gathers: list[Any] = []
@@ -73,10 +72,7 @@ class UseHooks:
             (self.gathers if groups else self.first_use).append(handle)
 
     def _on_use(self, names: list[str], groups: list[FlatParamGroup]) -> None:
-        if self.reducer.launch_order.recording and torch.is_grad_enabled() and not self.state.is_recompute():
-            self.reducer.launch_order.saw(names)
-        if self.reducer.ready_order is not None:
-            self.reducer.ready_order.ran(names)
+        self.reducer.orders.module_runs(names)
         for group in groups:
             group.wait_unsharded()
 

@@ -20,7 +20,7 @@ as one process training on the concatenated batch (fp32: within 1e-5 relative)".
 [Note: unused parameters]
 A trainable parameter that took part in no backward on any rank since ``zero_grad`` keeps
 ``.grad = None`` under plain torch, and its optimizer skips it (no weight decay, no moment
-update). shardpar does the same ([Note: used parameters] in ``shardpar/core/used_flags.py``), so
+update). shardpar does the same ([Note: used parameters] in ``shardpar/core/gradient_ledger.py``), so
 the reference is plain torch as it is; a parameter used on some ranks only gets the average
 with the other ranks counting zero, which the chunked reference computes the same way.
 """
