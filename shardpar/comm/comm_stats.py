@@ -5,7 +5,7 @@ caller's :class:`CommStats` when one is passed; an engine's ``comm_stats()`` rea
 
 [Note: byte accounting]
 We count the bytes *one rank sends* under the bandwidth-optimal (ring) algorithms, because
-that is what the ZeRO cost model in DESIGN.md is written in and what a user can compare
+that is what the ZeRO cost model in docs/design.md ("Memory and traffic") is written in and what a user can compare
 across backends: for a tensor of S bytes on N ranks,
 
     all-reduce       2·S·(N-1)/N

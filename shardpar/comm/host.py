@@ -4,7 +4,7 @@
 On CUDA the host queues work and runs ahead; anything that makes it wait for the device
 (``.item()``, ``.tolist()``, ``bool(tensor)``, a copy from pageable memory) drains that queue
 and leaves the GPU idle while the host catches up. A steady-state training step at any stage
-makes no such wait (DESIGN.md's invariant). The few values that must cross go through this
+makes no such wait (an invariant: docs/design.md, "Invariants"). The few values that must cross go through this
 module, and only through it:
 
 - host -> device: Python values (gather tags, the used-parameter flags and counters) are

@@ -27,8 +27,8 @@ when the last of them is, and among one module's parameters the layout order is 
 one module the order is an artifact of its kernels (LayerNorm returns its weight's gradient
 before its bias's, a Linear its bias's first), and a compiled region returns all of its
 gradients at once, in the order of its graph's inputs; taken literally, compiling a block
-would change the buckets and with them the number of collectives per step (DESIGN.md says
-it must not). Modules are those the use-module hooks run on: the one registering a
+would change the buckets and with them the number of collectives per step (docs/design.md,
+"Invariants", says it must not). Modules are those the use-module hooks run on: the one registering a
 parameter (the first, for a tied one), lifted to a compiled module enclosing it. Where
 compiled code hides a module (``nn.Module.compile()`` in place, or ``torch.compile`` of the
 wrapped model: its hook never fires), the engine cannot tell which gradients one compiled

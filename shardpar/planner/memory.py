@@ -13,7 +13,7 @@ mixed precision p = r = d and there is no separate master copy. Per rank:
     2       pΨ (+ dΨ/N master)      dΨ/N      kΨ/N        staging: ≤3 buckets (2 in flight + 1 collecting), in r
     3       dΨ/N                    dΨ/N      kΨ/N        gathered units in p + gradient staging of units in r
 
-With fp32 Adam this is DESIGN.md's 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N and 16Ψ/N. Under hybrid sharding
+With fp32 Adam this is docs/design.md's 16Ψ ("Memory and traffic"), 8Ψ+8Ψ/N, 4Ψ+12Ψ/N and 16Ψ/N. Under hybrid sharding
 (``shard_group_size=G``) the state is sharded over the G ranks of a shard group, not N: read G
 for N everywhere in this note (padding to a multiple of G included); stage 0 ignores G. Frozen parameters
 add their own bytes to ``params`` (full at stages 0-2, 1/N at stage 3) and nothing else.
@@ -149,7 +149,7 @@ class MemoryEstimate:
 
     @property
     def model_state(self) -> int:
-        """params + grads + optimizer state: DESIGN.md's "model-state memory"."""
+        """params + grads + optimizer state: the "model-state memory" of docs/design.md, "Memory and traffic"."""
         return self.params + self.grads + self.optimizer_state
 
     def as_dict(self) -> dict[str, int]:

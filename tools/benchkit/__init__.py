@@ -28,7 +28,7 @@ Markdown report, default docs/benchmarks.md), ``--png`` when matplotlib is impor
   the timed steps (warm-up steps excluded).
 - Memory (a phase of its own, before timing): model state as each engine accounts it (``memory_stats()`` for shardpar; the
   parameter, gradient and optimizer-state tensors for the peers, local shards for FSDP2),
-  against DESIGN.md's ZeRO formula; and the process's peak RSS above what it held before
+  against docs/design.md's ZeRO formula; and the process's peak RSS above what it held before
   the configuration was built (VmHWM, reset through /proc/self/clear_refs, with glibc's
   mmap threshold lowered and free heap pages trimmed first, so no tensor lands on pages
   counted before), each configuration alone in the process for ``MEMORY_STEPS`` steps,

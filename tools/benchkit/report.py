@@ -88,7 +88,7 @@ COLUMNS = (
     "broadcasts, FSDP2's hooks), where the benchmark cannot time their waits without changing them: their "
     "cells show —. *Model state*: params + grads "
     "+ optimizer state as the engine accounts it (`memory_stats()`; for the peers the tensors they hold, local "
-    "shards for FSDP2) against DESIGN.md's ZeRO formula (peers: the stage they match). *Peak RSS increase*: "
+    "shards for FSDP2) against docs/design.md's ZeRO formula (peers: the stage they match). *Peak RSS increase*: "
     "VmHWM minus RSS before building, with the configuration alone in the process for 2 steps (see [Note: what "
     "is measured] in tools/benchkit/__init__.py). *Sent*: `comm_stats()` per step, padding shown apart, against "
     "`shardpar.estimate_communication`."

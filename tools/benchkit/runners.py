@@ -115,7 +115,7 @@ def default_configs(device: str, world: int) -> list[str]:
 
 
 def zero_formula(config: str, psi: int, world: int) -> float:
-    """DESIGN.md's model-state bytes per rank with fp32 AdamW (peers: the stage they match);
+    """docs/design.md's model-state bytes per rank with fp32 AdamW (peers: the stage they match);
     under hybrid sharding with the shard group's G in place of the world size."""
     stage = stage_of(config)
     if stage is None:
