@@ -47,8 +47,10 @@ from ..core.inventory import (
 from ..core.layout import BufferLayout
 from ..core.pieces import TensorPiece
 from ..core.rebuild import BucketRebuild, ReadyOrder, carry_state
+from ..core.reduce_strategies import ReduceStrategy
 from ..core.reducer import GradientReducer, ParamSpace
 from ..core.sharded import ShardedStorage
+from ..core.storage import Storage
 from ..core.training_state import Phase, TrainingState
 from ..core.units import ModuleTree, Unit
 from ..core.wait_clock import WaitClock
@@ -57,6 +59,7 @@ from .casts import MixedPrecisionCasts
 from .grad_marks import GradPlaceholders
 from .hooks import engine_hook
 from .module_hooks import UnitHooks, UseHooks, module_of_params
+from .stages import RowInputs
 
 if TYPE_CHECKING:
     from .stages import StageRow
@@ -131,10 +134,24 @@ class Engine:
         self.unit_hooks: UnitHooks | None = None
         """Stage 3's hooks on units' hook and entry modules (installed by the stage's row)."""
 
-        self.storage = row.storage(self)
-        """The stage's parameter storage (its class differs by stage, so it is untyped here: the
-        methods below that pass on its answers name their types)."""
-        self.strategy = row.strategy(self, self.storage.spaces)
+        inputs = RowInputs(
+            module,
+            self.inventory,
+            config,
+            group,
+            self.world_size,
+            self.shards,
+            self.comm,
+            self.shard_comm,
+            self.replica_comm,
+            self.wait_clock,
+            self.device,
+            self.casts,
+            deferred_init,
+        )
+        self.storage: Storage = row.storage(inputs)
+        """The stage's parameter storage (its row's: core/storage.py names what is asked of it)."""
+        self.strategy: ReduceStrategy = row.strategy(inputs, self.storage.spaces)
         rebuilds = config.rebuild_buckets and self.storage.relayouts
         ready_order = ReadyOrder(module_of_params(self._tree, self.storage)) if rebuilds else None
         self.reducer = GradientReducer(
@@ -167,12 +184,6 @@ class Engine:
 
     # ------------------------------------------------------------------ construction helpers
 
-    def broadcast_from_rank0(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Make ``tensors`` equal rank 0's on every rank (set-up only; not per step)."""
-        with torch.no_grad():
-            for tensor in tensors:
-                C.broadcast(tensor, 0, group=self.group)
-
     def reduce_dtype(self, space: ParamSpace) -> torch.dtype:
         """dtype gradients of ``space`` are accumulated and communicated in."""
         return self.casts.reduce_dtype(space)
@@ -190,7 +201,8 @@ class Engine:
     def install_unit_gatherer(self) -> UnitGatherer:
         """Stage 3: the per-unit gatherer over its own process group, and its hooks on every
         unit's hook and entry modules."""
-        storage: ShardedStorage = self.storage
+        storage = self.storage
+        assert isinstance(storage, ShardedStorage)  # stage 3's row
         gather_group = C.sibling_group(self.shards.shard_group, self.config.timeout_s)
         if gather_group is not None:
             watch.configure(gather_group, self.config.timeout_s)

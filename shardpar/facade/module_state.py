@@ -41,8 +41,10 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm import watch
+from ..core.masters import FullMaster
 from ..core.param_guard import Guard, GuardedParameter, guard, is_guarded, metadata_only, unguard
 from ..core.pieces import FullValues, TensorPiece
+from ..core.replicated import ReplicatedStorage
 from ..core.training_state import Phase
 
 if TYPE_CHECKING:
@@ -214,7 +216,9 @@ class ModuleState:
         """Stage 0 under mixed precision: every parameter's full-precision master (a view of
         what this rank holds, no collective), frozen ones included."""
         storage = self.engine.storage
-        masters = {name: buf.layout.view(buf.values, name) for buf in storage.buffers for name in buf.params}
+        assert isinstance(storage, ReplicatedStorage) and isinstance(storage.master, FullMaster)  # IN_MASTERS: stage 0
+        master = storage.master
+        masters = {name: buf.layout.view(master.values(buf), name) for buf in storage.buffers for name in buf.params}
         masters.update(storage.frozen_values())
         return masters
 
