@@ -120,7 +120,7 @@ class ModuleState:
         scope = root if scope is None else scope
         in_scope = {id(p) for p in scope.parameters()}
         named = [(name, param) for name, param in engine.named_params if id(param) in in_scope]
-        engine.wait_for_params()
+        engine.storage.wait_for_params()
         if kind is FullValues.GATHERED:
             with watch.operation(STATE_DICT_OPERATION):
                 watch.meet(engine.group, "full_state_dict")
@@ -204,13 +204,13 @@ class ModuleState:
             return
         orders = self.engine.element_orders()
         with torch.no_grad():
-            for piece in self.engine.load_pieces():
+            for piece in self.engine.storage.load_pieces():
                 if piece.name in changed:
                     start, end = piece.param_range  # in the parameter's memory order
                     piece.tensor.copy_(orders[piece.name].flatten(changed[piece.name])[start:end])
             for own, value in changed_buffers:
                 own.copy_(value)
-            self.engine.after_load()
+            self.engine.storage.after_load()
 
     def replicated_masters(self) -> dict[str, torch.Tensor]:
         """Stage 0 under mixed precision: every parameter's full-precision master (a view of
@@ -230,7 +230,7 @@ class ModuleState:
         by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
         for name, param in self.engine.named_params:
             if names is None or name in names:
-                by_dtype.setdefault(self.engine.original_dtypes[name], []).append((name, param))
+                by_dtype.setdefault(self.engine.inventory.original_dtypes[name], []).append((name, param))
         pieces: dict[str, list[TensorPiece]] = {}
         for piece in self.engine.save_pieces():
             pieces.setdefault(piece.name, []).append(piece)
