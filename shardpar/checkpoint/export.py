@@ -68,7 +68,7 @@ def save_full(
     try:
         max_bytes = parse_bytes(max_shard_size, "max_shard_size")
         out_dtype = _resolve_dtype(dtype)
-        engine.wait_for_params()
+        engine.storage.wait_for_params()
         # a reordered piece's values become a function making its row-major values (below)
         local: dict[tuple[str, int, int], torch.Tensor | Callable[[], torch.Tensor]] = {
             (p.name, *p.param_range): p.tensor for p in engine.save_pieces()

@@ -158,7 +158,7 @@ def load_checkpoint(
                 raise CheckpointError(mismatch)
             if optimizer is not None:
                 _check_optimizer_matches(manifest, optimizer)
-            engine.wait_for_params()
+            engine.storage.wait_for_params()
             reader = CheckpointReader(manifest)
             inventory, _ = model_tensors(engine)
             source = {
@@ -168,7 +168,7 @@ def load_checkpoint(
             orders = engine.element_orders()
             reads: list[PieceRead] = []
             reordered = ReorderedReads()  # pieces of tensors kept in another element order
-            for piece in engine.load_pieces():
+            for piece in engine.storage.load_pieces():
                 reads += reordered.reads_for(
                     orders[piece.name],
                     *piece.param_range,
@@ -198,7 +198,7 @@ def load_checkpoint(
     finally:
         if reader is not None:
             reader.close()
-    engine.after_load()
+    engine.storage.after_load()
     if optimizer is not None:
         assert manifest.optimizer is not None  # _check_optimizer_matches refused a checkpoint without one
         options = [

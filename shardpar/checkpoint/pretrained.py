@@ -67,7 +67,7 @@ def load_pretrained(model: Any, path: str | os.PathLike[str], strict: bool = Tru
         finally:
             if checkpoint is not None:
                 checkpoint.close()
-        engine.after_load()
+        engine.storage.after_load()
     return report
 
 
@@ -157,10 +157,10 @@ def _plan(
                 break
     tensors = {name: tensor for name, _, tensor in inventory}
     checkpoint.check_shapes({source[name]: tuple(tensors[name].shape) for name in source})
-    engine.wait_for_params()
+    engine.storage.wait_for_params()
     orders = engine.element_orders()
     reads: list[RangeRead] = []
-    for piece in engine.load_pieces():
+    for piece in engine.storage.load_pieces():
         if piece.name in source:
 
             def plan(start: int, end: int, dest: torch.Tensor, stored: str = source[piece.name]) -> list[RangeRead]:

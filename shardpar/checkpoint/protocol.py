@@ -120,7 +120,7 @@ def check_optimizer(optimizer: Any, engine: Engine) -> None:
 def model_tensors(engine: Engine) -> tuple[list[tuple[str, str, torch.Tensor]], dict[str, str]]:
     """``(name, kind, tensor)`` for every state-dict entry except aliases, in state-dict order,
     and ``alias -> canonical name`` (tied parameters, and buffers registered twice)."""
-    aliases = dict(engine.aliases)
+    aliases = dict(engine.inventory.aliases)
     params = dict(engine.named_params)
     out: list[tuple[str, str, torch.Tensor]] = []
     seen: dict[int, str] = {}

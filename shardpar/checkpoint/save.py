@@ -190,7 +190,7 @@ class _ManifestInputs:
             hyperparameters,
             [n for n, _ in engine.named_params],
             extra,
-            engine.layout_summary(),
+            engine.storage.layout_summary(),
             hf_config_of(model.module),
         )
 
@@ -334,7 +334,7 @@ def _prepare(target: Path, model: ShardedModule, optimizer: ShardedOptimizer | N
         check_optimizer(optimizer, engine)
         extra = json.loads(to_json_text(extra, "extra"))  # a copy: the script may change its own
         hyperparameters = None if optimizer is None else _hyperparameters(optimizer)
-        engine.wait_for_params()
+        engine.storage.wait_for_params()
         with torch.no_grad():
             items, reordered, scalar, group_names = _items_to_write(engine, optimizer)
         if rank == 0:

@@ -8,11 +8,12 @@ The tensors the parts hold, by name, and which ``.data`` is which:
   parameter's ``param.data`` is a view into it. At stage 3 the same role is a flat group's
   ``FlatParamGroup.full`` (core/flat_param.py), whose storage exists only while the unit is
   gathered.
-- **master** -- the full-precision values the optimizer updates: the compute buffer itself at
-  full precision, else ``ParamBuffer.full_master`` (stage 0, copied into the compute buffer after
-  each step) or ``ParamBuffer.master_shard`` (stages 1-2: this rank's slice of every bucket,
-  all-gathered back by the master part, core/masters.py); ``ParamBuffer.values`` is whichever
-  holds the full values. Frozen parameters under mixed precision keep theirs in
+- **master** -- the full-precision values the optimizer updates, held by the storage's master
+  part (core/masters.py): the compute buffer itself at full precision, else
+  ``FullMaster.copies[buf]`` (stage 0, copied into the compute buffer after each step) or
+  ``ShardedMaster.shards[buf]`` (stages 1-2: this rank's slice of every bucket, all-gathered
+  back by the master's post-step gatherer); ``FullMaster.values(buf)`` is whichever holds the
+  full values. Frozen parameters under mixed precision keep theirs in
   ``ReplicatedStorage.frozen_masters``.
 - **shard** -- ``FlatParamGroup.shard`` (stage 3; and the bucket groups of stages 1-2 as views):
   slice r of a padded flat buffer, the only persistent copy of a stage-3 parameter.

@@ -10,6 +10,11 @@
   reduce-scattered out of it into this rank's gradient shard, and the staging buffer goes
   back to the pool.
 
+Their callers see them through the protocols here: the reducer a :class:`BucketReduction`,
+the engine a :class:`GradientStore`, the master column :class:`WholeGradients` (stage 0) or
+:class:`PieceGradients` (stages 1-3); a stage's row builds a :class:`ReduceStrategy`, both of
+the first two.
+
 Each turns the sum over N ranks into the mean (or the sum divided by the
 ``gradient_divide_factor``) as [Note: averaging] in averaging.py says; the two that
 reduce-scatter share :class:`ShardedAverage` (here).
@@ -28,7 +33,7 @@ the carry back. The carry (``4Ψ/N``) exists only then and ``zero_grad`` frees i
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -39,6 +44,66 @@ from .layout import Bucket, ShardPiece
 from .rebuild import Relayout
 from .reducer import GradBucket, ParamSpace
 from .replicas import AcrossReplicas
+
+
+class BucketReduction(Protocol):
+    """What the reducer (reducer.py) calls on its strategy: per bucket, as gradients arrive and
+    buckets launch and finish, and when gradients are cleared."""
+
+    max_in_flight: int | None
+    """How many reductions may be outstanding (None: no bound)."""
+
+    def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
+    def accumulate_no_sync(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
+    def accept_again(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
+    def late_buffer(self, bucket: GradBucket) -> torch.Tensor: ...
+    def start_late(self, bucket: GradBucket, late: torch.Tensor) -> C.Handle: ...
+    def finish_late(self, bucket: GradBucket, late: torch.Tensor) -> None: ...
+    def fill_missing(self, bucket: GradBucket) -> None: ...
+    def start(self, bucket: GradBucket) -> C.Handle: ...
+    def finish(self, bucket: GradBucket) -> None: ...
+    def after_sync_backward(self) -> None: ...
+    def clear(self) -> None: ...
+    def clear_params(self, names: set[str], set_to_none: bool = True) -> None: ...
+    def release_unused(self, names: set[str]) -> None: ...
+
+
+class GradientStore(Protocol):
+    """What the engine asks of the reduced gradients for the optimizer, clipping, memory and
+    comm reports, and the bucket rebuild (which moves them to the new layout)."""
+
+    collective: str
+    """The collective that reduces a bucket (``comm_stats()``'s kind)."""
+    full_grads_on_params: bool
+    """Whether ``param.grad`` holds the whole reduced gradient after a synchronising backward."""
+    peak_staging_bytes: int
+
+    def owned_grads(self) -> tuple[list[torch.Tensor], bool]: ...
+    def owned_grad_pieces(self) -> list[torch.Tensor]: ...
+    def grad_bytes(self) -> int: ...
+    def workspace_bytes(self) -> int: ...
+    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None: ...
+
+
+class ReduceStrategy(BucketReduction, GradientStore, Protocol):
+    """A stage's strategy as its row builds it and the engine holds it: the reducer's side and
+    the engine's."""
+
+
+@runtime_checkable
+class WholeGradients(Protocol):
+    """What stage 0's master column (core/masters.py) asks: each parameter's whole reduced
+    gradient in the master dtype, the one the optimizer reads."""
+
+    def master_grad(self, space: ParamSpace, name: str) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class PieceGradients(Protocol):
+    """What the sharded masters (stages 1-2's master column, stage 3's storage) ask: the reduced
+    gradient of one of this rank's pieces, in the master dtype (1-D)."""
+
+    def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor: ...
 
 
 def zero_pieces(space: ParamSpace, rank: int, names: set[str], shards: torch.Tensor) -> None:

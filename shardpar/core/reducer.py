@@ -75,7 +75,7 @@ import enum
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -84,20 +84,27 @@ from ..comm import collectives as C
 from .first_step_orders import FirstStepOrders, LaunchOrder, ReadyOrder
 from .gradient_ledger import GradientLedger
 from .layout import Bucket, BufferLayout
-from .rebuild import Relayout
 from .training_state import TrainingState
 from .wait_clock import WaitClock
+
+if TYPE_CHECKING:
+    from .reduce_strategies import BucketReduction
 
 
 class ParamSpace(Protocol):
     """Parameters of one dtype laid out by one BufferLayout (a replicated buffer at stages
     0-2, a flat parameter group at stage 3)."""
 
-    layout: BufferLayout
-    params: dict[str, nn.Parameter]
-    master_dtype: torch.dtype
-    compute_dtype: torch.dtype
-    device: torch.device
+    @property
+    def layout(self) -> BufferLayout: ...
+    @property
+    def params(self) -> dict[str, nn.Parameter]: ...
+    @property
+    def master_dtype(self) -> torch.dtype: ...
+    @property
+    def compute_dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
 
 
 class BucketPhase(enum.Enum):
@@ -149,54 +156,6 @@ class GradBucket:
         self.handle = None
 
 
-class ReduceStrategy(Protocol):
-    """Where gradients live and which collective reduces a bucket (see reduce_strategies):
-    the whole contract its callers (the reducer, the engine, the storages) use."""
-
-    max_in_flight: int | None
-    """How many reductions may be outstanding (None: no bound)."""
-    collective: str
-    """The collective that reduces a bucket (``comm_stats()``'s kind)."""
-    full_grads_on_params: bool
-    """Whether ``param.grad`` holds the whole reduced gradient after a synchronising backward."""
-    peak_staging_bytes: int
-
-    def owned_grads(self) -> tuple[list[torch.Tensor], bool]: ...
-    def owned_grad_pieces(self) -> list[torch.Tensor]: ...
-    def grad_bytes(self) -> int: ...
-    def workspace_bytes(self) -> int: ...
-    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None: ...
-
-    def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
-    def accumulate_no_sync(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
-    def accept_again(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
-    def late_buffer(self, bucket: GradBucket) -> torch.Tensor: ...
-    def start_late(self, bucket: GradBucket, late: torch.Tensor) -> C.Handle: ...
-    def finish_late(self, bucket: GradBucket, late: torch.Tensor) -> None: ...
-    def fill_missing(self, bucket: GradBucket) -> None: ...
-    def start(self, bucket: GradBucket) -> C.Handle: ...
-    def finish(self, bucket: GradBucket) -> None: ...
-    def after_sync_backward(self) -> None: ...
-    def clear(self) -> None: ...
-    def clear_params(self, names: set[str], set_to_none: bool = True) -> None: ...
-    def release_unused(self, names: set[str]) -> None: ...
-
-
-class FullGradients(ReduceStrategy, Protocol):
-    """Stage 0: every rank holds every reduced gradient; the optimizer reads whole tensors."""
-
-    views: dict[str, torch.Tensor]
-    """Each parameter's view of the gradient buffer (its ``.grad`` after a backward)."""
-
-    def master_grad(self, space: ParamSpace, name: str) -> torch.Tensor: ...
-
-
-class ShardedGradients(ReduceStrategy, Protocol):
-    """Stages 1-3: each rank holds its slice of every bucket's reduced gradient."""
-
-    def piece_grad(self, space: ParamSpace, piece: Any) -> torch.Tensor: ...
-
-
 class GradientReducer:
     """See [Note: gradient readiness and launch order], [Note: a gradient that arrives twice]
     and [Note: used parameters] (gradient_ledger.py)."""
@@ -204,7 +163,7 @@ class GradientReducer:
     def __init__(
         self,
         spaces: Sequence[ParamSpace],
-        strategy: ReduceStrategy,
+        strategy: BucketReduction,
         state: TrainingState,
         comm: C.CommStats,
         group: Any,

@@ -29,26 +29,26 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..comm import collectives as C
 from .element_order import ElementOrder
 from .flat_param import FlatParamGroup
-from .gather_phases import PostStepGatherer
 from .inventory import ParamInventory, group_by_dtype
-from .layout import Alignment, BufferLayout, ShardPiece, alignment_for
+from .layout import Alignment, BufferLayout, alignment_for
 from .masters import FullMaster, ShardedMaster
 from .pieces import FullValues, TensorPiece
 from .rebuild import Relayout, same_buckets
-from .wait_clock import WaitClock
 
 if TYPE_CHECKING:
     from ..config import ShardConfig
+    from .reduce_strategies import ReduceStrategy
 
 
 class ParamBuffer:
-    """One dtype's trainable parameters in one 1-D tensor (compute dtype, padded per bucket and,
-    aligned, in front of each parameter: [Note: alignment] in layout.py); after construction
-    every parameter's ``.data`` is a view into ``data``, with the strides it was wrapped with
-    ([Note: element order]). The Parameter objects themselves never change."""
+    """One dtype's trainable parameters in one 1-D tensor, the *compute buffer* ``data``
+    (compute dtype, padded per bucket and, aligned, in front of each parameter: [Note:
+    alignment] in layout.py), and its layout. Once :meth:`hold_params` ran, every parameter's
+    ``.data`` is a view into ``data``, with the strides it was wrapped with ([Note: element
+    order]). The Parameter objects themselves never change. The values the optimizer updates
+    are the storage's master part's (core/masters.py)."""
 
     def __init__(
         self,
@@ -71,16 +71,12 @@ class ParamBuffer:
         # Reverse registration order: see [Note: layout order] in layout.py.
         self.layout = self.layout_in([name for name, _ in reversed(named)])
         self.data = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=self.device)  # 1-D, padded
-        self.full_master: torch.Tensor | None = None
-        """Stage 0 under mixed precision: the full-precision values the optimizer updates."""
-        self.master_shard: torch.Tensor | None = None
-        """Stages 1-2 under mixed precision: this rank's slice of every bucket (local space)."""
+
+    def hold_params(self) -> None:
+        """The parameters' values into the compute buffer, and the parameters views of it
+        (after the master part kept what it needs of their full-precision values)."""
         with torch.no_grad():
-            if self.compute_dtype != self.master_dtype:
-                self.full_master = torch.zeros(self.layout.numel, dtype=self.master_dtype, device=self.device)
-            for name, param in named:
-                if self.full_master is not None:
-                    self.layout.view(self.full_master, name).copy_(param.data)
+            for name, param in self.params.items():
                 view = self.layout.view(self.data, name)
                 view.copy_(param.data)
                 param.data = view
@@ -96,63 +92,13 @@ class ParamBuffer:
         )
 
     def relayout(self, move: Relayout) -> None:
-        """Move every tensor of this buffer to ``move.new`` (see [Note: bucket rebuild]):
-        parameters become views of the new buffer, masters keep their values."""
+        """Move the compute buffer to ``move.new`` (see [Note: bucket rebuild]): parameters
+        become views of the new buffer (the master part moves its own tensors)."""
         with torch.no_grad():
             self.data = move.full(self.data)
             for name, param in self.params.items():
                 param.data = move.new.view(self.data, name)
-            if self.full_master is not None:
-                self.full_master = move.full(self.full_master)
-            if self.master_shard is not None:
-                self.master_shard = move.local(self.master_shard)
         self.layout = move.new
-
-    @property
-    def values(self) -> torch.Tensor:
-        """The full-precision values (the master copy when there is a full one)."""
-        return self.full_master if self.full_master is not None else self.data
-
-    def shard_master(self, rank: int) -> None:
-        """Stages 1-2: keep only this rank's slice of the full-precision master."""
-        if self.full_master is not None:
-            self.master_shard = torch.cat([b.shard(rank).of(self.full_master) for b in self.layout.buckets])
-            self.full_master = None
-
-    def master_piece(self, piece: ShardPiece) -> torch.Tensor:
-        """This rank's full-precision values of ``piece`` (1-D view)."""
-        if self.master_shard is not None:
-            return piece.local_range.of(self.master_shard)
-        return piece.buffer_range.of(self.values)
-
-    def bucket_groups(self, rank: int) -> list[FlatParamGroup]:
-        """One flat parameter group per bucket (stages 1-2), views of this buffer."""
-        groups = []
-        for bucket in self.layout.buckets:
-            named = [(name, self.params[name]) for name in bucket.names]
-            sub = BufferLayout(
-                [(n, self.orders[n]) for n, _ in named], self.layout.world_size, **self.alignment._asdict()
-            )
-            assert sub.numel == bucket.range.size and all(  # a bucket starts aligned: same offsets
-                sub.slots[n].range.shift(bucket.range.start) == self.layout.slots[n].range for n, _ in named
-            )
-            if self.master_shard is not None:
-                shard = self.layout.shard_of(bucket, self.master_shard)
-            else:
-                shard = bucket.shard(rank).of(self.data)
-            group = FlatParamGroup(
-                f"{self.compute_dtype} bucket {bucket.index}",
-                "",
-                named,
-                sub,
-                bucket.range.of(self.data),
-                shard,
-                rank,
-                frees_storage=False,
-                trainable=True,
-            )
-            groups.append(group)
-        return groups
 
 
 class ReplicatedStorage:
@@ -165,7 +111,6 @@ class ReplicatedStorage:
         inventory: ParamInventory,
         config: ShardConfig,
         group: Any,
-        comm: C.CommStats,
         world_size: int,
         rank: int,
         master: FullMaster | ShardedMaster,
@@ -179,12 +124,14 @@ class ReplicatedStorage:
         bytes_cap = int(config.bucket_cap_mb * 1024 * 1024)
         self.alignment = alignment_for(config.align_for_bandwidth, group, world_size)
         orders = {name: inventory.order(name) for name, _ in inventory.trainable}  # refuses non-dense ones by name
-        self.buffers = [
-            ParamBuffer(
+        self.buffers: list[ParamBuffer] = []
+        for named in group_by_dtype(inventory.trainable):
+            buf = ParamBuffer(
                 named, orders, world_size, max(1, bytes_cap // named[0][1].element_size()), param_dtype, self.alignment
             )
-            for named in group_by_dtype(inventory.trainable)
-        ]
+            master.keep_values(buf)  # its full-precision copy, read before the parameters become views
+            buf.hold_params()
+            self.buffers.append(buf)
         self.frozen_orders = {name: inventory.kept_order(name) for name, _ in inventory.frozen}
         """Frozen parameters stay the module's own tensors (and are saved in their element order
         where they are dense)."""
@@ -210,7 +157,7 @@ class ReplicatedStorage:
         """What must equal rank 0's on every rank after wrap."""
         return (
             [b.data for b in self.buffers]
-            + [b.full_master for b in self.buffers if b.full_master is not None]
+            + self.master.tensors_to_broadcast()
             + list(self.frozen_masters.values())
             + [p.data for _, p in self.inventory.frozen]
         )
@@ -221,18 +168,13 @@ class ReplicatedStorage:
         return self.master.groups
 
     @property
-    def gatherer(self) -> PostStepGatherer | None:
-        """The master part's post-step gatherer (stages 1-2; None at stage 0)."""
-        return self.master.gatherer
-
-    @property
     def sharded_master(self) -> bool:
         """Whether optimizer pieces differ between ranks (stages 1-2)."""
         return self.master.sharded
 
-    def finish_setup(self, group: Any, comm: C.CommStats, wait_clock: WaitClock) -> None:
+    def finish_setup(self) -> None:
         """After the broadcast from rank 0 (see the master part)."""
-        self.master.finish_setup(self, group, comm, wait_clock)
+        self.master.finish_setup(self.buffers)
 
     @property
     def spaces(self) -> list[ParamBuffer]:
@@ -253,7 +195,7 @@ class ReplicatedStorage:
         self.wait_for_params()
         for buf, move in moves.items():
             buf.relayout(move)
-        self.master.after_relayout(self)
+        self.master.relayout(self.buffers, moves)
 
     def element_orders(self) -> dict[str, ElementOrder]:
         """Every parameter's element order: what its pieces' ranges count in ([Note: element order])."""
@@ -268,9 +210,9 @@ class ReplicatedStorage:
 
     # ------------------------------------------------------------------ optimizer
 
-    def optimizer_pieces(self, names: Sequence[str], strategy: Any) -> list[TensorPiece]:
+    def optimizer_pieces(self, names: Sequence[str], strategy: ReduceStrategy) -> list[TensorPiece]:
         """Stage 0: whole parameters; stages 1-2: this rank's pieces (see TensorPiece)."""
-        return self.master.optimizer_pieces(self, names, strategy)
+        return self.master.optimizer_pieces(self.buffers, names, strategy)
 
     def before_optimizer_step(self) -> None:
         self.master.before_optimizer_step()
@@ -278,7 +220,7 @@ class ReplicatedStorage:
     def after_optimizer_step(self) -> None:
         """Make the updated values the ones forward computes with (see the master part)."""
         with torch.no_grad():
-            self.master.after_optimizer_step(self)
+            self.master.after_optimizer_step(self.buffers)
 
     def wait_for_params(self) -> None:
         self.master.wait_for_params()
@@ -289,7 +231,7 @@ class ReplicatedStorage:
         # Parameters are replicated, yet each rank writes only its bucket slices, so saving is
         # parallel and every rank writes the same amount; rank 0 adds the frozen parameters.
         pieces = [
-            TensorPiece(p.name, buf.master_piece(p), (p.param_range.start, p.param_range.end))
+            TensorPiece(p.name, self.master.piece_values(buf, p), (p.param_range.start, p.param_range.end))
             for buf in self.buffers
             for p in buf.layout.pieces(self.rank)
         ]
@@ -299,7 +241,7 @@ class ReplicatedStorage:
         return pieces
 
     def load_pieces(self) -> list[TensorPiece]:
-        pieces = self.master.load_pieces(self)
+        pieces = self.master.load_pieces(self.buffers)
         return pieces + self._frozen_load_pieces()
 
     def _frozen_load_pieces(self) -> list[TensorPiece]:
@@ -325,8 +267,7 @@ class ReplicatedStorage:
     # ------------------------------------------------------------------ memory
 
     def param_bytes(self) -> int:
-        tensors = [b.data for b in self.buffers]
-        tensors += [t for b in self.buffers for t in (b.full_master, b.master_shard) if t is not None]
+        tensors = [b.data for b in self.buffers] + self.master.tensors()
         frozen = sum(p.numel() * p.element_size() for _, p in self.inventory.frozen)
         frozen += sum(t.numel() * t.element_size() for t in self.frozen_masters.values())
         return sum(t.numel() * t.element_size() for t in tensors) + frozen

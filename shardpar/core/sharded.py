@@ -23,10 +23,12 @@ from .gatherer import UnitGatherer
 from .inventory import ParamInventory, group_by_dtype
 from .layout import BufferLayout, alignment_for
 from .pieces import FullValues, TensorPiece
+from .reduce_strategies import PieceGradients
 from .units import Unit, UnitPlan, plan_units
 
 if TYPE_CHECKING:
     from ..config import ShardConfig
+    from .reduce_strategies import ReduceStrategy
 
 
 class ValueSource(Protocol):
@@ -197,7 +199,8 @@ class ShardedStorage:
 
     # ------------------------------------------------------------------ optimizer
 
-    def optimizer_pieces(self, names: Sequence[str], strategy: Any) -> list[TensorPiece]:
+    def optimizer_pieces(self, names: Sequence[str], strategy: ReduceStrategy) -> list[TensorPiece]:
+        assert isinstance(strategy, PieceGradients), "stage 3's row pairs its shards with sharded gradients"
         wanted = set(names)
         found = {}
         for flat in self.trainable_groups:

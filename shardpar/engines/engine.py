@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import atexit
 import gc
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,8 +48,10 @@ from ..core.inventory import (
 from ..core.layout import BufferLayout
 from ..core.pieces import TensorPiece
 from ..core.rebuild import BucketRebuild, carry_state
-from ..core.reducer import GradientReducer, ParamSpace
+from ..core.reduce_strategies import ReduceStrategy
+from ..core.reducer import GradientReducer
 from ..core.sharded import ShardedStorage
+from ..core.storage import Storage
 from ..core.training_state import Phase, TrainingState
 from ..core.units import ModuleTree, Unit
 from ..core.wait_clock import WaitClock
@@ -58,6 +60,7 @@ from .casts import MixedPrecisionCasts
 from .grad_marks import GradPlaceholders
 from .hooks import engine_hook
 from .module_hooks import UnitHooks, UseHooks, module_of_params
+from .stages import RowInputs
 
 if TYPE_CHECKING:
     from .stages import StageRow
@@ -132,10 +135,24 @@ class Engine:
         self.unit_hooks: UnitHooks | None = None
         """Stage 3's hooks on units' hook and entry modules (installed by the stage's row)."""
 
-        self.storage = row.storage(self)
-        """The stage's parameter storage (its class differs by stage, so it is untyped here: the
-        methods below that pass on its answers name their types)."""
-        self.strategy = row.strategy(self, self.storage.spaces)
+        inputs = RowInputs(
+            module,
+            self.inventory,
+            config,
+            group,
+            self.world_size,
+            self.shards,
+            self.comm,
+            self.shard_comm,
+            self.replica_comm,
+            self.wait_clock,
+            self.device,
+            self.casts,
+            deferred_init,
+        )
+        self.storage: Storage = row.storage(inputs)
+        """The stage's parameter storage (its row's: core/storage.py names what is asked of it)."""
+        self.strategy: ReduceStrategy = row.strategy(inputs, self.storage.spaces)
         rebuilds = config.rebuild_buckets and self.storage.relayouts
         ready_order = ReadyOrder(module_of_params(self._tree, self.storage)) if rebuilds else None
         self.reducer = GradientReducer(
@@ -168,16 +185,6 @@ class Engine:
 
     # ------------------------------------------------------------------ construction helpers
 
-    def broadcast_from_rank0(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Make ``tensors`` equal rank 0's on every rank (set-up only; not per step)."""
-        with torch.no_grad():
-            for tensor in tensors:
-                C.broadcast(tensor, 0, group=self.group)
-
-    def reduce_dtype(self, space: ParamSpace) -> torch.dtype:
-        """dtype gradients of ``space`` are accumulated and communicated in."""
-        return self.casts.reduce_dtype(space)
-
     def _install_root_hooks(self) -> None:
         self._handles.append(self.module.register_forward_pre_hook(_disabled(self._root_pre_forward), prepend=True))
         self._handles.append(self.module.register_forward_hook(_disabled(self._root_post_forward)))
@@ -191,7 +198,8 @@ class Engine:
     def install_unit_gatherer(self) -> UnitGatherer:
         """Stage 3: the per-unit gatherer over its own process group, and its hooks on every
         unit's hook and entry modules."""
-        storage: ShardedStorage = self.storage
+        storage = self.storage
+        assert isinstance(storage, ShardedStorage)  # stage 3's row
         gather_group = C.sibling_group(self.shards.shard_group, self.config.timeout_s)
         if gather_group is not None:
             watch.configure(gather_group, self.config.timeout_s)
@@ -356,28 +364,6 @@ class Engine:
         sharded (see [Note: optimizers follow the layout] in optim/sharded.py)."""
         return carry_state(states, self._relayouts, self.storage, self.group, self.comm, self.device)
 
-    @property
-    def require_grad_sync(self) -> bool:
-        return self.state.require_grad_sync
-
-    @require_grad_sync.setter
-    def require_grad_sync(self, value: bool) -> None:
-        self.state.require_grad_sync = bool(value)
-
-    @property
-    def grads_ready(self) -> bool:
-        return self.reducer.ledger.grads_ready
-
-    @property
-    def any_gradient(self) -> bool:
-        """Whether a ``step()`` has something to update: reduced gradients, or gradients that
-        ``zero_grad(set_to_none=False)`` kept as zeros."""
-        return self.reducer.ledger.any_gradient
-
-    @property
-    def last_backward_wait_s(self) -> float:
-        return self.reducer.last_backward_wait_s
-
     # ------------------------------------------------------------------ optimizer
 
     def zero_grad(self, names: Iterable[str] | None = None, set_to_none: bool = True) -> None:
@@ -401,23 +387,18 @@ class Engine:
         if self.grad_marks is not None:
             self.grad_marks.take_off(names)
 
-    def optimizer_tensors(self, names: Sequence[str]) -> list[TensorPiece]:
-        """The tensors the wrapped optimizer updates for these parameters, on this rank."""
-        pieces: list[TensorPiece] = self.storage.optimizer_pieces(names, self.strategy)
-        return pieces
-
     def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
         """Final gradients this rank is responsible for, and whether they are a shard (so a
         global norm needs an all-reduce of partial sums). After ``zero_grad`` and before a
         synchronising backward there are none (torch: every ``.grad`` None, or a zero that
         ``set_to_none=False`` kept), whatever the stage's buffers still hold."""
-        return self.strategy.owned_grads() if self.grads_ready else ([], False)
+        return self.strategy.owned_grads() if self.reducer.ledger.grads_ready else ([], False)
 
     def owned_grad_pieces(self) -> tuple[list[torch.Tensor], bool]:
         """:meth:`owned_grads` cut per parameter (stage 0) or per piece of a parameter this rank
         owns (stages 1-3), as views: the tensors a norm is taken over, one by one, as torch
         takes one per parameter ([Note: a norm per piece] in core/clipping.py)."""
-        if not self.grads_ready:
+        if not self.reducer.ledger.grads_ready:
             return [], False
         return self.strategy.owned_grad_pieces(), self.strategy.owned_grads()[1]
 
@@ -433,25 +414,11 @@ class Engine:
         equally often (see [Note: ranks out of step] in shardpar.comm.watch)."""
         self.state.step_count += 1
 
-    def before_optimizer_step(self) -> None:
-        self.storage.before_optimizer_step()
-
-    def after_optimizer_step(self) -> None:
-        self.storage.after_optimizer_step()
-
-    def wait_for_params(self) -> None:
-        """Block until parameters are complete and current (pending all-gathers)."""
-        self.storage.wait_for_params()
-
     # ------------------------------------------------------------------ state dicts and pieces
 
     @property
     def named_params(self) -> list[tuple[str, nn.Parameter]]:
         return self.inventory.named
-
-    @property
-    def param_names(self) -> dict[nn.Parameter, str]:
-        return self.inventory.name_of
 
     @property
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
@@ -460,14 +427,6 @@ class Engine:
     @property
     def frozen(self) -> list[tuple[str, nn.Parameter]]:
         return self.inventory.frozen
-
-    @property
-    def aliases(self) -> dict[str, str]:
-        return self.inventory.aliases
-
-    @property
-    def original_dtypes(self) -> dict[str, torch.dtype]:
-        return self.inventory.original_dtypes
 
     def element_orders(self) -> dict[str, ElementOrder]:
         """Every parameter's element order: pieces' ranges count its elements in that order,
@@ -483,15 +442,6 @@ class Engine:
         (replicated; the checkpoint takes rank 0's). Under hybrid sharding the first shard group
         writes: every replica group holds the same shards, and a checkpoint holds each once."""
         return self.storage.save_pieces() if self.shards.replica_rank == 0 else []
-
-    def load_pieces(self) -> list[TensorPiece]:
-        """Where this rank must put parameter values on load (1-D views into live storage).
-        After filling them, call :meth:`after_load`."""
-        pieces: list[TensorPiece] = self.storage.load_pieces()
-        return pieces
-
-    def after_load(self) -> None:
-        self.storage.after_load()
 
     # ------------------------------------------------------------------ memory
 
@@ -511,18 +461,13 @@ class Engine:
         all-gather one steady step issues, in that order: what the benchmark times on its own
         to tell exposed from hidden communication."""
         kind = self.strategy.collective
-        reductions = [(kind, b.spec.range.size, self.reduce_dtype(b.space)) for b in self.reducer.buckets]
+        reductions = [(kind, b.spec.range.size, self.casts.reduce_dtype(b.space)) for b in self.reducer.buckets]
         return reductions + [("all_gather", numel, dtype) for numel, dtype in self.gatherer.gathers_per_step()]
 
     def layouts(self) -> list[BufferLayout]:
         """The BufferLayout of every parameter space: stage 0-2 buffers, stage 3 groups."""
         layouts: list[BufferLayout] = self.storage.layouts()
         return layouts
-
-    def layout_summary(self) -> dict[str, Any]:
-        """Where parameters live, as JSON-able information (checkpoint manifests carry it)."""
-        summary: dict[str, Any] = self.storage.layout_summary()
-        return summary
 
     @property
     def hook_handles(self) -> list[Any]:

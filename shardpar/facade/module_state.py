@@ -41,8 +41,10 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm import watch
+from ..core.masters import FullMaster
 from ..core.param_guard import Guard, GuardedParameter, guard, is_guarded, metadata_only, unguard
 from ..core.pieces import FullValues, TensorPiece
+from ..core.replicated import ReplicatedStorage
 from ..core.training_state import Phase
 
 if TYPE_CHECKING:
@@ -118,7 +120,7 @@ class ModuleState:
         scope = root if scope is None else scope
         in_scope = {id(p) for p in scope.parameters()}
         named = [(name, param) for name, param in engine.named_params if id(param) in in_scope]
-        engine.wait_for_params()
+        engine.storage.wait_for_params()
         if kind is FullValues.GATHERED:
             with watch.operation(STATE_DICT_OPERATION):
                 watch.meet(engine.group, "full_state_dict")
@@ -202,19 +204,21 @@ class ModuleState:
             return
         orders = self.engine.element_orders()
         with torch.no_grad():
-            for piece in self.engine.load_pieces():
+            for piece in self.engine.storage.load_pieces():
                 if piece.name in changed:
                     start, end = piece.param_range  # in the parameter's memory order
                     piece.tensor.copy_(orders[piece.name].flatten(changed[piece.name])[start:end])
             for own, value in changed_buffers:
                 own.copy_(value)
-            self.engine.after_load()
+            self.engine.storage.after_load()
 
     def replicated_masters(self) -> dict[str, torch.Tensor]:
         """Stage 0 under mixed precision: every parameter's full-precision master (a view of
         what this rank holds, no collective), frozen ones included."""
         storage = self.engine.storage
-        masters = {name: buf.layout.view(buf.values, name) for buf in storage.buffers for name in buf.params}
+        assert isinstance(storage, ReplicatedStorage) and isinstance(storage.master, FullMaster)  # IN_MASTERS: stage 0
+        master = storage.master
+        masters = {name: buf.layout.view(master.values(buf), name) for buf in storage.buffers for name in buf.params}
         masters.update(storage.frozen_values())
         return masters
 
@@ -226,7 +230,7 @@ class ModuleState:
         by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
         for name, param in self.engine.named_params:
             if names is None or name in names:
-                by_dtype.setdefault(self.engine.original_dtypes[name], []).append((name, param))
+                by_dtype.setdefault(self.engine.inventory.original_dtypes[name], []).append((name, param))
         pieces: dict[str, list[TensorPiece]] = {}
         for piece in self.engine.save_pieces():
             pieces.setdefault(piece.name, []).append(piece)

@@ -178,23 +178,23 @@ class ShardedModule(nn.Module):
         """Backward passes inside accumulate gradients locally without any collective; the
         first backward outside reduces the sum. (Stage 2 then holds full gradients until that
         backward: the price of accumulation.)"""
-        previous = self.engine.require_grad_sync
-        self.engine.require_grad_sync = False
+        previous = self.engine.state.require_grad_sync
+        self.engine.state.require_grad_sync = False
         try:
             yield
         finally:
-            self.engine.require_grad_sync = previous
+            self.engine.state.require_grad_sync = previous
 
     @property
     def require_backward_grad_sync(self) -> bool:
         """torch DDP's switch, which scripts such as nanoGPT set for gradient accumulation:
         False makes the next backward passes accumulate without any collective, like
         :meth:`no_sync`; True makes the next one reduce everything accumulated."""
-        return self.engine.require_grad_sync
+        return self.engine.state.require_grad_sync
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self.engine.require_grad_sync = value
+        self.engine.state.require_grad_sync = bool(value)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this rank's gradients wherever the stage keeps them, as ``nn.Module.zero_grad``;

@@ -77,7 +77,7 @@ def _resolve_param_groups(engine: Engine, params: Any) -> ParamRequest:
         members = [members] if isinstance(members, torch.Tensor) else _unname(list(members))
         names = []
         for param in members:
-            name = engine.param_names.get(param) if isinstance(param, nn.Parameter) else None
+            name = engine.inventory.name_of.get(param) if isinstance(param, nn.Parameter) else None
             if name is None:
                 raise ValueError(
                     f"param group {index} holds a tensor of shape {tuple(getattr(param, 'shape', ()))} "
@@ -119,7 +119,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._stand_in = torch.empty(0, device=engine.device)
         """What a list of tensors holds where this rank has no piece of them: torch refuses an
         empty list, and an empty tensor is one no optimizer steps (its ``.grad`` stays None)."""
-        requested = [engine.optimizer_tensors(group["names"]) for group in request.groups]
+        requested = [engine.storage.optimizer_pieces(group["names"], engine.strategy) for group in request.groups]
         if request.as_tensors:
             handed: list[Any] = self._tensors_of(requested[0])
         else:
@@ -243,11 +243,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # No backward reduced gradients since zero_grad(): as torch does when every .grad is
             # None, the step changes nothing (no weight decay, no moment update). Gradients that
             # zero_grad(set_to_none=False) kept are zeros torch would step with.
-            if self.engine.any_gradient:
-                self.engine.before_optimizer_step()
+            if self.engine.reducer.ledger.any_gradient:
+                self.engine.storage.before_optimizer_step()
                 self._attach_grads()
                 self.inner.step()
-                self.engine.after_optimizer_step()
+                self.engine.storage.after_optimizer_step()
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
@@ -275,27 +275,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
         """See [Note: closures]."""
-        self.engine.before_optimizer_step()  # the inner step may change values before it calls the closure
-        if self.engine.any_gradient:  # an optimizer may read gradients of a backward before the step
+        self.engine.storage.before_optimizer_step()  # the inner step may change values before it calls the closure
+        if self.engine.reducer.ledger.any_gradient:  # an optimizer may read gradients of a backward before the step
             self._attach_grads()
         calls = 0
 
         def reduced_closure() -> Any:
             nonlocal calls
             if calls:
-                self.engine.after_optimizer_step()
+                self.engine.storage.after_optimizer_step()
             calls += 1
             with torch.enable_grad():
                 loss = closure()
-            self.engine.before_optimizer_step()
-            if self.engine.any_gradient:
+            self.engine.storage.before_optimizer_step()
+            if self.engine.reducer.ledger.any_gradient:
                 self._attach_grads()
             else:
                 self._detach_grads()
             return self._mean_over_ranks(loss)
 
         loss = self.inner.step(reduced_closure)
-        self.engine.after_optimizer_step()
+        self.engine.storage.after_optimizer_step()
         return loss
 
     def _mean_over_ranks(self, loss: Any) -> Any:
@@ -358,7 +358,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if state:
                     states[piece.name] = (piece.tensor, state)
         moved = self.engine.carry_optimizer_state(states)
-        self.group_tensors = [self.engine.optimizer_tensors(names) for names in self._group_names]
+        self.group_tensors = [
+            self.engine.storage.optimizer_pieces(names, self.engine.strategy) for names in self._group_names
+        ]
         new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         for group, tensors in zip(self.inner.param_groups, self.group_tensors):
             group["params"] = self._tensors_of(tensors)  # the same group dicts: schedulers keep theirs

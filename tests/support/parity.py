@@ -278,7 +278,9 @@ def padding_magnitude(model: Any) -> tuple[float, int]:
     largest, looked_at = 0.0, 0
     for space in engine.storage.spaces:  # stage 0-2 buffers, stage-3 trainable flat groups
         full_mask, local_mask = _padding_masks(space.layout, engine.rank)
-        tensors = [getattr(space, name, None) for name in ("data", "full_master", "master_shard", "full", "shard")]
+        tensors = [getattr(space, name, None) for name in ("data", "full", "shard")]
+        master = getattr(engine.storage, "master", None)  # stages 0-2: the full-precision copies and shards
+        tensors += [(getattr(master, name, None) or {}).get(space) for name in ("copies", "full", "shards")]
         tensors += [
             (getattr(engine.strategy, name, None) or {}).get(space)
             for name in ("grad_buffers", "master_grads", "master_grad_shards", "grad_shards", "_accumulated", "_carry")
