@@ -1,15 +1,39 @@
 """One timed training step: its wall time and phases, the process's CPU and page faults, and
 the engine's waits for collectives (see [Note: what is measured] and [Note: on CUDA] in
-__init__.py); :class:`Measured` collects them, and the memory and communication figures, for
-one configuration on one rank."""
+__init__.py); one untimed step with shardpar's Python calls counted ([Note: host columns]);
+:class:`Measured` collects them, and the memory and communication figures, for one
+configuration on one rank.
+
+[Note: host columns]
+Two figures say what the host spends on a step, for models whose compute is negligible (the
+overhead model, [Note: the overhead model] in models.py) and any other:
+- *host ms*: CPU time of the rank's main thread (``time.thread_time``) over the timed phases of
+  a step (fwd+bwd, opt step, zero_grad), the median over the timed steps, the slowest rank's.
+  Python, autograd's CPU work and the optimizer run there; gloo's communication threads do not
+  (they are the brackets of *CPU ms/step*).
+- *shardpar calls*: Python function calls per step into shardpar's own code, counted in a
+  separate step, untimed, under ``cProfile`` (which slows what it profiles): every call whose
+  code object's file lies under the package the configuration runs (this checkout's shardpar,
+  or the candidate's for ``-cand`` rows), recursive calls, generator resumptions and, on
+  Python 3.11, comprehensions included (cProfile counts each as a call: each costs the
+  interpreter a frame). Per parameter tensor in brackets: what issue #44's targets count. The
+  slowest rank's, i.e. the most calls. The peers run no shardpar code: —. Every configuration
+  takes this step, right after its warm-up, so all of them still train on the same batches.
+On CUDA the backward pass runs on autograd's device thread, not the main one: *host ms* leaves
+out backward's CPU work there, and the calls are not counted (—), as a profiler of the main
+thread would miss every gradient hook.
+"""
 
 from __future__ import annotations
 
+import cProfile
 import math
 import resource
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,7 +43,7 @@ from shardpar.core.wait_clock import PHASES as WAIT_PHASES
 
 from .runners import Runner
 
-__all__ = ["WAIT_PHASES", "Measured", "run_step", "synchronize"]
+__all__ = ["WAIT_PHASES", "Measured", "count_calls", "run_step", "synchronize"]
 
 
 @dataclass
@@ -44,6 +68,7 @@ class Measured:
     # {"sent_bytes", "padding_sent_bytes"} per step (comm_stats()["by_group"])
     grad_alone_s: float | None = None
     gather_alone_s: float | None = None
+    shardpar_calls: int | None = None  # Python calls into shardpar in the counted step ([Note: host columns])
     final_loss: float = math.nan
 
 
@@ -128,3 +153,30 @@ def run_step(runner: Runner, batch, measured: Measured | None = None, before_zer
         if wait_clock is not None:
             measured.exposed.append(dict(wait_clock.seconds))
     return float(loss)
+
+
+def count_calls(runner: Runner, batch, package: Path | None) -> int | None:
+    """One training step, untimed, under cProfile: the Python calls it made into code under
+    ``package`` (see [Note: host columns]); None, after the same step, where nothing is counted
+    (a peer: ``package`` is None; CUDA)."""
+    dist.barrier()
+    synchronize(runner.device)
+    counting = package is not None and runner.device.type == "cpu"
+    profile = cProfile.Profile()
+    if counting:
+        profile.enable()
+    try:
+        runner.forward_backward(batch)
+        runner.step()
+        runner.zero_grad()
+    finally:
+        profile.disable()
+    synchronize(runner.device)
+    if not counting:
+        return None
+    inside = f"{Path(package).resolve()}/"
+    return sum(
+        entry.callcount
+        for entry in profile.getstats()  # type: ignore[attr-defined]
+        if isinstance(entry.code, types.CodeType) and str(Path(entry.code.co_filename).resolve()).startswith(inside)
+    )
