@@ -11,14 +11,18 @@ overhead model, [Note: the overhead model] in models.py) and any other:
   a step (fwd+bwd, opt step, zero_grad), the median over the timed steps, the slowest rank's.
   Python, autograd's CPU work and the optimizer run there; gloo's communication threads do not
   (they are the brackets of *CPU ms/step*).
-- *shardpar calls*: Python function calls per step into shardpar's own code, counted in a
+- *shardpar calls*: Python function calls per step into shardpar's code, counted in a
   separate step, untimed, under ``cProfile`` (which slows what it profiles): every call whose
-  code object's file lies under the package the configuration runs (this checkout's shardpar,
-  or the candidate's for ``-cand`` rows), recursive calls, generator resumptions and, on
-  Python 3.11, comprehensions included (cProfile counts each as a call: each costs the
-  interpreter a frame). Per parameter tensor in brackets: what issue #44's targets count. The
-  slowest rank's, i.e. the most calls. The peers run no shardpar code: —. Every configuration
-  takes this step, right after its warm-up, so all of them still train on the same batches.
+  code object's file lies under a shardpar package of the process (this checkout's, and the
+  ``--candidate``'s when one is loaded), recursive calls, generator resumptions and, on Python
+  3.11, comprehensions included (cProfile counts each as a call: each costs the interpreter a
+  frame). Per parameter tensor in brackets: what issue #44's targets count. The slowest
+  rank's, i.e. the most calls. The peers are counted too: a process that built a stage 1-3
+  engine runs shardpar's global optimizer step pre-hook (core/sharded_grads.py, which refuses a
+  torch optimizer over parameters whose gradients shardpar keeps) in every torch optimizer's
+  step, theirs included. Calls are counted, not the loops inside them: a function looping in
+  Python over every parameter counts once. Every configuration takes this step, right after
+  its warm-up, so all of them still train on the same batches.
 On CUDA the backward pass runs on autograd's device thread, not the main one: *host ms* leaves
 out backward's CPU work there, and the calls are not counted (—), as a profiler of the main
 thread would miss every gradient hook.
@@ -155,13 +159,13 @@ def run_step(runner: Runner, batch, measured: Measured | None = None, before_zer
     return float(loss)
 
 
-def count_calls(runner: Runner, batch, package: Path | None) -> int | None:
+def count_calls(runner: Runner, batch, packages: list[Path]) -> int | None:
     """One training step, untimed, under cProfile: the Python calls it made into code under
-    ``package`` (see [Note: host columns]); None, after the same step, where nothing is counted
-    (a peer: ``package`` is None; CUDA)."""
+    any of the directories ``packages`` (see [Note: host columns]); on CUDA, where backward
+    runs on another thread, the same step uncounted, and None."""
     dist.barrier()
     synchronize(runner.device)
-    counting = package is not None and runner.device.type == "cpu"
+    counting = runner.device.type == "cpu"
     profile = cProfile.Profile()
     if counting:
         profile.enable()
@@ -174,7 +178,7 @@ def count_calls(runner: Runner, batch, package: Path | None) -> int | None:
     synchronize(runner.device)
     if not counting:
         return None
-    inside = f"{Path(package).resolve()}/"
+    inside = tuple(f"{package.resolve()}/" for package in packages)
     return sum(
         entry.callcount
         for entry in profile.getstats()  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ from .comm_alone import collectives_alone_s
 from .measure import Measured, count_calls, run_step
 from .memory import TIMING_MMAP_BYTES, measure_memory, set_allocator
 from .models import SIZES, ModelSpec
-from .runners import Runner, build_runner
+from .runners import Runner, build_runner, shardpar_packages
 from .stats import summarize
 
 
@@ -56,7 +56,7 @@ def bench_model(spec: ModelSpec, configs: list[str], args) -> dict[str, Any]:
             run_step(runner, batches[i % len(batches)])
         # One more step, untimed, every configuration's: the shardpar calls column ([Note: host
         # columns] in measure.py).
-        measured[config].shardpar_calls = count_calls(runner, batches[args.warmup % len(batches)], runner.package)
+        measured[config].shardpar_calls = count_calls(runner, batches[args.warmup % len(batches)], shardpar_packages())
     step_index = args.warmup + 1
     for r in range(args.rounds):
         order = configs[r % len(configs) :] + configs[: r % len(configs)]

@@ -142,9 +142,6 @@ class Runner:
     wait_clock: Any = None
     """Where the engine adds up its waits for collectives (shardpar stages only); see
     [Note: what is measured] in __init__.py."""
-    package: Path | None = None
-    """The directory of the shardpar package this configuration runs, whose Python calls the
-    *shardpar calls* column counts (shardpar stages only); see [Note: host columns] in measure.py."""
 
     def __init__(self, model: nn.Module, spec: ModelSpec, wrap_options: dict[str, Any]) -> None:
         self.spec, self.wrap_options = spec, wrap_options  # options for shardpar.wrap
@@ -186,7 +183,6 @@ class Runner:
 class ShardparRunner(Runner):
     def __init__(self, stage: int, library: Any, *args: Any) -> None:
         self.stage, self.library = stage, library  # shardpar, or a --candidate copy of it
-        self.package = Path(library.__file__).resolve().parent
         super().__init__(*args)
 
     def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
@@ -282,6 +278,13 @@ class HSDPRunner(FSDPRunner):
 
 LIBRARIES: dict[str, Any] = {CANDIDATE: shardpar}
 """The shardpar package the CANDIDATE stages run: this checkout's unless --candidate names one."""
+
+
+def shardpar_packages() -> list[Path]:
+    """The directories of every shardpar package in the process (this checkout's and the
+    ``--candidate``'s), whose Python calls the *shardpar calls* column counts ([Note: host
+    columns] in measure.py)."""
+    return list(dict.fromkeys(Path(library.__file__).resolve().parent for library in (shardpar, *LIBRARIES.values())))
 
 
 def build_runner(config: str, model: nn.Module, spec: ModelSpec, args: argparse.Namespace) -> Runner:
