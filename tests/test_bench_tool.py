@@ -2,18 +2,25 @@
 which is what the ``torchrun`` script runs): it runs every configuration and
 writes its report. A smoke test only: no timing is asserted (timings are the report's job,
 and they are noise on a shared 2-core machine), only what holds whatever the machine does:
-exposed waits are where the stage has collectives to wait for, and hidden is in [0, 1]."""
+exposed waits are where the stage has collectives to wait for, and hidden is in [0, 1]; the
+host's main-thread CPU is part of the process's; the count of shardpar's Python calls is the
+one an independent profile function makes of the same step."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+from argparse import Namespace
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import pytest
+import torch
 
-from tests.support.harness import run_script
+from tests.support.harness import run_ranks, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["stage0", "stage1", "stage2", "stage3", "ddp", "ddp+zero", "fsdp2"]
@@ -104,6 +111,101 @@ def test_bytes_and_model_state_match_the_closed_forms(report) -> None:
                 assert row["padding_bytes"] == [pytest.approx(row["closed_form_padding_bytes"])] * 2, config
         losses = [row["final_loss"] for row in result["configs"].values()]
         assert max(losses) - min(losses) < 1e-3, "configurations did not train the same model"
+
+
+def _tensors(model: str) -> int:
+    sys.path.insert(0, str(ROOT / "tools"))
+    from benchkit.models import parse_models
+
+    return len(list(parse_models(model)[0].build().parameters()))
+
+
+def _check_host_columns(result: dict[str, Any], text: str) -> None:
+    """One model's host columns in the JSON summary and in the report's timing table: main-thread
+    CPU within the process's, the shardpar call counts of every rank, and the table's cells
+    showing them."""
+    assert result["tensors"] == _tensors(result["model"]), result["model"]
+    table = text.split(f"## {result['model']}", 1)[1].split("| config | forward", 1)[0]
+    assert "| CPU ms/step (comm threads) | host ms/step | shardpar calls/step (per tensor) |" in table
+    peers = [row for config, row in result["configs"].items() if not config.startswith("stage")]
+    for config, row in result["configs"].items():
+        assert 0 < row["host_s"] <= row["cpu_s"] + 5e-4, (config, row["host_s"], row["cpu_s"])
+        calls = row["shardpar_calls"]
+        assert len(calls) == result["world"] and all(isinstance(c, int) for c in calls), (config, calls)
+        if config.startswith("stage"):
+            # A wrapped step runs shardpar's hooks and step: calls on every rank, more than any peer's
+            # (which reach shardpar only through its global optimizer pre-hook).
+            assert min(calls) > 0 and all(min(calls) > max(peer["shardpar_calls"]) for peer in peers), (config, calls)
+        cells = re.search(rf"^\| {re.escape(config)} \|.*\| ([\d.]+) \| ([\d,]+) \(([\d.]+)\) \|$", table, re.M)
+        assert cells is not None, (config, table)
+        assert float(cells[1]) == pytest.approx(row["host_s"] * 1e3, abs=0.051)
+        assert int(cells[2].replace(",", "")) == max(calls)
+        assert float(cells[3]) == pytest.approx(max(calls) / result["tensors"], abs=0.051)
+
+
+def test_host_columns_are_reported_for_every_configuration(report) -> None:
+    out, data, _ = report
+    text = (out / "bench.md").read_text()
+    assert "*host ms/step*" in text and "*shardpar calls/step*" in text
+    for result in data["results"]:
+        _check_host_columns(result, text)
+
+
+def _count_a_step_both_ways(config: str) -> dict[str, int | None]:
+    """On each rank: ``config`` on overhead:4, warmed up; then one step counted by the bench's
+    ``count_calls`` and the next by a profile function of our own (every "call" event whose
+    code lies in shardpar), and, for plain torch, the calls into torch itself."""
+    import sys
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from benchkit.measure import count_calls, run_step
+    from benchkit.models import parse_models
+    from benchkit.runners import build_runner, shardpar_packages
+
+    spec = parse_models("overhead:4")[0]
+    torch.manual_seed(0)
+    runner = build_runner(config, spec.build(), spec, Namespace(torch_device=torch.device("cpu"), wrap_options={}))
+    batch = spec.batch_for(torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(2):
+        run_step(runner, batch)
+    packages = shardpar_packages()
+    inside = tuple(f"{package}/" for package in packages)
+    counted = count_calls(runner, batch, packages)
+    by_hand = 0
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        nonlocal by_hand
+        by_hand += event == "call" and str(Path(frame.f_code.co_filename).resolve()).startswith(inside)
+
+    sys.setprofile(profile)
+    try:
+        runner.forward_backward(batch)
+        runner.step()
+        runner.zero_grad()
+    finally:
+        sys.setprofile(None)
+    torch_calls = count_calls(runner, batch, [Path(torch.__file__).parent]) if config == "torch" else None
+    runner.close()
+    return {"counted": counted, "by_hand": by_hand, "torch_calls": torch_calls}
+
+
+@pytest.mark.parametrize("config", ["stage0", "stage3", "torch"])
+def test_shardpar_calls_are_what_a_profile_function_counts(config: str) -> None:
+    """The calls column counts shardpar's Python calls exactly, at world size 2 where the
+    issue's per-tensor figures are measured: a wrapped step's count on every rank equals a
+    ``sys.setprofile`` count of the next step (the steps are alike after warm-up) and is at least
+    one gradient hook per parameter tensor; plain torch's step reaches shardpar in fewer calls
+    than it has tensors (only through shardpar's global optimizer pre-hook, if a stage 1-3
+    engine was built in the process), while the same counter finds its calls into torch."""
+    tensors = _tensors("overhead:4")
+    for rank, counts in enumerate(run_ranks(_count_a_step_both_ways, 2, config, timeout=120)):
+        assert counts["counted"] == counts["by_hand"], (rank, counts)
+        if config == "torch":
+            assert counts["counted"] < tensors and counts["torch_calls"] > tensors, (rank, counts)
+        else:
+            assert counts["counted"] >= tensors, (rank, counts)
 
 
 PHASES = ("forward", "backward_gather", "backward", "step")
@@ -220,9 +322,9 @@ def test_plain_torch_is_every_stages_peer_at_world_size_1(tmp_path: Path) -> Non
             sys.executable,
             str(ROOT / "tools" / "bench.py"),
             "--models",
-            "mlp:tiny",
+            "mlp:tiny,overhead:4",
             "--configs",
-            "stage0,stage3,torch",
+            "stage0,stage1,stage2,stage3,torch",
             "--warmup",
             "1",
             "--rounds",
@@ -241,11 +343,19 @@ def test_plain_torch_is_every_stages_peer_at_world_size_1(tmp_path: Path) -> Non
         cwd=ROOT,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    configs = json.loads((tmp_path / "b.json").read_text())["results"][0]["configs"]
-    assert [configs[c]["peer"] for c in ("stage0", "stage3")] == ["torch", "torch"]
-    assert configs["torch"]["model_state"] == [pytest.approx(configs["torch"]["formula"], rel=0.01)]
-    assert abs(configs["stage3"]["final_loss"] - configs["torch"]["final_loss"]) < 1e-3
+    results = json.loads((tmp_path / "b.json").read_text())["results"]
     text = (tmp_path / "b.md").read_text()
+    for result in results:
+        configs = result["configs"]
+        assert [configs[f"stage{s}"]["peer"] for s in range(4)] == ["torch"] * 4
+        assert configs["torch"]["model_state"] == [pytest.approx(configs["torch"]["formula"], rel=0.01)]
+        for stage in range(4):
+            assert abs(configs[f"stage{stage}"]["final_loss"] - configs["torch"]["final_loss"]) < 1e-3, stage
+        _check_host_columns(result, text)
+    assert [r["model"] for r in results] == ["mlp:tiny", "overhead:4"]
+    assert results[1]["description"] == (
+        "overhead stack, 4 blocks of two Linear(64, 64) and a LayerNorm, 26 parameter tensors, batch 2 rows/rank"
+    )
     assert "× torch" in text and "target" not in text.split("## mlp:tiny", 1)[1].split("| config | forward")[0]
     assert "Plain torch (`torch`)" in text
 
@@ -345,3 +455,26 @@ def test_hybrid_sharding_at_world_size_4_bytes_per_group_equal_the_closed_forms(
     assert "| stage3-g2 | 2 × 2 |" in text and "| hsdp-g2 | 2 × 2 |" in text
     assert "| stage3-g2 | across replicas | 2 |" in text and "| stage3 | all ranks (full sharding) | 4 |" in text
     assert " ✗" not in text.split("Bytes per group:", 1)[1].split("Final loss", 1)[0]
+
+
+def test_overhead_model_is_the_issues_shape() -> None:
+    """``--models overhead`` is issue #44's model: 64 blocks of two Linear(64, 64) and a
+    LayerNorm, 386 parameter tensors, batch 2; stage 3 and FSDP2 shard it by block."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from benchkit.models import OverheadBlock, parse_models
+
+    [spec] = parse_models("overhead")
+    assert spec.name == "overhead:64" and spec.unit_class is OverheadBlock
+    model = spec.build()
+    assert len(list(model.parameters())) == 386
+    blocks = [m for m in model.modules() if isinstance(m, OverheadBlock)]
+    assert len(blocks) == 64
+    for block in blocks:
+        kinds = [(type(m).__name__, tuple(p.shape for p in m.parameters())) for m in block.children()]
+        assert sorted(kinds) == [
+            ("LayerNorm", ((64,), (64,))),
+            ("Linear", ((64, 64), (64,))),
+            ("Linear", ((64, 64), (64,))),
+        ], kinds
+    inputs, targets = spec.batch_for(torch.Generator().manual_seed(0))
+    assert inputs.shape == (2, 64) and targets.shape == (2,) and model(inputs).shape == (2, 64)

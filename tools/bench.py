@@ -6,6 +6,10 @@
     torchrun --standalone --nproc_per_node 8 tools/bench.py --device cuda   # 8 GPUs, NCCL
     torchrun --standalone --nproc_per_node 4 tools/bench.py --configs stage3,stage3-g2,fsdp2,hsdp-g2
                                                                         # hybrid sharding (2 × 2) against HSDP
+    OMP_NUM_THREADS=1 python tools/bench.py --models overhead --configs stage0,stage1,stage2,stage3,torch --rounds 25
+    torchrun --standalone --nproc_per_node 2 tools/bench.py --models overhead --rounds 25
+                                                # the host's share (#44): against plain torch, then the peers
+                                                # (add --steps-per-round 1 for the median of 25 interleaved steps)
 
 The benchmark is the package beside this file, tools/benchkit/: its __init__.py says what
 each module does and what is measured ([Note: what is measured], [Note: on CUDA]).

@@ -3,10 +3,12 @@ ZeroRedundancyOptimizer and FSDP2, in one run (see tools/bench.py for the comman
 
 One module per job:
 
-    models      the model zoo (``--models``: MLP stacks and transformers, tiny to large)
+    models      the model zoo (``--models``: MLP stacks and transformers, tiny to large; the
+                overhead stack, [Note: the overhead model])
     runners     one configuration each: shardpar stage N, DDP, DDP + ZeRO, FSDP2, plain torch;
                 hybrid sharding stageN-gG against FSDP2's HSDP hsdp-gG ([Note: hybrid configurations])
-    measure     one timed training step: wall, phases, CPU, page faults, waits
+    measure     one timed training step: wall, phases, CPU, page faults, waits; one untimed
+                step's Python calls into shardpar ([Note: host columns])
     memory      the memory phase: each configuration alone, its peak RSS or CUDA allocation
     comm_alone  the collectives of one step timed with nothing else running
     run         one model: the memory phase, then warm-up and interleaved timed rounds

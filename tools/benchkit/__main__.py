@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--models",
         default="mlp:small,mlp:large,gpt:small,gpt:large",
-        help="comma-separated KIND:SIZE, kinds mlp and gpt, sizes tiny, small, large",
+        help="comma-separated KIND:SIZE, kinds mlp and gpt, sizes tiny, small, large; and overhead "
+        "(overhead:64, the default size, or overhead:4; see [Note: the overhead model] in benchkit/models.py)",
     )
     parser.add_argument(
         "--configs",

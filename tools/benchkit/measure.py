@@ -1,15 +1,43 @@
 """One timed training step: its wall time and phases, the process's CPU and page faults, and
 the engine's waits for collectives (see [Note: what is measured] and [Note: on CUDA] in
-__init__.py); :class:`Measured` collects them, and the memory and communication figures, for
-one configuration on one rank."""
+__init__.py); one untimed step with shardpar's Python calls counted ([Note: host columns]);
+:class:`Measured` collects them, and the memory and communication figures, for one
+configuration on one rank.
+
+[Note: host columns]
+Two figures say what the host spends on a step, for models whose compute is negligible (the
+overhead model, [Note: the overhead model] in models.py) and any other:
+- *host ms*: CPU time of the rank's main thread (``time.thread_time``) over the timed phases of
+  a step (fwd+bwd, opt step, zero_grad), the median over the timed steps, the slowest rank's.
+  Python, autograd's CPU work and the optimizer run there; gloo's communication threads do not
+  (they are the brackets of *CPU ms/step*).
+- *shardpar calls*: Python function calls per step into shardpar's code, counted in a
+  separate step, untimed, under ``cProfile`` (which slows what it profiles): every call whose
+  code object's file lies under a shardpar package of the process (this checkout's, and the
+  ``--candidate``'s when one is loaded), recursive calls, generator resumptions and, on Python
+  3.11, comprehensions included (cProfile counts each as a call: each costs the interpreter a
+  frame). Per parameter tensor in brackets: what issue #44's targets count. The slowest
+  rank's, i.e. the most calls. The peers are counted too: a process that built a stage 1-3
+  engine runs shardpar's global optimizer step pre-hook (core/sharded_grads.py, which refuses a
+  torch optimizer over parameters whose gradients shardpar keeps) in every torch optimizer's
+  step, theirs included. Calls are counted, not the loops inside them: a function looping in
+  Python over every parameter counts once. Every configuration takes this step, right after
+  its warm-up, so all of them still train on the same batches.
+On CUDA the backward pass runs on autograd's device thread, not the main one: *host ms* leaves
+out backward's CPU work there, and the calls are not counted (—), as a profiler of the main
+thread would miss every gradient hook.
+"""
 
 from __future__ import annotations
 
+import cProfile
 import math
 import resource
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,7 +47,7 @@ from shardpar.core.wait_clock import PHASES as WAIT_PHASES
 
 from .runners import Runner
 
-__all__ = ["WAIT_PHASES", "Measured", "run_step", "synchronize"]
+__all__ = ["WAIT_PHASES", "Measured", "count_calls", "run_step", "synchronize"]
 
 
 @dataclass
@@ -44,6 +72,7 @@ class Measured:
     # {"sent_bytes", "padding_sent_bytes"} per step (comm_stats()["by_group"])
     grad_alone_s: float | None = None
     gather_alone_s: float | None = None
+    shardpar_calls: int | None = None  # Python calls into shardpar in the counted step ([Note: host columns])
     final_loss: float = math.nan
 
 
@@ -128,3 +157,30 @@ def run_step(runner: Runner, batch, measured: Measured | None = None, before_zer
         if wait_clock is not None:
             measured.exposed.append(dict(wait_clock.seconds))
     return float(loss)
+
+
+def count_calls(runner: Runner, batch, packages: list[Path]) -> int | None:
+    """One training step, untimed, under cProfile: the Python calls it made into code under
+    any of the directories ``packages`` (see [Note: host columns]); on CUDA, where backward
+    runs on another thread, the same step uncounted, and None."""
+    dist.barrier()
+    synchronize(runner.device)
+    counting = runner.device.type == "cpu"
+    profile = cProfile.Profile()
+    if counting:
+        profile.enable()
+    try:
+        runner.forward_backward(batch)
+        runner.step()
+        runner.zero_grad()
+    finally:
+        profile.disable()
+    synchronize(runner.device)
+    if not counting:
+        return None
+    inside = tuple(f"{package.resolve()}/" for package in packages)
+    return sum(
+        entry.callcount
+        for entry in profile.getstats()  # type: ignore[attr-defined]
+        if isinstance(entry.code, types.CodeType) and str(Path(entry.code.co_filename).resolve()).startswith(inside)
+    )

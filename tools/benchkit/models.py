@@ -1,7 +1,20 @@
 """The model zoo: MLP stacks and pre-norm transformers at three sizes (``--models KIND:SIZE``),
-each with its per-rank batch and the block class that stage 3 and FSDP2 shard by; and a
-nanochat-shaped GPT (:class:`NanochatGPT`, sizes in ``NANOCHAT_SIZES``) for issue #43's Muon
-benchmark, not yet among ``--models``."""
+and the overhead stack (``overhead``, see [Note: the overhead model]), each with its per-rank
+batch and the block class that stage 3 and FSDP2 shard by; and a nanochat-shaped GPT
+(:class:`NanochatGPT`, sizes in ``NANOCHAT_SIZES``) for issue #43's Muon benchmark, not yet among
+``--models``.
+
+[Note: the overhead model]
+``overhead`` (``overhead:64``; ``overhead:4`` for quick runs, e.g. the tests) is issue #44's
+model: 64 residual blocks of a LayerNorm and two Linear(64, 64), then a Linear(64, 64) head: 386
+parameter tensors (weights of 4,096 elements, biases and norms of 64), Ψ = 544,832, batch 2 rows
+per rank. Its compute is negligible, so its step time is what the host spends per step:
+autograd's and the optimizer's per-tensor work, which plain torch also pays (at world size 1 it
+is the floor), and the wrapper's, which grows with the number of tensors, not their size.
+Compare it with plain torch at world size 1 (``--configs stage0,stage1,stage2,stage3,torch``)
+and with the peers at world size N; the *host ms* and *shardpar calls* columns of the timing
+table say where the difference goes ([Note: host columns] in measure.py).
+"""
 
 from __future__ import annotations
 
@@ -33,6 +46,33 @@ class MLPStack(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class OverheadBlock(nn.Module):
+    """Residual pre-norm block of two square Linears: x + W2 gelu(W1 LN(x)); six parameter
+    tensors, of which the biases and the norm's are ``width`` elements."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class OverheadStack(nn.Module):
+    """Many small blocks, then a head: see [Note: the overhead model]."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(OverheadBlock(width) for _ in range(layers))
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
         return self.head(x)
@@ -152,7 +192,7 @@ class NanochatGPT(nn.Module):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    kind: str  # "mlp", "gpt" or "nanochat"
+    kind: str  # "mlp", "gpt", "overhead" or "nanochat"
     size: str
     width: int
     layers: int
@@ -170,15 +210,17 @@ class ModelSpec:
             return MLPStack(self.width, self.layers, classes=self.width)
         if self.kind == "nanochat":
             return NanochatGPT(self.width, self.layers, self.heads, self.vocab, self.seq)
+        if self.kind == "overhead":
+            return OverheadStack(self.width, self.layers)
         return Transformer(self.width, self.layers, self.heads, self.vocab, self.seq)
 
     @property
     def unit_class(self) -> type[nn.Module]:
         """Stage-3 units and FSDP2 ``fully_shard`` calls: one per block, then the root."""
-        return {"mlp": MLPBlock, "nanochat": NanochatBlock}.get(self.kind, Block)
+        return {"mlp": MLPBlock, "nanochat": NanochatBlock, "overhead": OverheadBlock}.get(self.kind, Block)
 
     def batch_for(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.kind == "mlp":
+        if self.kind in ("mlp", "overhead"):
             x = torch.randn(self.batch, self.width, generator=generator)
             return x, torch.randint(0, self.width, (self.batch,), generator=generator)
         tokens = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=generator)
@@ -187,6 +229,11 @@ class ModelSpec:
     def describe(self) -> str:
         if self.kind == "mlp":
             return f"MLP stack, width {self.width}, {self.layers} blocks, batch {self.batch} rows/rank"
+        if self.kind == "overhead":
+            return (
+                f"overhead stack, {self.layers} blocks of two Linear({self.width}, {self.width}) and a LayerNorm, "
+                f"{6 * self.layers + 2} parameter tensors, batch {self.batch} rows/rank"
+            )
         shape = "nanochat-shaped GPT (RoPE, QK norm, relu^2, untied head)" if self.kind == "nanochat" else "transformer"
         return (
             f"{shape}, width {self.width}, {self.layers} blocks, {self.heads} heads, vocab {self.vocab}, "
@@ -205,7 +252,13 @@ SIZES = {
         "small": {"width": 192, "layers": 4, "heads": 4, "vocab": 2048, "seq": 64, "batch": 4},
         "large": {"width": 256, "layers": 6, "heads": 4, "vocab": 4096, "seq": 64, "batch": 4},
     },
+    "overhead": {  # the size is the number of blocks: see [Note: the overhead model]
+        "4": {"width": 64, "layers": 4, "batch": 2},
+        "64": {"width": 64, "layers": 64, "batch": 2},
+    },
 }
+DEFAULT_SIZE = {"overhead": "64"}
+"""The size a bare kind means (``--models overhead`` is ``overhead:64``)."""
 
 
 NANOCHAT_SIZES = {
@@ -221,8 +274,9 @@ def parse_models(text: str) -> list[ModelSpec]:
     specs = []
     for item in text.split(","):
         kind, _, size = item.strip().partition(":")
+        size = size or DEFAULT_SIZE.get(kind, "")
         if kind not in SIZES or size not in SIZES[kind]:
-            choices = ", ".join(f"{k}:{s}" for k in SIZES for s in SIZES[k])
+            choices = ", ".join([*(f"{k}:{s}" for k in SIZES for s in SIZES[k]), *DEFAULT_SIZE])
             raise SystemExit(f"error: --models: unknown model {item!r}; choose from {choices}")
         specs.append(ModelSpec(kind, size, **SIZES[kind][size]))
     return specs

@@ -74,7 +74,11 @@ COLUMNS = (
     "DDP, stages 1–2 vs DDP + ZeroRedundancyOptimizer, stage 3 vs FSDP2). *fwd+bwd*, *opt step*, *zero_grad*: "
     "median wall time of each phase. *CPU ms/step*: CPU time of the whole rank process per step (in brackets: "
     "of its threads other than the main one, i.e. gloo's communication threads); on a loaded machine this is "
-    "steadier than wall time. "
+    "steadier than wall time. *host ms/step*: CPU time of the main thread over the same phases, the median (what "
+    "Python, autograd and the optimizer cost the host). *shardpar calls/step*: Python function calls into "
+    "shardpar's code in one more step, untimed, under cProfile, the slowest rank's; per parameter tensor in "
+    "brackets; the peers' are shardpar's global optimizer step pre-hook, which runs in every torch optimizer's "
+    "step once a stage 1–3 engine exists (see [Note: host columns] in tools/benchkit/measure.py). "
     "Exposed communication (second table): what the rank's main thread waited for collectives during the step "
     "(`engine.wait_clock`, reset before every step), per phase: *forward* (parameter all-gathers completed in "
     "forward: stages 1–2's post-step gathers, stage 3's unit gathers), *backward gathers* (stage 3's gathers "
@@ -99,7 +103,8 @@ CUDA_COLUMNS = (
     "time includes the GPU work it queued; *fwd+bwd*, *opt step*, *zero_grad* are GPU time between CUDA events "
     "on the current stream; *peak CUDA allocated increase*: `torch.cuda.max_memory_allocated` over the "
     "configuration's 2 steps above what was allocated before it was built; the wait clock counts only the "
-    "host's waits, so a step that never synchronises shows none. At world size 1, *torch* is plain torch "
+    "host's waits, so a step that never synchronises shows none. Backward runs on autograd's device thread: "
+    "*host ms* leaves out its CPU work and the shardpar calls are not counted (—). At world size 1, *torch* is plain torch "
     "(the model and AdamW, no wrapper), every stage's peer."
 )
 

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from .comm_alone import collectives_alone_s
-from .measure import Measured, run_step
+from .measure import Measured, count_calls, run_step
 from .memory import TIMING_MMAP_BYTES, measure_memory, set_allocator
 from .models import SIZES, ModelSpec
-from .runners import Runner, build_runner
+from .runners import Runner, build_runner, shardpar_packages
 from .stats import summarize
 
 
@@ -44,16 +44,20 @@ def bench_model(spec: ModelSpec, configs: list[str], args) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     base = spec.build()
     psi = sum(p.numel() for p in base.parameters())
+    tensors = len(list(base.parameters()))
     generator = torch.Generator().manual_seed(args.seed * 1000 + dist.get_rank())
     batches = [_on(spec.batch_for(generator), args.torch_device) for _ in range(4)]
     measured = {config: measure_memory(config, spec, base, batches, args) for config in configs}
     set_allocator(TIMING_MMAP_BYTES)
     runners: dict[str, Runner] = {}
     for config in configs:
-        runners[config] = build_runner(config, copy.deepcopy(base), spec, args)
+        runner = runners[config] = build_runner(config, copy.deepcopy(base), spec, args)
         for i in range(args.warmup):
-            run_step(runners[config], batches[i % len(batches)])
-    step_index = args.warmup
+            run_step(runner, batches[i % len(batches)])
+        # One more step, untimed, every configuration's: the shardpar calls column ([Note: host
+        # columns] in measure.py).
+        measured[config].shardpar_calls = count_calls(runner, batches[args.warmup % len(batches)], shardpar_packages())
+    step_index = args.warmup + 1
     for r in range(args.rounds):
         order = configs[r % len(configs) :] + configs[: r % len(configs)]
         for config in order:
@@ -73,7 +77,7 @@ def bench_model(spec: ModelSpec, configs: list[str], args) -> dict[str, Any]:
     gc.collect()
     gathered: list[dict[str, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(gathered, {c: asdict(m) for c, m in measured.items()})
-    return summarize(spec, psi, configs, gathered, args)
+    return summarize(spec, psi, tensors, configs, gathered, args)
 
 
 def accumulate_comm(m: Measured, stats: dict[str, Any], steps: int) -> None:

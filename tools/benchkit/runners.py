@@ -280,6 +280,13 @@ LIBRARIES: dict[str, Any] = {CANDIDATE: shardpar}
 """The shardpar package the CANDIDATE stages run: this checkout's unless --candidate names one."""
 
 
+def shardpar_packages() -> list[Path]:
+    """The directories of every shardpar package in the process (this checkout's and the
+    ``--candidate``'s), whose Python calls the *shardpar calls* column counts ([Note: host
+    columns] in measure.py)."""
+    return list(dict.fromkeys(Path(library.__file__).resolve().parent for library in (shardpar, *LIBRARIES.values())))
+
+
 def build_runner(config: str, model: nn.Module, spec: ModelSpec, args: argparse.Namespace) -> Runner:
     """``config`` built on ``model``, which is first moved to the rank's device."""
     model = model.to(args.torch_device)

@@ -55,7 +55,8 @@ def bytes_by_group(per_rank: list[dict[str, Any]], closed: dict[str, dict[str, d
     }
 
 
-def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], args) -> dict[str, Any]:
+def summarize(spec: ModelSpec, psi: int, tensors: int, configs: list[str], ranks: list[dict], args) -> dict[str, Any]:
+    """``tensors``: the model's parameter tensors, what the calls per tensor count by."""
     world = len(ranks)
     per_config: dict[str, Any] = {}
     for config in configs:
@@ -69,6 +70,8 @@ def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], 
             "cpu_s": max(statistics.median(m["cpu"]) for m in per_rank),
             "cpu_other_s": max(statistics.median(m["cpu_other"]) for m in per_rank),
             "minor_faults": max(statistics.median(m["minor_faults"]) for m in per_rank),
+            # The main thread's CPU over a step's phases ([Note: host columns] in measure.py).
+            "host_s": max(statistics.median(sum(p) for p in m["phase_cpu_main"]) for m in per_rank),
             "phase_cpu_main_s": {
                 k: max(statistics.median(p[i] for p in m["phase_cpu_main"]) for m in per_rank)
                 for i, k in enumerate(("fwd_bwd", "opt", "zero"))
@@ -83,6 +86,8 @@ def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], 
             "rss_exact": all(m["rss_exact"] for m in per_rank),
             "final_loss": per_rank[0]["final_loss"],
         }
+        if all(m["shardpar_calls"] is not None for m in per_rank):
+            row["shardpar_calls"] = [m["shardpar_calls"] for m in per_rank]
         if per_rank[0]["sent_bytes"] is not None:
             stage = stage_of(config)
             options = {**args.wrap_options, **(args.candidate_options if config.endswith(CANDIDATE) else {})}
@@ -116,4 +121,11 @@ def summarize(spec: ModelSpec, psi: int, configs: list[str], ranks: list[dict], 
         base = config.removesuffix(CANDIDATE)
         if base != config and base in per_config:
             row["vs_base"] = row["step_s"]["median"] / per_config[base]["step_s"]["median"]
-    return {"model": spec.name, "description": spec.describe(), "params": psi, "world": world, "configs": per_config}
+    return {
+        "model": spec.name,
+        "description": spec.describe(),
+        "params": psi,
+        "tensors": tensors,
+        "world": world,
+        "configs": per_config,
+    }

@@ -31,9 +31,9 @@ def timing_table(result: dict[str, Any]) -> list[str]:
     lines = [
         (
             "| config | median step ms | IQR ms | min–max ms | vs peer | fwd+bwd ms | opt step ms | zero_grad ms "
-            "| CPU ms/step (comm threads) |"
+            "| CPU ms/step (comm threads) | host ms/step | shardpar calls/step (per tensor) |"
         ),
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for config, row in result["configs"].items():
         q, ph = row["step_s"], row["phase_s"]
@@ -45,9 +45,18 @@ def timing_table(result: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {config} | {_ms(q['median'])} | {_ms(q['p25'])}–{_ms(q['p75'])} | {_ms(q['min'])}–{_ms(q['max'])} "
             f"| {vs} | {_ms(ph['fwd_bwd'])} | {_ms(ph['opt'])} | {_ms(ph['zero'])} "
-            f"| {_ms(row['cpu_s'])} ({_ms(row['cpu_other_s'])}) |"
+            f"| {_ms(row['cpu_s'])} ({_ms(row['cpu_other_s'])}) | {_ms(row['host_s'])} "
+            f"| {_calls(row, result['tensors'])} |"
         )
     return lines
+
+
+def _calls(row: dict[str, Any], tensors: int) -> str:
+    """The most Python calls into shardpar in the counted step, and per parameter tensor."""
+    if "shardpar_calls" not in row:
+        return "—"
+    calls = max(row["shardpar_calls"])
+    return f"{calls:,} ({calls / tensors:.1f})"
 
 
 PHASE_LABELS = {
