@@ -5,7 +5,7 @@
     torchrun --standalone --nproc_per_node 2 tools/step_profile.py --model mlp:small --stage 3 --calls
     torchrun --standalone --nproc_per_node 2 tools/step_profile.py --model mlp:large --stage 3 --cycles
     torchrun --standalone --nproc_per_node 2 tools/step_profile.py --model gpt:large --stage 3 \
-        --time core.flat_param:FlatParamGroup.wait_unsharded --time engines.engine:Engine._on_grad_ready
+        --time core.gatherer:UnitGatherer.wait_for_gather --time engines.engine:Engine._on_grad_ready
 
 ``tools/bench.py`` times every configuration interleaved in one launch, which is what its
 ratios need; this tool answers the follow-up question about one of them, with nothing else

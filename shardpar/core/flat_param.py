@@ -6,7 +6,18 @@ A :class:`FlatParamGroup` owns one dtype's parameters laid out by a one-bucket
 multiple of N) and this rank's *shard* of it (slice r, in the dtype the optimizer updates).
 Its state says which of the two the parameters are views of right now:
 
-    SHARDED ──start_unshard()──▶ GATHERING ──wait_unsharded()──▶ UNSHARDED ──reshard()──▶ SHARDED
+    SHARDED ──begin_gather()──▶ GATHERING ──complete_gather()──▶ UNSHARDED ──reshard()──▶ SHARDED
+
+The group is passive, as FSDP2's parameter group is below its ``unshard``/``wait_for_unshard``:
+its *gatherer* (stages 1-2: the post-step gatherer; stage 3: the unit gatherer) allocates the
+full buffer (``allocate_full``), issues the all-gather, hands the handle to ``begin_gather``,
+and later waits for it and calls ``complete_gather``; the group only records the state and
+handle, points its parameters at views and guards them, and says how many bytes of full
+storage each step allocated or freed, so that the gatherer meters them. The one way back up
+is the :class:`GatherWaiter` handed down with the handle: code that holds a parameter or a
+group but not its gatherer (a guarded parameter read while gathering, stages 1-2's use
+hooks) waits through ``wait_unsharded``, which asks that waiter to complete the gather as
+the gatherer always does (stage 3: after every gather issued before it, its tags checked).
 
 - stage 3: one group per (unit, dtype, trainable). The shard is the only persistent copy; the
   full buffer's storage exists only while GATHERING/UNSHARDED (it is resized to 0 by
@@ -28,7 +39,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -45,6 +56,15 @@ class ShardState(enum.Enum):
     """The full buffer is allocated and an all-gather into it is in flight."""
     UNSHARDED = "unsharded"
     """The full parameters are valid; the parameters are views of them."""
+
+
+class GatherWaiter(Protocol):
+    """Who completes a group's gather in flight: the gatherer that issued it, handed to
+    :meth:`FlatParamGroup.begin_gather` with the handle (see [Note: flat parameter groups])."""
+
+    def wait_for_gather(self, flat: FlatParamGroup) -> None:
+        """Wait for ``flat``'s gather and complete it (``flat`` is GATHERING)."""
+        ...
 
 
 class _PendingGather:
@@ -95,9 +115,9 @@ class _Sharded:
 
 
 class GatheredBytes:
-    """Bytes of full buffers allocated right now, and the most ever, over the groups that
-    report here (stage 3: every unit's groups). Kept as the buffers are allocated and freed,
-    so the peak costs nothing per gather."""
+    """Bytes of full buffers allocated right now, and the most ever, over the groups a gatherer
+    meters (stage 3: every unit's groups). Kept as the buffers are allocated and freed (the
+    bytes each transition of a group returns), so the peak costs nothing per gather."""
 
     def __init__(self, now: int) -> None:
         self.now = now
@@ -106,28 +126,6 @@ class GatheredBytes:
     def add(self, nbytes: int) -> None:
         self.now += nbytes
         self.peak = max(self.peak, self.now)
-
-
-class GatherChannel:
-    """Who gathers a group: it issues the group's all-gathers and is told of each step of one
-    (stages 1-2: the post-step gatherer; stage 3: the unit gatherer, which checks every
-    gather's tag and meters the full buffers). A group hands itself to the channel it is
-    gathered by; the base does nothing but issue and wait."""
-
-    def issue_gather(self, flat: FlatParamGroup) -> C.Handle:
-        raise NotImplementedError
-
-    def before_gather_wait(self, flat: FlatParamGroup) -> None:
-        """A wait for ``flat``'s gather begins (stage 3 completes the gathers issued before it)."""
-
-    def wait_gather(self, handle: C.Handle) -> Any:
-        return handle.wait()
-
-    def gather_received(self, flat: FlatParamGroup, result: Any) -> None:
-        """``flat``'s gather completed; ``result`` is what its handle returned."""
-
-    def full_storage_changed(self, nbytes: int) -> None:
-        """A full buffer's storage was allocated (``nbytes`` > 0) or freed (< 0)."""
 
 
 class FlatParamGroup:
@@ -163,9 +161,8 @@ class FlatParamGroup:
         self.handle: C.Handle | None = None
         self.tagged_shard: torch.Tensor | None = None
         """Stage 3: the shard's storage as bytes, with room for a gather tag in front."""
-        self.channel: GatherChannel | None = None
-        """What gathered this group last (given to :meth:`start_unshard`): told of the waits
-        and of the full buffer's storage until the next gather."""
+        self.waiter: GatherWaiter | None = None
+        """Who completes the gather in flight (given to :meth:`begin_gather` with its handle)."""
         self._views = {name: layout.view(full, name) for name in self.params}
         # Guards made once: a transition only switches each parameter's class and guard.
         self._pending = _PendingGather(self)
@@ -227,63 +224,60 @@ class FlatParamGroup:
 
     # ------------------------------------------------------------------ transitions
 
-    def start_unshard(self, channel: GatherChannel) -> None:
-        """Begin the all-gather ``channel`` issues into the full buffer (allocated first)."""
+    def allocate_full(self) -> int:
+        """Give the full buffer its storage again before a gather writes into it (stage 3);
+        returns the bytes allocated (0: it had them, or it keeps its full buffer)."""
+        if not self.frees_storage or self.full.untyped_storage().nbytes() > 0:
+            return 0
+        self.full.untyped_storage().resize_(self._storage_bytes)
+        return self.full_bytes
+
+    def begin_gather(self, handle: C.Handle, waiter: GatherWaiter) -> None:
+        """The all-gather into the full buffer that ``waiter`` issued is in flight (``handle``):
+        until it completes, reading a parameter asks ``waiter`` to complete it."""
         assert self.state is not ShardState.GATHERING, f"'{self.label}' is already gathering"
-        self.channel = channel
-        if self.frees_storage and self.full.untyped_storage().nbytes() == 0:
-            self.full.untyped_storage().resize_(self._storage_bytes)
-            channel.full_storage_changed(self.full_bytes)
-        self.handle = channel.issue_gather(self)
+        self.handle, self.waiter = handle, waiter
         self.state = ShardState.GATHERING
         for param in self.params.values():
             guard(param, self._pending)
 
+    def take_handle(self) -> C.Handle:
+        """The gather's handle, handed to the one caller that waits for it (then :meth:`complete_gather`)."""
+        handle, self.handle = self.handle, None
+        assert self.state is ShardState.GATHERING and handle is not None, f"'{self.label}' has no gather to wait for"
+        return handle
+
+    def complete_gather(self) -> None:
+        """The gather's handle was waited for: the parameters are views of the full buffer."""
+        assert self.state is ShardState.GATHERING, f"'{self.label}' is {self.state.value}, not gathering"
+        self.waiter = None
+        self.state = ShardState.UNSHARDED
+        self.point_params_at_full()
+
     def wait_unsharded(self) -> None:
-        """Block until the gather is done; the parameters are views of the full buffer after."""
+        """Block until the gather is done, through the gatherer that issued it: for code that
+        holds the group but not its gatherer (see [Note: flat parameter groups])."""
         if self.state is ShardState.UNSHARDED:
             return
         assert self.state is ShardState.GATHERING, f"'{self.label}' is {self.state.value}, not gathering"
-        assert self.channel is not None  # start_unshard, which began the gather, set it
-        self.channel.before_gather_wait(self)
-        if self.state is not ShardState.GATHERING:
-            return  # completed or dropped by a recovery while earlier gathers were waited for
-        self.channel.gather_received(self, self._complete_gather())
+        assert self.waiter is not None  # begin_gather, which began the gather, set it
+        self.waiter.wait_for_gather(self)
 
-    def drop_gather(self) -> object:
-        """Complete the gather in flight without using what arrived, and free the full buffer
-        (stage 3: a gather drained after ranks' gathers fell out of step); returns what the
-        gather's handle returned."""
-        assert self.state is ShardState.GATHERING, f"'{self.label}' is {self.state.value}, not gathering"
-        result = self._complete_gather()
-        self.reshard()
-        return result
-
-    def _complete_gather(self) -> object:
-        handle, self.handle = self.handle, None
-        # Only called while gathering: start_unshard set both.
-        assert handle is not None and self.channel is not None
-        result = self.channel.wait_gather(handle)
-        self.state = ShardState.UNSHARDED
-        self.point_params_at_full()
-        return result
-
-    def reshard(self) -> None:
-        """Free the full buffer (stage 3); a gather still in flight is waited for first, so no
-        collective ever writes into freed memory."""
+    def reshard(self) -> int:
+        """Free the full buffer (stage 3); returns the bytes freed. Its gatherer completes a
+        gather still in flight first, so no collective ever writes into freed memory."""
         assert self.frees_storage, f"'{self.label}' keeps its full buffer"
         if self.state is ShardState.SHARDED:
-            return
-        if self.state is ShardState.GATHERING:
-            self.wait_unsharded()
+            return 0
+        assert self.state is not ShardState.GATHERING, f"'{self.label}' is freed while its gather is in flight"
         storage = self.full.untyped_storage()
-        if self.channel is not None and storage.nbytes() > 0:
-            self.channel.full_storage_changed(-self.full_bytes)
+        freed = self.full_bytes if storage.nbytes() > 0 else 0
         storage.resize_(0)
         self.state = ShardState.SHARDED
         for name, param in self.params.items():
             param.data = self._placeholders[name]
             guard(param, self._sharded[name])
+        return freed
 
     def point_params_at_full(self) -> None:
         for name, param in self.params.items():

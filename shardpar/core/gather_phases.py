@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..comm import collectives as C
-from .flat_param import FlatParamGroup, GatherChannel
+from .flat_param import FlatParamGroup, ShardState
 from .wait_clock import WaitClock
 
 
@@ -71,7 +71,7 @@ class NoGatherer(GatherPhases):
         self.group, self.device, self.comm = group, device, comm
 
 
-class PostStepGatherer(GatherPhases, GatherChannel):
+class PostStepGatherer(GatherPhases):
     """Stages 1-2: all-gather every bucket's updated slices after ``step()``; completed lazily
     (see [Note: lazy parameter gather] in replicated.py)."""
 
@@ -88,30 +88,35 @@ class PostStepGatherer(GatherPhases, GatherChannel):
         """Gather ``groups`` from now on (at wrap, and again when the buckets are rebuilt)."""
         self.groups = groups
 
-    def issue_gather(self, flat: FlatParamGroup) -> C.Handle:
-        return C.all_gather(
-            flat.full,
-            flat.own_slice(),
-            group=self.group,
-            async_op=True,
-            stats=self.comm,
-            padding_numel=flat.layout.padding,
-        )
-
     def start_all(self) -> None:
+        """Launch every bucket's all-gather of its updated slices (returns at once)."""
         with torch.no_grad():
             for flat in self.groups:
+                assert flat.state is not ShardState.GATHERING, f"'{flat.label}' is already gathering"
                 own = flat.own_slice()
                 if own.data_ptr() != flat.shard.data_ptr():  # gathered in the (narrower) compute dtype
                     own.copy_(flat.shard)
-                flat.start_unshard(self)
+                handle = C.all_gather(
+                    flat.full,
+                    own,
+                    group=self.group,
+                    async_op=True,
+                    stats=self.comm,
+                    padding_numel=flat.layout.padding,
+                )
+                flat.begin_gather(handle, self)
 
-    def wait_gather(self, handle: C.Handle) -> Any:
-        return self.wait_clock.wait(handle, gather=True)
+    def wait_for_gather(self, flat: FlatParamGroup) -> None:
+        """Complete ``flat``'s gather (a :class:`~.flat_param.GatherWaiter`: a guarded read or a
+        use hook of stages 1-2 waits here too)."""
+        self.wait_clock.wait(flat.take_handle(), gather=True)
+        flat.complete_gather()
 
     def wait(self, groups: Sequence[FlatParamGroup]) -> None:
         for flat in groups:
-            flat.wait_unsharded()
+            if flat.state is not ShardState.UNSHARDED:
+                assert flat.state is ShardState.GATHERING, f"'{flat.label}' is {flat.state.value}, not gathering"
+                self.wait_for_gather(flat)
 
     def wait_all(self) -> None:
         self.wait(self.groups)

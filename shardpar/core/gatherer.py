@@ -1,5 +1,7 @@
 """Stage 3's parameter gatherer: per-unit gather and free with prefetch (the unit order across
-ranks is checked in unit_order.py; stages 0-2's gatherers are in gather_phases.py).
+ranks is checked in unit_order.py; stages 0-2's gatherers are in gather_phases.py). It installs
+no hook: the engine's hook layer (``UnitHooks`` in engines/module_hooks.py) hooks each unit's
+modules, a use's inputs and its outputs, and calls down into the methods here.
 
 [Note: one step at stage 3]
 forward:  a unit's hook module is about to run -> free the units whose forward ended
@@ -41,8 +43,8 @@ has been checked (``may_reduce``, asked by the backward path, [Note: a gradient'
 through backward] in backward_paths.py: it completes the gathers in flight, usually the
 prefetch the first kept unit issued; with no prefetch the reductions wait for the next
 unit's gather), and gathers are always completed in the order they were issued
-(``UnitOrder.complete_earlier``), so every rank meets the first mismatching gather before
-any later collective.
+(``UnitOrder.pop_earlier``, before every wait), so every rank meets the first mismatching
+gather before any later collective.
 double backward (``torch.autograd.grad(..., create_graph=True)``, a gradient penalty): the
           graph that backward creates saves the gathered parameters it multiplied by, and a
           later backward runs through it. So from a backward that creates a graph until the
@@ -52,14 +54,13 @@ double backward (``torch.autograd.grad(..., create_graph=True)``, a gradient pen
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm import collectives as C
-from .flat_param import FlatParamGroup, GatherChannel, GatheredBytes, ShardState
+from .flat_param import FlatParamGroup, GatheredBytes, ShardState
 from .gather_phases import GatherPhases
 from .training_state import Phase, TrainingState
 from .unit_order import UnitOrder
@@ -67,42 +68,10 @@ from .units import Unit
 from .wait_clock import WaitClock
 
 
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward tells the gatherer the use's backward is done.
-    As a node of its own it runs before hooks on those input tensors, i.e. before the previous
-    unit's pre-backward starts its prefetch."""
-
-    @staticmethod
-    def forward(ctx: Any, gatherer: UnitGatherer, unit: Unit, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.gatherer, ctx.unit = gatherer, unit
-        return tensors
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        ctx.gatherer.post_backward(ctx.unit)
-        return (None, None) + grads
-
-
-def grad_tensors(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):  # the common case, without a tree walk
-        return [output] if output.requires_grad else []
-    if isinstance(output, dict):
-        output = list(output.values())
-    leaves, _ = tree_flatten(output)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-
-
-def on_first_grad(tensors: list[torch.Tensor], hook: Callable[[Any], None]) -> Any:
-    """Call ``hook`` once per backward, when the first gradient of one of ``tensors`` is
-    computed (``register_multi_grad_hook(mode="any")``; for one tensor its own hook does the
-    same without the per-forward setup, which matters once per unit per step)."""
-    if len(tensors) == 1:
-        return tensors[0].register_hook(hook)  # type: ignore[no-untyped-call]  # untyped in torch
-    return torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
-
-
-class UnitGatherer(GatherPhases, GatherChannel):
-    """Stage 3; see [Note: one step at stage 3] and [Note: unit order across ranks] (unit_order.py)."""
+class UnitGatherer(GatherPhases):
+    """Stage 3; see [Note: one step at stage 3] and [Note: unit order across ranks] (unit_order.py).
+    It issues every gather and waits for it (the flat groups only record their state), and is
+    the :class:`~.flat_param.GatherWaiter` a guarded parameter read waits through."""
 
     def __init__(
         self,
@@ -113,11 +82,9 @@ class UnitGatherer(GatherPhases, GatherChannel):
         backward_prefetch: int,
         comm: C.CommStats,
         group: Any,
+        sibling_of: Any,
         rank: int,
-        on_forward_use: Callable[[Unit], None],
-        on_backward_start: Callable[[], None],
         wait_clock: WaitClock,
-        retire_group: Callable[[], None] | None = None,
     ) -> None:
         self.units = units
         self.state = state
@@ -129,9 +96,7 @@ class UnitGatherer(GatherPhases, GatherChannel):
         self.comm = comm
         self.group = group
         self.rank = rank
-        self.on_forward_use = on_forward_use
-        self.on_backward_start = on_backward_start
-        self.order = UnitOrder(units, state, comm, group, rank, wait_clock, gather=self.wait, retire_group=retire_group)
+        self.order = UnitOrder(units, state, comm, group, rank, wait_clock, sibling_of)
         """The gathers' tags, their checks and the recovery of [Note: unit order across ranks]."""
         self.flats, self.unit_of = self.order.flats, self.order.unit_of
         self.wait_clock = wait_clock
@@ -149,12 +114,6 @@ class UnitGatherer(GatherPhases, GatherChannel):
         self._kept_for_backward: list[Unit] = []
         self.last_kept: list[Unit] = []
         """The units the last forward kept gathered into backward (one gather fewer each: gathers_per_step)."""
-        # Made once: a hook per unit output per forward is only registered, not built.
-        self._pre_backward_hooks = {
-            # (torch.compiler.disable is untyped in torch)
-            unit: torch.compiler.disable(lambda grad, unit=unit: self.pre_backward(unit))  # type: ignore[no-untyped-call]
-            for unit in units
-        }
         self._shard_bytes = sum(f.shard_bytes for f in self.flats)
         self.gathered = GatheredBytes(sum(f.allocated_full_bytes() for f in self.flats))
 
@@ -166,7 +125,7 @@ class UnitGatherer(GatherPhases, GatherChannel):
             return True
         order = self.order
         if order.in_flight:
-            order.complete_in_flight()
+            self._complete_in_flight()
         if not order.checked_in_backward and not order.tolerant:
             order.check_tags(block=True)
         return order.checked_in_backward
@@ -178,23 +137,6 @@ class UnitGatherer(GatherPhases, GatherChannel):
         # tag checks] in unit_order.py; on the CPU a wait blocks anyway.
         return (not order.tolerant and self.flats[0].device.type != "cpu") or order.checked_in_backward
 
-    # ------------------------------------------------------------------ each group's gathers
-
-    def issue_gather(self, flat: FlatParamGroup) -> C.Handle:
-        return self.order.issue(flat)
-
-    def before_gather_wait(self, flat: FlatParamGroup) -> None:
-        self.order.complete_earlier(flat)
-
-    def wait_gather(self, handle: C.Handle) -> Any:
-        return self.wait_clock.wait(handle, gather=True)
-
-    def gather_received(self, flat: FlatParamGroup, result: Any) -> None:
-        self.order.check_gather(flat, result)
-
-    def full_storage_changed(self, nbytes: int) -> None:
-        self.gathered.add(nbytes)
-
     # ------------------------------------------------------------------ tag checks (unit_order.py)
 
     def check_tags(self, block: bool, below: int | None = None) -> None:
@@ -204,27 +146,78 @@ class UnitGatherer(GatherPhases, GatherChannel):
         self.order.check_previous_backward()
 
     def exchange(self, values: list[int]) -> list[list[int]]:
+        self._complete_in_flight()  # checked first, as before any wait, and nothing left to drain
         return self.order.exchange(values)
 
     # ------------------------------------------------------------------ gathers
 
     def unshard(self, unit: Unit) -> None:
+        """Start the gathers of ``unit``'s sharded groups (tagged: UnitOrder.issue)."""
         with torch.no_grad():
             for flat in unit.needed():
                 if flat.state is ShardState.SHARDED:
-                    flat.start_unshard(self)
+                    self.gathered.add(flat.allocate_full())
+                    flat.begin_gather(self.order.issue(flat), self)
 
     def wait(self, unit: Unit) -> None:
         self.unshard(unit)
         needed = unit.needed()
         for flat in needed:
-            flat.wait_unsharded()
+            self._wait_flat(flat)
         if any(flat.state is ShardState.SHARDED for flat in needed):
-            self.wait(unit)  # a recovery drained a gather of it (see UnitOrder._drain_in_flight): again
+            self.wait(unit)  # a recovery drained a gather of it (see UnitOrder.drain_in_flight): again
+
+    def wait_for_gather(self, flat: FlatParamGroup) -> None:
+        """Complete ``flat``'s gather, after every gather issued before it ([Note: kept for
+        backward]), checking each one's tags; the :class:`~.flat_param.GatherWaiter` of every
+        group it gathers."""
+        while (earlier := self.order.pop_earlier(flat)) is not None:
+            self._wait_flat(earlier)
+        if flat.state is not ShardState.GATHERING:
+            return  # completed or dropped by a recovery while earlier gathers were waited for
+        result = self.wait_clock.wait(flat.take_handle(), gather=True)
+        flat.complete_gather()
+        if self.order.check_gather(flat, result):
+            self._hold_leftovers()
+
+    def _wait_flat(self, flat: FlatParamGroup) -> None:
+        if flat.state is ShardState.UNSHARDED:
+            return
+        assert flat.state is ShardState.GATHERING, f"'{flat.label}' is {flat.state.value}, not gathering"
+        self.wait_for_gather(flat)
+
+    def _complete_in_flight(self) -> None:
+        """Wait for (and check) every gather issued so far."""
+        while self.order.in_flight:
+            self._wait_flat(self.order.in_flight[0])
+
+    def _free(self, flat: FlatParamGroup) -> None:
+        """Free ``flat``'s full buffer; a gather still in flight is waited for first, so no
+        collective ever writes into freed memory."""
+        if flat.state is ShardState.GATHERING:
+            self.wait_for_gather(flat)
+        self.gathered.add(-flat.reshard())
 
     def reshard(self, unit: Unit, flats: Sequence[FlatParamGroup] | None = None) -> None:
         for flat in flats if flats is not None else unit.flats:
-            flat.reshard()
+            self._free(flat)
+
+    def _hold_leftovers(self) -> None:
+        """Ranks ran different leftover units (see [Note: unit order across ranks]): drain what
+        is in flight, then gather every leftover unit again in unit order, identically on every
+        rank."""
+        for flat in self.order.drain_in_flight():
+            self._free(flat)
+        for unit in self.order.leftovers:
+            for flat in unit.flats:
+                if flat.state is not ShardState.SHARDED:
+                    self._free(flat)  # its values may be another unit's: gathered again below
+        self._gather_leftovers()
+
+    def _gather_leftovers(self) -> None:
+        """Gather every leftover unit, in unit order (held: see [Note: unit order across ranks])."""
+        for unit in self.order.leftovers:
+            self.wait(unit)
 
     def gathers_per_step(self) -> list[tuple[int, torch.dtype]]:
         """Every unit's groups before its forward, and again before its backward when
@@ -277,13 +270,13 @@ class UnitGatherer(GatherPhases, GatherChannel):
         self._forget_running()
         self._free_deferred()  # no backward ran since that forward: the shards may have changed
         if self.order.leftovers_held:
-            self.order.gather_leftovers()
+            self._gather_leftovers()
 
     def begin_backward(self) -> None:
         """The root's backward starts."""
         self.order.begin_backward()
         if self.order.leftovers_held:
-            self.order.gather_leftovers()
+            self._gather_leftovers()
 
     def end_forward(self) -> None:
         """The root's forward ended: gathers prefetched for units that never ran are done and
@@ -300,7 +293,7 @@ class UnitGatherer(GatherPhases, GatherChannel):
                     and not self.hold_for_double_backward
                     and (self.reshard_after_forward or not torch.is_grad_enabled())
                 ):
-                    flat.reshard()
+                    self._free(flat)
 
     def abandon_forward(self) -> None:
         """The root's forward raised: the units whose release was deferred to the next unit or
@@ -314,9 +307,10 @@ class UnitGatherer(GatherPhases, GatherChannel):
         self._free_forward_ended(None)
         self._free_kept()
 
-    def pre_forward(
-        self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    def pre_forward(self, unit: Unit) -> None:
+        """A use of ``unit`` starts (its hook module's forward): gathered, with the next units
+        prefetched, or (a recompute) gathered again. The hook layer then hooks the use's
+        inputs for :meth:`post_backward`."""
         if self.state.is_recompute():
             # A unit recomputed after its gradients were final in this backward: reentrant
             # checkpointing of one module twice. More gradients will follow (late ones; see
@@ -324,44 +318,42 @@ class UnitGatherer(GatherPhases, GatherChannel):
             unit.final.clear()
             self.wait(unit)  # usually gathered by its pre-backward already
             unit.running += 1
-            return self._hook_inputs(unit, args, kwargs)
+            return
         self._forward_uses.append(unit)
         self.state.unit = (Phase.FORWARD, self.state.backward_count, unit.name, torch.is_grad_enabled())  # reports
-        self.on_forward_use(unit)
         self._free_forward_ended(unit)
         self.wait(unit)
         self._prefetch(self._predict(self._forward_uses, self._last_forward, self.forward_prefetch))
         unit.running += 1
-        return self._hook_inputs(unit, args, kwargs)
 
-    def enter(
-        self, unit: Unit, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """An entry module of ``unit`` starts its forward: a use of the unit, unless one is in
-        progress (see [Note: entry modules] in units.py)."""
+    def enter(self, unit: Unit, module: Any) -> bool:
+        """An entry module of ``unit`` starts its forward: whether that starts a use of the unit
+        (as :meth:`pre_forward`), which it does unless one is in progress (see [Note: entry
+        modules] in units.py)."""
         if unit.running:
-            return None
-        result = self.pre_forward(unit, args, kwargs)
+            return False
+        self.pre_forward(unit)
         unit.entered_by = module
-        return result
+        return True
 
-    def leave(self, unit: Unit, module: Any, output: Any) -> None:
-        """An entry module's forward ended (or raised): the use it started, if any, ends."""
-        if unit.entered_by is module:
-            unit.entered_by = None
-            self.post_forward(unit, output)
+    def leave(self, unit: Unit, module: Any) -> bool:
+        """An entry module's forward ended (or raised): whether that ended the use it started
+        (as :meth:`post_forward`)."""
+        if unit.entered_by is not module:
+            return False
+        unit.entered_by = None
+        self.post_forward(unit)
+        return True
 
     def _forget_running(self) -> None:
         """Uses a raised forward (or a recompute that checkpointing stopped early) never ended."""
         for unit in self.units:
             unit.running, unit.entered_by = 0, None
 
-    def post_forward(self, unit: Unit, output: Any) -> None:
+    def post_forward(self, unit: Unit) -> None:
+        """A use of ``unit`` ended in forward (the hook layer then hooks its outputs for
+        :meth:`pre_backward`): freed now, when the next unit starts, or kept."""
         unit.running = max(unit.running - 1, 0)
-        if torch.is_grad_enabled():
-            tensors = grad_tensors(output)
-            if tensors:
-                on_first_grad(tensors, self._pre_backward_hooks[unit])
         if self.state.is_recompute() or self._kept_gathered(unit):
             return  # the recomputed graph is about to use the storage
         if unit.running:
@@ -384,25 +376,8 @@ class UnitGatherer(GatherPhases, GatherChannel):
         graph made by a double backward still multiplies by every gathered unit."""
         return self.hold_for_double_backward or (self.order.leftovers_held and not unit.from_policy)
 
-    def _hook_inputs(
-        self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if not torch.is_grad_enabled():
-            return None
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # block(x): no tree walk
-            leaves, spec = list(args), None
-        else:
-            leaves, spec = tree_flatten((args, kwargs))
-        positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not positions:
-            return None  # freed when its gradients are final, or at the end of backward
-        outputs = _PostBackward.apply(self, unit, *[leaves[i] for i in positions])  # type: ignore[no-untyped-call]
-        for i, tensor in zip(positions, outputs):
-            leaves[i] = tensor
-        return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)
-
     def pre_backward(self, unit: Unit) -> None:
-        self.on_backward_start()
+        """The first gradient of a use's outputs was computed: that use's backward starts."""
         if torch.is_grad_enabled():  # inside backward only with create_graph=True
             self._backward_creates_graph = self.hold_for_double_backward = True
         if unit.backward_done:
@@ -434,6 +409,7 @@ class UnitGatherer(GatherPhases, GatherChannel):
         return uses[::-1]
 
     def post_backward(self, unit: Unit) -> None:
+        """Backward reached a use's inputs: that use's backward is over."""
         if unit.active_backward > 0:
             unit.active_backward -= 1
         if unit.active_backward == 0 and not self._kept_gathered(unit):
@@ -445,7 +421,7 @@ class UnitGatherer(GatherPhases, GatherChannel):
         unit = self.unit_of[flat]
         unit.final.add(flat)
         if not self.hold_for_double_backward:
-            flat.reshard()
+            self._free(flat)
 
     def finish_backward(self) -> None:
         keep = self._backward_creates_graph  # the graph it made still multiplies by them

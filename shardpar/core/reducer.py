@@ -58,23 +58,13 @@ zeros*) until a ``zero_grad`` that sets them to None: they have a gradient whate
 used-flags say, its values are zeroed wherever the strategy keeps them (``clear_params``),
 and at stage 0, where ``.grad`` is a view of the full buffer, ``.grad`` stays that zeroed
 view.
-
-[Note: hooks hold their owner weakly]
-A tensor hook lives in C++ state that Python's cycle collector cannot see into, so a hook
-that held the engine strongly (parameter -> hook -> engine -> parameter) made every wrapped
-model immortal: dropping the model and its optimizer freed neither their tensors nor the
-process group they use, whose threads then outlived ``destroy_process_group`` into the
-interpreter's exit (where gloo's can abort a finished run). The parameter hooks therefore
-reach the engine through a weak reference; the engine lives exactly as long as the user
-holds the model or the optimizer. Module hooks are plain Python and need no such care.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -380,24 +370,3 @@ class GradientReducer:
                 bucket.reduced = False
             return
         self.strategy.clear_params(some)
-
-    def register_hooks(self, on_ready: Callable[[str, nn.Parameter], None]) -> list[Any]:
-        """One post-accumulate-grad hook per trainable parameter, calling ``on_ready`` (a bound
-        method) through a weak reference: see [Note: hooks hold their owner weakly]."""
-        receiver = weakref.WeakMethod(on_ready)
-
-        def hook(param: nn.Parameter, name: str) -> None:
-            engine_method = receiver()
-            if engine_method is not None:  # else the engine is gone: the parameter is plain again
-                engine_method(name, param)
-
-        handles = []
-        for name in self.names:
-            param = self.bucket_of[name].params[name]
-            handles.append(
-                # both are untyped in torch
-                param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                    torch.compiler.disable(lambda p, name=name: hook(p, name))  # type: ignore[no-untyped-call]
-                )
-            )
-        return handles

@@ -17,8 +17,8 @@ flat and clipping returns 0. So, in those cases:
   as in torch. One placeholder per parameter and dtype, made once and reused. They are
   removed before anything could accumulate into them: at the start of the next forward and
   of the next backward, and by ``zero_grad``.
-- A torch optimizer step pre-hook (registered once per process) refuses, before anything
-  changes, to step a torch optimizer that holds such a parameter, naming the optimizer class
+- A torch optimizer step pre-hook (:func:`refuse_sharded_params`, registered once per process
+  by the engine's hook layer, engines/grad_marks.py) refuses, before anything changes, to step a torch optimizer that holds such a parameter, naming the optimizer class
   and the parameter. It also covers what the placeholders cannot: a step before any
   backward, and stage-3 parameters, whose storage an optimizer would read first.
 
@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import ShardedGradError
 from .param_guard import metadata_only
@@ -107,7 +106,7 @@ class ShardedGradMarks:
         self.where = where
         self._made: dict[tuple[str, torch.dtype], ShardedGrad] = {}
         self._on = False
-        refuse_torch_optimizers_over(named_params, where)
+        claim_params(named_params, where)
 
     def put_on(self, names: Iterable[str]) -> None:
         with metadata_only():
@@ -137,10 +136,10 @@ class ShardedGradMarks:
 
 _OWNERS: dict[int, tuple[weakref.ref[nn.Parameter], str, str]] = {}
 """id of a parameter whose gradient shardpar keeps elsewhere -> (the parameter, its name, where)."""
-_HOOK: Any = None
 
 
-def _refuse_sharded_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def refuse_sharded_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The torch optimizer step pre-hook (see the Note): refuse an optimizer over a claimed parameter."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             owner = _OWNERS.get(id(param))
@@ -153,11 +152,9 @@ def _refuse_sharded_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
                 )
 
 
-def refuse_torch_optimizers_over(named_params: Sequence[tuple[str, nn.Parameter]], where: str) -> None:
-    """Register parameters whose gradient a torch optimizer cannot see (see the Note)."""
-    global _HOOK
+def claim_params(named_params: Sequence[tuple[str, nn.Parameter]], where: str) -> None:
+    """Record parameters whose gradient a torch optimizer cannot see, for
+    :func:`refuse_sharded_params` (see the Note)."""
     for name, param in named_params:
         _OWNERS[id(param)] = (weakref.ref(param), name, where)
         weakref.finalize(param, _OWNERS.pop, id(param), None)
-    if _HOOK is None:
-        _HOOK = register_optimizer_step_pre_hook(_refuse_sharded_params)

@@ -62,7 +62,6 @@ step. So there (``tolerant`` False):
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -70,7 +69,7 @@ import torch
 from ..comm import collectives as C
 from ..comm import host
 from ..errors import UnitOrderMismatch
-from .flat_param import FlatParamGroup, GatheredBytes, ShardState
+from .flat_param import FlatParamGroup, GatheredBytes
 from .training_state import Phase, TrainingState
 from .units import Unit
 from .wait_clock import WaitClock
@@ -85,7 +84,9 @@ class UnitOrder:
     """The tagged gathers of stage 3's :class:`~.gatherer.UnitGatherer`: each gather's tag,
     the order gathers are issued and completed in, the checks of [Note: unit order across
     ranks] and [Note: deferred tag checks], and the recovery from leftover units that ranks
-    ran differently."""
+    ran differently. It issues gathers and checks what arrived; the gatherer waits for them and
+    acts on what the checks return (which gathers to complete first, which units to gather
+    again), so nothing here calls back into it."""
 
     def __init__(
         self,
@@ -95,15 +96,13 @@ class UnitOrder:
         group: Any,
         rank: int,
         wait_clock: WaitClock,
-        gather: Callable[[Unit], None],
-        retire_group: Callable[[], None] | None = None,
+        sibling_of: Any,
     ) -> None:
         self.state, self.comm, self.group, self.rank = state, comm, group, rank
         self.wait_clock = wait_clock
-        self.gather = gather
-        """Gathers a unit and waits for it: how a recovery gathers the leftover units again."""
-        self.retire_group = retire_group
-        """Called when ranks' gathers fell out of step (see check_gather)."""
+        self.sibling_of = sibling_of
+        """The process group ``group`` is the sibling of (``C.sibling_group``): that sibling is
+        retired when ranks' gathers fell out of step (see :meth:`_check_rows`)."""
         self.flats = [f for unit in units for f in unit.flats]
         self.flat_index = {flat: i for i, flat in enumerate(self.flats)}
         self.unit_of = {flat: unit for unit in units for flat in unit.flats}
@@ -230,19 +229,17 @@ class UnitOrder:
         if nbytes:
             self.receive_buffers.add(-nbytes)
 
-    def complete_in_flight(self) -> None:
-        """Wait for (and check) every gather issued so far."""
-        while self.in_flight:
-            self.in_flight[0].wait_unsharded()
-
-    def complete_earlier(self, flat: FlatParamGroup) -> None:
-        """Before waiting for ``flat``'s gather, wait for (and check the tags of) every gather
-        issued before it: a rank that departed from the others' order must meet the first
-        mismatching gather before any later one, which the others may never issue."""
-        while flat in self.in_flight:  # not there: completed further up the stack, or drained
-            first = self.in_flight.popleft()
-            if first is not flat:
-                first.wait_unsharded()
+    def pop_earlier(self, flat: FlatParamGroup) -> FlatParamGroup | None:
+        """Take the first gather in flight off the queue, up to ``flat``'s: the gather to
+        complete (and check) before ``flat``'s, or None once ``flat``'s own was taken (or is
+        not in flight: completed further up the stack, or drained). Before waiting for a gather
+        the gatherer completes every gather issued before it, asking again after each (a
+        recovery may drain the rest): a rank that departed from the others' order must meet
+        the first mismatching gather before any later one, which the others may never issue."""
+        if flat not in self.in_flight:
+            return None
+        first = self.in_flight.popleft()
+        return None if first is flat else first
 
     def exchange(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (equal lengths), through the tagged gathers' own channel: a
@@ -253,7 +250,9 @@ class UnitOrder:
         send, payload = C.tagged_buffer(len(values), torch.int32, device)
         payload.copy_(host.to_device(values, torch.int32, device))
         full = torch.empty(len(values) * C.get_world_size(self.group), dtype=torch.int32, device=device)
-        self.complete_in_flight()  # checked first, as in complete_earlier, and nothing left to drain
+        # The gatherer completed every gather in flight first (checked, as before any wait; and
+        # nothing left to drain).
+        assert not self.in_flight, "an exchange starts with no gather in flight"
         if not self.tolerant:
             self._probe((self._sequence, self._exchange_index), device)
         tag = (self._sequence, self._exchange_index)
@@ -265,28 +264,34 @@ class UnitOrder:
         self._check_rows(tags.rows() if isinstance(tags, C.GatheredTags) else tags)
         return full.view(C.get_world_size(self.group), -1).tolist()  # set-up, once: a host read is fine
 
-    def check_gather(self, flat: FlatParamGroup, result: list[list[int]] | C.GatheredTags) -> None:
+    def check_gather(self, flat: FlatParamGroup, result: list[list[int]] | C.GatheredTags) -> bool:
         """A gather of ``flat`` completed with ``result``: every rank's tag, or (see [Note:
-        deferred tag checks]) the tags on their way."""
+        deferred tag checks]) the tags on their way. True when ranks ran different leftover
+        units: they are held from now on, and the caller drains the gathers in flight
+        (:meth:`drain_in_flight`) and gathers the leftover units again (see [Note: unit order
+        across ranks]); any other mismatch raises."""
         self._received(flat)
         if isinstance(result, C.GatheredTags):
             self._unchecked.append((self._issued_as.get(flat, self._sequence), result))
             self.check_tags(block=False)
-            return
+            return False
+        if not self._agree(result) and self._recoverable(result):
+            self.leftovers_held = True
+            return True
         self._check_rows(result)
+        return False
+
+    def _agree(self, rows: list[list[int]]) -> bool:
+        return all(row == rows[self.rank] for row in rows)
 
     def _check_rows(self, rows: list[list[int]]) -> None:
-        if all(row == rows[self.rank] for row in rows):
+        if self._agree(rows):
             if self.state.phase is Phase.BACKWARD:
                 self.checked_in_backward = True
             return
-        if self._recoverable(rows):
-            self._hold_leftovers()
-            return
         # No draining: other ranks may not have issued the gathers this rank still has in
         # flight. The gather group is retired instead, and the error stops this engine.
-        if self.retire_group is not None:
-            self.retire_group()
+        C.retire_sibling_group(self.sibling_of)
 
         def describe(row: list[int]) -> str:
             if row[1] & PROBE_MARK:
@@ -315,37 +320,31 @@ class UnitOrder:
         )
 
     def _recoverable(self, rows: list[list[int]]) -> bool:
-        """Every rank at the same gather number, each gathering a leftover unit."""
+        """Every rank at the same gather number, each gathering a leftover unit (only a gather's
+        own tags can be: a probe's, an exchange's and a filler's are no unit's)."""
         if not self.tolerant or self.leftovers_held or len({row[0] for row in rows}) != 1:
             return False
         indices = [row[1] & ~BACKWARD_MARK for row in rows]
         return all(0 <= i < len(self.flats) and not self.unit_of[self.flats[i]].from_policy for i in indices)
 
-    def _hold_leftovers(self) -> None:
-        """See [Note: unit order across ranks]: drain what is in flight, then gather every
-        leftover unit again in unit order, identically on every rank."""
-        self.leftovers_held = True
-        self._drain_in_flight()
-        for unit in self.leftovers:
-            for flat in unit.flats:
-                if flat.state is not ShardState.SHARDED:
-                    flat.reshard()  # its values may be another unit's: gathered again below
-        self.gather_leftovers()
-
-    def _drain_in_flight(self) -> None:
-        """Pair up the gathers issued after a recovered mismatch, whose values are not used.
-        Ranks may have issued different numbers of them (a prefetch, then a gather of a unit
-        the others do not run), so each rank completes its own in issue order and, with none
-        left, sends empty fillers, a round at a time, until a round in which every rank sent
-        one: every rank sees every tag of every round, so all stop at the same one."""
+    def drain_in_flight(self) -> list[FlatParamGroup]:
+        """Pair up the gathers issued after a recovered mismatch, whose values are not used;
+        returns their groups, completed, for the caller to free. Ranks may have issued
+        different numbers of them (a prefetch, then a gather of a unit the others do not run),
+        so each rank completes its own in issue order and, with none left, sends empty
+        fillers, a round at a time, until a round in which every rank sent one: every rank
+        sees every tag of every round, so all stop at the same one."""
         pending = collections.deque(self.in_flight)
         self.in_flight.clear()
+        drained = []
         while True:
             if pending:
                 flat = pending.popleft()
                 # Only tolerant gathers are drained (_recoverable): their handles return the rows.
-                rows = cast(list[list[int]], flat.drop_gather())
+                rows = cast(list[list[int]], self.wait_clock.wait(flat.take_handle(), gather=True))
+                flat.complete_gather()
                 self._received(flat)
+                drained.append(flat)
             else:
                 send, _ = C.tagged_buffer(0, torch.uint8, self.flats[0].device)
                 filler = torch.empty(0, dtype=torch.uint8, device=self.flats[0].device)
@@ -364,9 +363,4 @@ class UnitOrder:
                     gather=True,
                 )
             if all(row[1] == self._filler_index for row in rows):
-                return
-
-    def gather_leftovers(self) -> None:
-        """Gather every leftover unit, in unit order (held: see [Note: unit order across ranks])."""
-        for unit in self.leftovers:
-            self.gather(unit)
+                return drained

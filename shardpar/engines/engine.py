@@ -37,7 +37,7 @@ from ..core.deferred_init import DeferredInit
 from ..core.element_order import ElementOrder
 from ..core.first_step_orders import ReadyOrder
 from ..core.gather_phases import GatherPhases
-from ..core.gatherer import UnitGatherer, grad_tensors, on_first_grad
+from ..core.gatherer import UnitGatherer
 from ..core.inventory import (
     ParamInventory,
     check_dense_gradients,
@@ -53,12 +53,12 @@ from ..core.reducer import GradientReducer
 from ..core.sharded import ShardedStorage
 from ..core.storage import Storage
 from ..core.training_state import Phase, TrainingState
-from ..core.units import ModuleTree, Unit
+from ..core.units import ModuleTree
 from ..core.wait_clock import WaitClock
 from .buffer_sync import BufferSync
 from .casts import MixedPrecisionCasts
 from .grad_marks import GradPlaceholders
-from .hooks import engine_hook
+from .hooks import engine_hook, grad_ready_hooks, grad_tensors, on_first_grad
 from .module_hooks import UnitHooks, UseHooks, module_of_params
 from .stages import RowInputs
 
@@ -164,7 +164,10 @@ class Engine:
         # plain torch code that reads it must fail loudly: see core/sharded_grads.py.
         hidden = not self.strategy.full_grads_on_params or self.param_dtype is not None
         self.grad_marks = GradPlaceholders(self.inventory.trainable, self.stage, self.reducer) if hidden else None
-        self._handles += self.reducer.register_hooks(self._on_grad_ready)
+        reducer = self.reducer
+        self._handles += grad_ready_hooks(
+            ((name, reducer.bucket_of[name].params[name]) for name in reducer.names), self._on_grad_ready
+        )
         if self.grad_marks is not None:
             self._handles += self.grad_marks.before_accumulation_hooks(self.ensure_backward_started)
         self.buffer_sync = BufferSync(
@@ -211,14 +214,20 @@ class Engine:
             self.config.units_to_prefetch_in_backward,
             self.shard_comm,
             gather_group,
+            self.shards.shard_group,  # what the gather group is the sibling of: retired after a mismatch
             self.shards.shard_rank,
-            on_forward_use=self._on_unit_use,
-            on_backward_start=self.ensure_backward_started,
-            wait_clock=self.wait_clock,
-            retire_group=lambda: C.retire_sibling_group(self.shards.shard_group),
+            self.wait_clock,
         )
         gatherer = storage.gatherer
-        self.unit_hooks = UnitHooks(gatherer, storage.units, storage.plans, self._tree.modules)
+        self.unit_hooks = UnitHooks(
+            gatherer,
+            self.reducer,
+            self.state,
+            self.ensure_backward_started,
+            storage.units,
+            storage.plans,
+            self._tree.modules,
+        )
         return gatherer
 
     def _follow_compiled_modules(self) -> None:
@@ -283,9 +292,6 @@ class Engine:
             return
         self.state.phase = Phase.IDLE
         self.gatherer.abandon_forward()
-
-    def _on_unit_use(self, unit: Unit) -> None:
-        self.reducer.orders.module_runs(name for flat in unit.trainable for name in flat.params)
 
     # ------------------------------------------------------------------ backward
 

@@ -1,4 +1,5 @@
-"""When the ``.grad`` placeholders go on and come off (what they are, and why: [Note: no full
+"""When the ``.grad`` placeholders go on and come off, and the torch optimizer step pre-hook
+that refuses an optimizer over such parameters (what they are, and why: [Note: no full
 gradients at stages 1-3] in core/sharded_grads.py).
 """
 
@@ -10,10 +11,22 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..core.reducer import GradientReducer
-from ..core.sharded_grads import ShardedGradMarks, where_grads_live
+from ..core.sharded_grads import ShardedGradMarks, refuse_sharded_params, where_grads_live
 from .hooks import engine_hook
+
+_OPTIMIZER_STEP_HOOK: Any = None
+"""The one step pre-hook on every torch optimizer (registered once per process)."""
+
+
+def refuse_torch_optimizers() -> None:
+    """From now on a torch optimizer over a parameter shardpar keeps the gradient of elsewhere
+    refuses to step (see [Note: no full gradients at stages 1-3])."""
+    global _OPTIMIZER_STEP_HOOK
+    if _OPTIMIZER_STEP_HOOK is None:
+        _OPTIMIZER_STEP_HOOK = register_optimizer_step_pre_hook(refuse_sharded_params)
 
 
 class GradPlaceholders:
@@ -23,6 +36,7 @@ class GradPlaceholders:
     def __init__(self, trainable: Sequence[tuple[str, nn.Parameter]], stage: int, reducer: GradientReducer) -> None:
         self.trainable = trainable
         self.marks = ShardedGradMarks(trainable, where_grads_live(stage))
+        refuse_torch_optimizers()
         self.reducer = reducer
         self.wait_for_flags = False
         """Some placeholders wait for the used-parameter flags (see :meth:`put_on`)."""

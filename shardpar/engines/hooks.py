@@ -1,19 +1,32 @@
-"""How the engine's module hooks are made: run eagerly, and marked as the engine's.
+"""How the engine's hooks are made: module hooks run eagerly and are marked as the engine's;
+tensor hooks fire once per backward, and those on parameters hold the engine weakly.
 
 Hooks are excluded from compilation (``torch.compiler.disable``), because they launch
 collectives: where compiled code calls one (``torch.compile`` of the whole wrapped model) it is
 a graph break, and under ``fullgraph=True`` an error, so none is placed inside a compiled module
-([Note: compiled modules] in core/units.py). Each is marked, so that a method declared with
-``shardpar.register_forward_method`` can run the engine's hooks around it and no others
-([Note: forward methods] in facade/forward_methods.py).
+([Note: compiled modules] in core/units.py). Each module hook is marked, so that a method
+declared with ``shardpar.register_forward_method`` can run the engine's hooks around it and no
+others ([Note: forward methods] in facade/forward_methods.py).
+
+[Note: hooks hold their owner weakly]
+A tensor hook lives in C++ state that Python's cycle collector cannot see into, so a hook
+that held the engine strongly (parameter -> hook -> engine -> parameter) made every wrapped
+model immortal: dropping the model and its optimizer freed neither their tensors nor the
+process group they use, whose threads then outlived ``destroy_process_group`` into the
+interpreter's exit (where gloo's can abort a finished run). The parameter hooks therefore
+reach the engine through a weak reference; the engine lives exactly as long as the user
+holds the model or the optimizer. Module hooks are plain Python and need no such care.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
 
 FORWARD_HOOK_MARK = "_shardpar_forward_hook"
 """Set on every forward hook an engine registers: what a registered method runs."""
@@ -24,3 +37,43 @@ def engine_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
     hook: Callable[..., Any] = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]  # torch.compiler.disable is unannotated
     setattr(hook, FORWARD_HOOK_MARK, True)
     return hook
+
+
+def grad_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors in a module's output that autograd will give a gradient."""
+    if isinstance(output, torch.Tensor):  # the common case, without a tree walk
+        return [output] if output.requires_grad else []
+    if isinstance(output, dict):
+        output = list(output.values())
+    leaves, _ = tree_flatten(output)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def on_first_grad(tensors: list[torch.Tensor], hook: Callable[[Any], None]) -> Any:
+    """Call ``hook`` once per backward, when the first gradient of one of ``tensors`` is
+    computed (``register_multi_grad_hook(mode="any")``; for one tensor its own hook does the
+    same without the per-forward setup, which matters once per unit per step)."""
+    if len(tensors) == 1:
+        return tensors[0].register_hook(hook)  # type: ignore[no-untyped-call]  # untyped in torch
+    return torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+
+
+def grad_ready_hooks(
+    params: Iterable[tuple[str, nn.Parameter]], on_ready: Callable[[str, nn.Parameter], None]
+) -> list[Any]:
+    """One post-accumulate-grad hook per parameter, calling ``on_ready`` (a bound method)
+    through a weak reference: see [Note: hooks hold their owner weakly]."""
+    receiver = weakref.WeakMethod(on_ready)
+
+    def hook(param: nn.Parameter, name: str) -> None:
+        engine_method = receiver()
+        if engine_method is not None:  # else the engine is gone: the parameter is plain again
+            engine_method(name, param)
+
+    return [
+        # both are untyped in torch
+        param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+            torch.compiler.disable(lambda p, name=name: hook(p, name))  # type: ignore[no-untyped-call]
+        )
+        for name, param in params
+    ]

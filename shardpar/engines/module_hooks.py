@@ -1,6 +1,7 @@
 """The engine's hooks on the model's submodules, which drive its parts: at stages 0-2 on the
 modules that use parameters (:class:`UseHooks`), at stage 3 on each unit's hook and entry
-modules (:class:`UnitHooks`). None goes inside a compiled module ([Note: compiled modules] in
+modules and on each use's inputs and outputs (:class:`UnitHooks`: every hook of stage 3's
+gatherer; it calls down into the gatherer, which installs none). None goes inside a compiled module ([Note: compiled modules] in
 core/units.py), also when the module is compiled after wrapping:
 
 [Note: compiled after wrap]
@@ -21,16 +22,19 @@ wrapping is an error too: the wrapper is not the module the engine wrapped (its 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core.flat_param import FlatParamGroup
 from ..core.gatherer import UnitGatherer
 from ..core.reducer import GradientReducer
+from ..core.training_state import TrainingState
 from ..core.units import Unit, UnitPlan, display_name
-from .hooks import engine_hook
+from .hooks import engine_hook, grad_tensors, on_first_grad
 
 
 def module_of_params(tree: Any, storage: Any) -> dict[str, str]:
@@ -109,27 +113,64 @@ class UseHooks:
         self.gathers.clear()
 
 
+class _PostBackward(torch.autograd.Function):
+    """Identity on a use's inputs; its backward tells the gatherer the use's backward is done.
+    As a node of its own it runs before hooks on those input tensors, i.e. before the previous
+    unit's pre-backward starts its prefetch."""
+
+    @staticmethod
+    def forward(ctx: Any, gatherer: UnitGatherer, unit: Unit, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.gatherer, ctx.unit = gatherer, unit
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.gatherer.post_backward(ctx.unit)
+        return (None, None) + grads
+
+
 class UnitHooks:
-    """Stage 3: the hooks on every unit's hook and entry modules that drive the gatherer."""
+    """Stage 3: every hook that drives the gatherer ([Note: one step at stage 3] in
+    core/gatherer.py): on each unit's hook and entry modules, on each use's inputs (an identity
+    autograd function: the use's backward is over) and on its outputs (their first gradient:
+    the use's backward starts). Each calls the engine-side work (the first backward's start,
+    the launch order's record) and the gatherer; neither calls back."""
 
     def __init__(
-        self, gatherer: UnitGatherer, units: Sequence[Unit], plans: Sequence[UnitPlan], modules: dict[str, nn.Module]
+        self,
+        gatherer: UnitGatherer,
+        reducer: GradientReducer,
+        state: TrainingState,
+        start_backward: Callable[[], None],
+        units: Sequence[Unit],
+        plans: Sequence[UnitPlan],
+        modules: dict[str, nn.Module],
     ) -> None:
+        self.gatherer, self.reducer, self.state = gatherer, reducer, state
+        self.start_backward = start_backward
+        """The engine's start of a backward ([Note: end of backward] in engine.py), run first by
+        every pre-backward hook."""
         self.units = list(units)
+        # Made once: a hook per unit output per forward is only registered, not built.
+        self._pre_backward_hooks = {
+            # (torch.compiler.disable is untyped in torch)
+            unit: torch.compiler.disable(lambda grad, unit=unit: self._pre_backward(unit))  # type: ignore[no-untyped-call]
+            for unit in units
+        }
         self.on_hook_modules: list[Any] = []
         for unit in units:
             for hook_name in unit.hook_modules:
                 module = modules[hook_name]
                 self.on_hook_modules.append(
                     module.register_forward_pre_hook(
-                        engine_hook(lambda m, args, kwargs, unit=unit: gatherer.pre_forward(unit, args, kwargs)),
+                        engine_hook(lambda m, args, kwargs, unit=unit: self._pre_forward(unit, args, kwargs)),
                         prepend=True,
                         with_kwargs=True,
                     )
                 )
                 self.on_hook_modules.append(
                     module.register_forward_hook(
-                        engine_hook(lambda m, args, output, unit=unit: gatherer.post_forward(unit, output))
+                        engine_hook(lambda m, args, output, unit=unit: self._post_forward(unit, output))
                     )
                 )
         self.on_entry_modules: dict[str, list[Any]] = {}
@@ -140,16 +181,74 @@ class UnitHooks:
                 self.on_entry_modules.setdefault(entry_name, []).extend(
                     [
                         module.register_forward_pre_hook(
-                            engine_hook(lambda m, args, kwargs, unit=unit: gatherer.enter(unit, m, args, kwargs)),
+                            engine_hook(lambda m, args, kwargs, unit=unit: self._enter(unit, m, args, kwargs)),
                             prepend=True,
                             with_kwargs=True,
                         ),
                         module.register_forward_hook(
-                            engine_hook(lambda m, args, output, unit=unit: gatherer.leave(unit, m, output)),
+                            engine_hook(lambda m, args, output, unit=unit: self._leave(unit, m, output)),
                             always_call=True,
                         ),
                     ]
                 )
+
+    # ------------------------------------------------------------------ a use of a unit
+
+    def _pre_forward(
+        self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        self.gatherer.pre_forward(unit)
+        self._record_use(unit)
+        return self._hook_inputs(unit, args, kwargs)
+
+    def _post_forward(self, unit: Unit, output: Any) -> None:
+        self.gatherer.post_forward(unit)
+        self._hook_outputs(unit, output)
+
+    def _enter(
+        self, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not self.gatherer.enter(unit, module):
+            return None  # a use of the unit is in progress
+        self._record_use(unit)
+        return self._hook_inputs(unit, args, kwargs)
+
+    def _leave(self, unit: Unit, module: nn.Module, output: Any) -> None:
+        if self.gatherer.leave(unit, module):
+            self._hook_outputs(unit, output)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self.start_backward()
+        self.gatherer.pre_backward(unit)
+
+    def _record_use(self, unit: Unit) -> None:
+        """A unit's use, to the first-step orders (their recording rule: core/first_step_orders.py)."""
+        self.reducer.orders.module_runs(name for flat in unit.trainable for name in flat.params)
+
+    def _hook_inputs(
+        self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The use's inputs through :class:`_PostBackward`: its backward ends the use's backward."""
+        if not torch.is_grad_enabled():
+            return None
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # block(x): no tree walk
+            leaves, spec = list(args), None
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
+        positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not positions:
+            return None  # freed when its gradients are final, or at the end of backward
+        outputs = _PostBackward.apply(self.gatherer, unit, *[leaves[i] for i in positions])  # type: ignore[no-untyped-call]
+        for i, tensor in zip(positions, outputs):
+            leaves[i] = tensor
+        return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)
+
+    def _hook_outputs(self, unit: Unit, output: Any) -> None:
+        """A hook on the use's outputs: their first gradient starts the use's backward."""
+        if torch.is_grad_enabled():
+            tensors = grad_tensors(output)
+            if tensors:
+                on_first_grad(tensors, self._pre_backward_hooks[unit])
 
     @property
     def handles(self) -> list[Any]:
