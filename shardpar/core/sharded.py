@@ -19,7 +19,6 @@ from ..comm import collectives as C
 from .deferred_init import InitWalk
 from .element_order import ElementOrder
 from .flat_param import FlatParamGroup
-from .gatherer import UnitGatherer
 from .inventory import ParamInventory, group_by_dtype
 from .layout import BufferLayout, alignment_for
 from .pieces import FullValues, TensorPiece
@@ -145,7 +144,6 @@ class ShardedStorage:
         # The reducer's layout order: gradients come last unit first.
         self.trainable_groups = [f for unit in reversed(self.units) for f in unit.trainable]
         self.groups = [f for unit in self.units for f in unit.flats]
-        self.gatherer: UnitGatherer | None = None
 
     def _born_sharded(
         self, unit: str, named: Sequence[tuple[str, nn.Parameter]], trainable: bool, source: ValueSource

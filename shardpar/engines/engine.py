@@ -198,27 +198,10 @@ class Engine:
         record first use (launch order) and complete lazy gathers (stages 1-2)."""
         self.use_hooks.install()
 
-    def install_unit_gatherer(self) -> UnitGatherer:
-        """Stage 3: the per-unit gatherer over its own process group, and its hooks on every
-        unit's hook and entry modules."""
+    def install_unit_hooks(self, gatherer: UnitGatherer) -> None:
+        """Stage 3: the hooks on every unit's hook and entry modules that drive ``gatherer``."""
         storage = self.storage
         assert isinstance(storage, ShardedStorage)  # stage 3's row
-        gather_group = C.sibling_group(self.shards.shard_group, self.config.timeout_s)
-        if gather_group is not None:
-            watch.configure(gather_group, self.config.timeout_s)
-        storage.gatherer = UnitGatherer(
-            storage.units,
-            self.state,
-            self.config.reshard_after_forward,
-            self.config.units_to_prefetch_in_forward,
-            self.config.units_to_prefetch_in_backward,
-            self.shard_comm,
-            gather_group,
-            self.shards.shard_group,  # what the gather group is the sibling of: retired after a mismatch
-            self.shards.shard_rank,
-            self.wait_clock,
-        )
-        gatherer = storage.gatherer
         self.unit_hooks = UnitHooks(
             gatherer,
             self.reducer,
@@ -228,7 +211,6 @@ class Engine:
             storage.plans,
             self._tree.modules,
         )
-        return gatherer
 
     def _follow_compiled_modules(self) -> None:
         """Hooks out of modules compiled since wrapping (see [Note: compiled after wrap] in

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
+from ..comm import watch
 from ..comm.sharding_groups import ShardingGroups
 from ..config import ShardConfig
 from ..core.backward_paths import BackwardPath, ReduceWhenComplete, ReshardThenReduce
@@ -159,7 +160,27 @@ def _masters_gatherer(engine: Engine) -> PostStepGatherer:
 
 
 def _unit_gatherer(engine: Engine) -> UnitGatherer:
-    return engine.install_unit_gatherer()
+    """Stage 3: the per-unit gatherer over a process group of its own (the shard group's
+    sibling, retired after a mismatch), driven by hooks on every unit's hook and entry modules."""
+    storage, shards, config = engine.storage, engine.shards, engine.config
+    assert isinstance(storage, ShardedStorage)  # stage 3's row
+    gather_group = C.sibling_group(shards.shard_group, config.timeout_s)
+    if gather_group is not None:
+        watch.configure(gather_group, config.timeout_s)
+    gatherer = UnitGatherer(
+        storage.units,
+        engine.state,
+        config.reshard_after_forward,
+        config.units_to_prefetch_in_forward,
+        config.units_to_prefetch_in_backward,
+        engine.shard_comm,
+        gather_group,
+        shards.shard_group,  # what the gather group is the sibling of: retired after a mismatch
+        shards.shard_rank,
+        engine.wait_clock,
+    )
+    engine.install_unit_hooks(gatherer)
+    return gatherer
 
 
 # ---------------------------------------------------------------------- reducer strategies
