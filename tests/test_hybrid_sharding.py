@@ -1,6 +1,6 @@
 """Hybrid sharding (``shard_group_size``): shard within groups of G ranks, replicate across
 the N/G groups ([Note: sharding groups] in comm/sharding_groups.py, [Note: reduction under
-hybrid sharding] in core/replicas.py). At world size 4 with G = 2: parity with plain torch
+hybrid sharding] in core/averaging.py). At world size 4 with G = 2: parity with plain torch
 on the whole batch under the patterns real scripts use, the bytes per group against the
 planner's closed forms, checkpoints that hold each shard once and load at any (N, G, stage),
 and bad choices named on every rank."""

@@ -18,7 +18,7 @@ The tensors the parts hold, by name, and which ``.data`` is which:
 - **shard** -- ``FlatParamGroup.shard`` (stage 3; and the bucket groups of stages 1-2 as views):
   slice r of a padded flat buffer, the only persistent copy of a stage-3 parameter.
 - **gradient buffer** -- ``_FullGradBuffer.grad_buffers`` (stages 0-1; core/reduce_strategies.py):
-  one full gradient buffer per parameter space in the reduce dtype, which ``param.grad`` views
+  one full gradient buffer per bucketed parameter set in the reduce dtype, which ``param.grad`` views
   where the dtypes agree; ``master_grads`` / ``master_grad_shards`` hold the reduced gradients in
   the master dtype where they do not.
 - **staging** -- ``StagedReduceScatter``'s pool (stages 2-3; core/staged_reduce_scatter.py): a

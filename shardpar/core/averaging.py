@@ -1,11 +1,12 @@
 """How a gradient sum over N ranks becomes DDP's mean, or the sum divided by another factor:
-the factors each strategy applies around its collective.
+the factors each strategy applies around its collective, and under hybrid sharding the second
+reduction, across replicas, that completes the sum over all N ranks.
 
 [Note: averaging]
 Every strategy turns the sum over N ranks into the sum divided by a factor F -- N by
 default, DDP's mean; whatever ``gradient_divide_factor`` says otherwise (1.0: the plain sum,
 as torchtitan reduces after normalising its loss by the global token count) -- with as few
-passes as it can (:func:`averaging` picks the factors, once per parameter space):
+passes as it can (:func:`averaging` picks the factors, once per bucketed parameter set):
 
 - F = 1 needs no pass at all: the collective's sum is the result (world size 1 included).
 - A backend that averages inside the collective (NCCL's ``ReduceOp.AVG``) does it all when
@@ -23,9 +24,23 @@ passes as it can (:func:`averaging` picks the factors, once per parameter space)
 
 Under hybrid sharding the pair of collectives (reduce-scatter within the shard group, then
 all-reduce across replicas) sums over all N ranks, so the same factors, applied around the
-pair, divide by exactly F ([Note: reduction under hybrid sharding] in replicas.py). Every
+pair, divide by exactly F ([Note: reduction under hybrid sharding], below). Every
 option changes only the scaling passes: the collectives, their bytes and their counts are
 the same for every F (``comm_stats()`` is unchanged).
+
+[Note: reduction under hybrid sharding]
+With shard groups of G ranks replicated R = N/G times ([Note: sharding groups] in
+comm/sharding_groups.py), a bucket's gradients are reduce-scattered within the shard group
+(each rank gets the sum over its G ranks of its slice, Ψ/G of the bucket), then that slice
+is all-reduced across the replica group, the R ranks holding the same slice: every rank ends
+with the sum over all N ranks of the slice it owns, and the cross-replica links carry Ψ/G
+elements per step instead of Ψ. The mean follows [Note: averaging] over N: where the backend
+averages (NCCL), both collectives average (over G, then over R); otherwise the factors of N
+apply around the pair. A ``gradient_divide_factor`` F other than N always takes the second
+way: both collectives sum and F's factors apply around the pair, once, so the result is the
+sum over all N ranks divided by exactly F (never F per group). The all-reduce starts once the reduce-scatter is waited for (on CUDA
+that wait orders streams and does not block the host). Padding is counted exactly: the gaps
+of the bucket that fall in this rank's slice.
 """
 
 from __future__ import annotations
@@ -38,9 +53,10 @@ from typing import Any
 import torch
 
 from ..comm import collectives as C
-from .reducer import ParamSpace
+from .layout import Bucket
+from .reducer import BucketedParams
 
-ReduceDtype = Callable[[ParamSpace], torch.dtype]
+ReduceDtype = Callable[[BucketedParams], torch.dtype]
 
 
 @dataclass(frozen=True)
@@ -76,13 +92,13 @@ def averaging(
 
 
 def averaging_per_space(
-    spaces: Sequence[ParamSpace],
+    spaces: Sequence[BucketedParams],
     reduce_dtype: ReduceDtype,
     world_size: int,
     group: Any,
     divide_before: bool,
     divide_factor: float | None = None,
-) -> dict[ParamSpace, Averaging]:
+) -> dict[BucketedParams, Averaging]:
     """:func:`averaging` of each space, decided once: the backend, dtypes and factor never change."""
     backend = C.backend_averages(group, spaces[0].device if spaces else None)
     return {s: averaging(reduce_dtype(s), world_size, backend, divide_before, divide_factor) for s in spaces}
@@ -92,3 +108,31 @@ def scale(tensor: torch.Tensor, factor: float) -> None:
     """Apply one of :class:`Averaging`'s factors in place (1.0: no pass)."""
     if factor != 1.0:
         tensor.mul_(factor)
+
+
+class AcrossReplicas:
+    """The replica group's all-reduce of owned slices; see [Note: reduction under hybrid sharding]."""
+
+    def __init__(self, group: Any, shard_rank: int, comm: C.CommStats) -> None:
+        self.group = group
+        self.shard_rank = shard_rank
+        self.comm = comm
+        self._padding: dict[int, tuple[Bucket, int]] = {}
+        """id(spec) -> (spec, its padding in this rank's slice): counted once per bucket
+        layout, not per step (an aligned layout has a gap in front of every tensor)."""
+
+    def padding_in_slice(self, spec: Bucket) -> int:
+        """Elements of ``spec``'s padding inside this rank's slice of it."""
+        known = self._padding.get(id(spec))
+        if known is None or known[0] is not spec:
+            owned = spec.shard(self.shard_rank)
+            count = sum(part.size for gap in spec.gaps if (part := gap.intersect(owned)) is not None)
+            known = self._padding[id(spec)] = (spec, count)
+        return known[1]
+
+    def sum_(self, owned: torch.Tensor, spec: Bucket, op: str) -> None:
+        """Sum (or average, ``op="avg"``) ``owned`` -- this rank's slice of ``spec`` after its
+        reduce-scatter -- over the replica group, in place."""
+        C.all_reduce(
+            owned, group=self.group, async_op=True, op=op, stats=self.comm, padding_numel=self.padding_in_slice(spec)
+        ).wait()

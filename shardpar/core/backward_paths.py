@@ -68,7 +68,7 @@ class ReshardThenReduce:
     def grad_ready(self, name: str, param: nn.Parameter) -> None:
         bucket = self.reducer.on_grad_ready(name, param)
         if bucket is not None:
-            # At stage 3 every parameter space is a flat parameter group (a bucket is one).
+            # At stage 3 every bucketed parameter set is a flat parameter group (a bucket is one).
             self.gatherer.grads_final(cast(FlatParamGroup, bucket.space))
             # Asking completes the gathers in flight if none was checked yet; asking again
             # for every later gradient would wait for each prefetch as soon as it is issued.

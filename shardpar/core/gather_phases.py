@@ -37,7 +37,7 @@ class GatherPhases:
         """The first hook of a backward ran."""
 
     def grads_final(self, space: Any) -> None:
-        """Every gradient of parameter space ``space`` is final in this backward."""
+        """Every gradient of bucketed parameter set ``space`` is final in this backward."""
 
     def check_previous_backward(self) -> None:
         """The end of a backward, before any wait for its reductions."""

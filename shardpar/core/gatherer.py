@@ -6,11 +6,11 @@ modules, a use's inputs and its outputs, and calls down into the methods here.
 [Note: one step at stage 3]
 forward:  a unit's hook module is about to run -> free the units whose forward ended
           since the last unit started -> gather the unit (or wait for its prefetched
-          gather) -> prefetch the next ``forward_prefetch`` units of the last forward's order
+          gather) -> prefetch the next ``forward_prefetch_units`` units of the last forward's order
           -> run -> hook its outputs; it is freed when the next unit starts
           (``reshard_after_forward``, or no autograd), or kept for backward (below).
 backward: a hook on a use's outputs fires before that use's backward -> gather again,
-          prefetch the next ``backward_prefetch`` units of the last backward's order (the
+          prefetch the next ``backward_prefetch_units`` units of the last backward's order (the
           first backward: the reverse of the forward's) -> once backward reaches the use's
           inputs (an identity autograd function on them) the unit is freed. A trainable
           group is also freed the moment all its gradients are final, then reduce-scattered
@@ -78,8 +78,8 @@ class UnitGatherer(GatherPhases):
         units: list[Unit],
         state: TrainingState,
         reshard_after_forward: bool,
-        forward_prefetch: int,
-        backward_prefetch: int,
+        forward_prefetch_units: int,
+        backward_prefetch_units: int,
         comm: C.CommStats,
         group: Any,
         sibling_of: Any,
@@ -89,9 +89,9 @@ class UnitGatherer(GatherPhases):
         self.units = units
         self.state = state
         self.reshard_after_forward = reshard_after_forward
-        self.forward_prefetch = forward_prefetch
+        self.forward_prefetch_units = forward_prefetch_units
         """Units of the last forward's order gathered ahead of the one computing in forward."""
-        self.backward_prefetch = backward_prefetch
+        self.backward_prefetch_units = backward_prefetch_units
         """Units of the last backward's order gathered ahead of the one computing in backward."""
         self.comm = comm
         self.group = group
@@ -323,7 +323,7 @@ class UnitGatherer(GatherPhases):
         self.state.unit = (Phase.FORWARD, self.state.backward_count, unit.name, torch.is_grad_enabled())  # reports
         self._free_forward_ended(unit)
         self.wait(unit)
-        self._prefetch(self._predict(self._forward_uses, self._last_forward, self.forward_prefetch))
+        self._prefetch(self._predict(self._forward_uses, self._last_forward, self.forward_prefetch_units))
         unit.running += 1
 
     def enter(self, unit: Unit, module: Any) -> bool:
@@ -389,7 +389,7 @@ class UnitGatherer(GatherPhases):
         self.state.unit = (Phase.BACKWARD, self.state.backward_count, unit.name, True)  # for reports only
         self.wait(unit)
         history = self._last_backward or self._last_forward_reversed()
-        predicted = self._predict(self._backward_uses, history, self.backward_prefetch)
+        predicted = self._predict(self._backward_uses, history, self.backward_prefetch_units)
         self._prefetch([u for u in predicted if not u.backward_done])
 
     def _release_kept(self, starting: Unit) -> None:

@@ -78,7 +78,7 @@ def same_buckets(old: BufferLayout, new: BufferLayout) -> bool:
 
 
 class Relayout:
-    """One parameter space's move from layout ``old`` to ``new`` on this rank (step 3 of
+    """One bucketed parameter set's move from layout ``old`` to ``new`` on this rank (step 3 of
     [Note: bucket rebuild]). Every method returns new tensors; the old ones are untouched."""
 
     def __init__(self, old: BufferLayout, new: BufferLayout, rank: int, group: Any, comm: C.CommStats) -> None:
@@ -251,7 +251,7 @@ class BucketRebuild:
         self.reducer, self.storage, self.strategy = reducer, storage, strategy
         self.rank, self.group, self.comm, self.device = rank, group, comm, device
         self.moves: dict[Any, Relayout] = {}
-        """Each parameter space whose layout changed: its move (kept by the engine for the
+        """Each bucketed parameter set whose layout changed: its move (kept by the engine for the
         optimizers that follow later)."""
 
     def relayout(self) -> bool:

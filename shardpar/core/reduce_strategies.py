@@ -1,6 +1,6 @@
 """Where gradients live and which collective reduces a bucket: the reducer's three strategies.
 
-- :class:`AllReduceStrategy` (stage 0): one full gradient buffer per parameter space in the
+- :class:`AllReduceStrategy` (stage 0): one full gradient buffer per bucketed parameter set in the
   reduce dtype, ``param.grad`` are views of it; each bucket is divided by N (or the
   ``gradient_divide_factor``) and all-reduced.
 - :class:`ReduceScatterInPlace` (stage 1): the same full buffer; each bucket is
@@ -39,11 +39,10 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
-from .averaging import Averaging, ReduceDtype, averaging_per_space, scale
+from .averaging import AcrossReplicas, Averaging, ReduceDtype, averaging_per_space, scale
 from .layout import Bucket, ShardPiece
 from .rebuild import Relayout
-from .reducer import GradBucket, ParamSpace
-from .replicas import AcrossReplicas
+from .reducer import BucketedParams, GradBucket
 
 
 class BucketReduction(Protocol):
@@ -82,7 +81,7 @@ class GradientStore(Protocol):
     def owned_grad_pieces(self) -> list[torch.Tensor]: ...
     def grad_bytes(self) -> int: ...
     def workspace_bytes(self) -> int: ...
-    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None: ...
+    def relayout(self, moves: dict[BucketedParams, Relayout]) -> None: ...
 
 
 class ReduceStrategy(BucketReduction, GradientStore, Protocol):
@@ -95,7 +94,7 @@ class WholeGradients(Protocol):
     """What stage 0's master column (core/masters.py) asks: each parameter's whole reduced
     gradient in the master dtype, the one the optimizer reads."""
 
-    def master_grad(self, space: ParamSpace, name: str) -> torch.Tensor: ...
+    def master_grad(self, space: BucketedParams, name: str) -> torch.Tensor: ...
 
 
 @runtime_checkable
@@ -103,10 +102,10 @@ class PieceGradients(Protocol):
     """What the sharded masters (stages 1-2's master column, stage 3's storage) ask: the reduced
     gradient of one of this rank's pieces, in the master dtype (1-D)."""
 
-    def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor: ...
+    def piece_grad(self, space: BucketedParams, piece: ShardPiece) -> torch.Tensor: ...
 
 
-def zero_pieces(space: ParamSpace, rank: int, names: set[str], shards: torch.Tensor) -> None:
+def zero_pieces(space: BucketedParams, rank: int, names: set[str], shards: torch.Tensor) -> None:
     """Zero the elements of ``names`` in ``shards`` (this rank's slices of ``space``, local layout)."""
     for piece in space.layout.pieces(rank):
         if piece.name in names:
@@ -127,7 +126,7 @@ class _FullGradBuffer:
     peak_staging_bytes = 0
     """Stages 0-1 stage nothing: the full buffer is reduced in place."""
 
-    def __init__(self, spaces: Sequence[ParamSpace], reduce_dtype: ReduceDtype) -> None:
+    def __init__(self, spaces: Sequence[BucketedParams], reduce_dtype: ReduceDtype) -> None:
         self.spaces = list(spaces)
         self.grad_buffers = {s: torch.zeros(s.layout.numel, dtype=reduce_dtype(s), device=s.device) for s in spaces}
         # .grad stays None until a backward gives the parameter a gradient, as in plain torch
@@ -215,7 +214,7 @@ class _FullGradBuffer:
     def after_sync_backward(self) -> None:
         pass
 
-    def _relayout_buffer(self, space: ParamSpace, data: torch.Tensor) -> None:
+    def _relayout_buffer(self, space: BucketedParams, data: torch.Tensor) -> None:
         """``data`` (the space's gradient buffer in its new layout) replaces the old one;
         a ``param.grad`` that was a view of the old buffer becomes the same view of the new."""
         old_views = {name: self.views[name] for name in space.params}
@@ -237,7 +236,7 @@ class AllReduceStrategy(_FullGradBuffer):
 
     def __init__(
         self,
-        spaces: Sequence[ParamSpace],
+        spaces: Sequence[BucketedParams],
         reduce_dtype: ReduceDtype,
         world_size: int,
         group: Any,
@@ -301,14 +300,14 @@ class AllReduceStrategy(_FullGradBuffer):
                 for name in names & space.params.keys():
                     space.layout.view(master, name).zero_()
 
-    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None:
+    def relayout(self, moves: dict[BucketedParams, Relayout]) -> None:
         """See [Note: bucket rebuild]: reduced gradients are complete on every rank."""
         for space, move in moves.items():
             shared = self.master_grads[space] is self.grad_buffers[space]
             self._relayout_buffer(space, move.full(self.grad_buffers[space]))
             self.master_grads[space] = self.grad_buffers[space] if shared else move.full(self.master_grads[space])
 
-    def master_grad(self, space: ParamSpace, name: str) -> torch.Tensor:
+    def master_grad(self, space: BucketedParams, name: str) -> torch.Tensor:
         return space.layout.view(self.master_grads[space], name)
 
     def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
@@ -335,11 +334,11 @@ class ShardedAverage:
     rank: int
     group: Any
     comm: C.CommStats
-    spaces: list[ParamSpace]
-    averaging_of: dict[ParamSpace, Averaging]
+    spaces: list[BucketedParams]
+    averaging_of: dict[BucketedParams, Averaging]
     replicas: AcrossReplicas | None = None
     """Hybrid sharding: the replica group's all-reduce after each reduce-scatter ([Note:
-    reduction under hybrid sharding] in replicas.py); None under full sharding."""
+    reduction under hybrid sharding] in averaging.py); None under full sharding."""
     collective = "reduce_scatter"
 
     def sum_replicas(self, bucket: GradBucket, owned: torch.Tensor) -> None:
@@ -347,7 +346,7 @@ class ShardedAverage:
         if self.replicas is not None:
             self.replicas.sum_(owned, bucket.spec, self.averaging_of[bucket.space].op)
 
-    def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor:
+    def piece_grad(self, space: BucketedParams, piece: ShardPiece) -> torch.Tensor:
         raise NotImplementedError
 
     def owned_grad_pieces(self) -> list[torch.Tensor]:
@@ -393,7 +392,7 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
 
     def __init__(
         self,
-        spaces: Sequence[ParamSpace],
+        spaces: Sequence[BucketedParams],
         reduce_dtype: ReduceDtype,
         world_size: int,
         rank: int,
@@ -420,7 +419,7 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
             for s, g in self.grad_buffers.items()
             if g.dtype != s.master_dtype
         }
-        self._carry: dict[ParamSpace, torch.Tensor] | None = None
+        self._carry: dict[BucketedParams, torch.Tensor] | None = None
 
     def start(self, bucket: GradBucket) -> C.Handle:
         self._take_views_off(bucket)
@@ -499,7 +498,7 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
     def release_unused(self, names: set[str]) -> None:
         """The optimizer skips them (see ShardedOptimizer); nothing to release here."""
 
-    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None:
+    def relayout(self, moves: dict[BucketedParams, Relayout]) -> None:
         """See [Note: bucket rebuild]: only the owned slices hold reduced gradients; the carry
         is all zeros after a reduction (added back bucket by bucket). Where a master-dtype copy
         of them exists, only it crosses ranks: the owned slices are that copy cast back (exact,
@@ -517,7 +516,7 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
                 assert not self._carry[space].any(), "a carry still holds gradients"
                 self._carry[space] = self._carry[space].new_zeros(move.new.shard_numel)
 
-    def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor:
+    def piece_grad(self, space: BucketedParams, piece: ShardPiece) -> torch.Tensor:
         if space in self.master_grad_shards:
             return piece.local_range.of(self.master_grad_shards[space])
         return piece.buffer_range.of(self.grad_buffers[space])

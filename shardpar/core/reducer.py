@@ -81,9 +81,11 @@ if TYPE_CHECKING:
     from .reduce_strategies import BucketReduction
 
 
-class ParamSpace(Protocol):
-    """Parameters of one dtype laid out by one BufferLayout (a replicated buffer at stages
-    0-2, a flat parameter group at stage 3)."""
+class BucketedParams(Protocol):
+    """A *bucketed parameter set*: parameters of one dtype laid out by one BufferLayout,
+    whose buckets the reducer reduces (a replicated buffer at stages 0-2, a flat parameter
+    group at stage 3). Not the *param space* of core/layout.py, which is an index space: offsets
+    into one parameter's elements."""
 
     @property
     def layout(self) -> BufferLayout: ...
@@ -106,7 +108,7 @@ class BucketPhase(enum.Enum):
 class GradBucket:
     """Run-time state of one bucket during a backward pass."""
 
-    def __init__(self, position: int, space: ParamSpace, spec: Bucket) -> None:
+    def __init__(self, position: int, space: BucketedParams, spec: Bucket) -> None:
         self.position = position
         """Index in layout order over all spaces (``spec.index`` counts within one space)."""
         self.space = space
@@ -152,7 +154,7 @@ class GradientReducer:
 
     def __init__(
         self,
-        spaces: Sequence[ParamSpace],
+        spaces: Sequence[BucketedParams],
         strategy: BucketReduction,
         state: TrainingState,
         comm: C.CommStats,

@@ -4,7 +4,7 @@ gradient shard, and the staging buffer goes back to the pool.
 
 [Note: no_sync at stages 2-3]
 Inside ``no_sync()`` nothing is reduced, so gradients must be kept in full. They are added,
-as each becomes final, into a full-size accumulation buffer per parameter space in the
+as each becomes final, into a full-size accumulation buffer per bucketed parameter set in the
 *reduce* dtype (as stages 0-1 accumulate in their full buffer), and ``param.grad`` is
 released; the synchronising backward stages "accumulated + new" and reduces it, after which
 the accumulation buffer is freed. Its bytes are what gradient accumulation costs at these
@@ -20,13 +20,12 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
-from .averaging import ReduceDtype, averaging_per_space, scale
+from .averaging import AcrossReplicas, ReduceDtype, averaging_per_space, scale
 from .layout import Bucket, ShardPiece
 from .param_guard import metadata_only
 from .rebuild import Relayout
 from .reduce_strategies import ShardedAverage, nbytes, zero_pieces
-from .reducer import GradBucket, ParamSpace
-from .replicas import AcrossReplicas
+from .reducer import BucketedParams, GradBucket
 
 
 class StagedReduceScatter(ShardedAverage):
@@ -39,7 +38,7 @@ class StagedReduceScatter(ShardedAverage):
 
     def __init__(
         self,
-        spaces: Sequence[ParamSpace],
+        spaces: Sequence[BucketedParams],
         reduce_dtype: ReduceDtype,
         world_size: int,
         rank: int,
@@ -58,7 +57,7 @@ class StagedReduceScatter(ShardedAverage):
             comm,
         )
         self.replicas = replicas
-        """See [Note: reduction under hybrid sharding] in replicas.py."""
+        """See [Note: reduction under hybrid sharding] in averaging.py."""
         self.averaging_of = averaging_per_space(
             spaces, reduce_dtype, ranks_summed or world_size, group, divide_before=False, divide_factor=divide_factor
         )
@@ -68,7 +67,7 @@ class StagedReduceScatter(ShardedAverage):
         self._staging: dict[int, torch.Tensor] = {}  # bucket position -> its full-size gradients
         self._free: list[tuple[torch.Tensor, Bucket | None]] = []
         """Released staging buffers, each with the layout bucket it last served."""
-        self._accumulated: dict[ParamSpace, torch.Tensor] = {}  # no_sync, full size, reduce dtype
+        self._accumulated: dict[BucketedParams, torch.Tensor] = {}  # no_sync, full size, reduce dtype
         self.peak_staging_bytes = 0
         for space in spaces:
             for param in space.params.values():
@@ -106,7 +105,7 @@ class StagedReduceScatter(ShardedAverage):
             return slot.shaped(slot.range.of(full))
         return bucket.slot_in(self._staging_for(bucket), name)
 
-    def _accumulation(self, space: ParamSpace) -> torch.Tensor:
+    def _accumulation(self, space: BucketedParams) -> torch.Tensor:
         if space not in self._accumulated:
             self._accumulated[space] = torch.zeros(
                 space.layout.numel, dtype=self.reduce_dtype(space), device=space.device
@@ -205,7 +204,7 @@ class StagedReduceScatter(ShardedAverage):
     def release_unused(self, names: set[str]) -> None:
         """The optimizer skips them (see ShardedOptimizer); nothing to release here."""
 
-    def relayout(self, moves: dict[ParamSpace, Relayout]) -> None:
+    def relayout(self, moves: dict[BucketedParams, Relayout]) -> None:
         """See [Note: bucket rebuild]: between backwards only the gradient shards exist (the
         pool's free staging buffers are kept: each served a bucket of the old layout, so its
         padding is zeroed again on first use)."""
@@ -215,7 +214,7 @@ class StagedReduceScatter(ShardedAverage):
 
     # ------------------------------------------------------------------ what the optimizer reads
 
-    def piece_grad(self, space: ParamSpace, piece: ShardPiece) -> torch.Tensor:
+    def piece_grad(self, space: BucketedParams, piece: ShardPiece) -> torch.Tensor:
         return piece.local_range.of(self.grad_shards[space])
 
     def owned_grads(self) -> tuple[list[torch.Tensor], bool]:

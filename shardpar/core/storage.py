@@ -12,7 +12,7 @@ from .element_order import ElementOrder
 from .flat_param import FlatParamGroup
 from .layout import BufferLayout
 from .pieces import FullValues, TensorPiece
-from .reducer import ParamSpace
+from .reducer import BucketedParams
 
 if TYPE_CHECKING:
     from .reduce_strategies import ReduceStrategy
@@ -34,8 +34,8 @@ class Storage(Protocol):
         """Where full-precision values are read ([Note: full values in the module])."""
 
     @property
-    def spaces(self) -> Sequence[ParamSpace]:
-        """The trainable parameter spaces the reducer buckets (stage 0-2 buffers, stage-3 groups)."""
+    def spaces(self) -> Sequence[BucketedParams]:
+        """The trainable bucketed parameter sets the reducer buckets (stage 0-2 buffers, stage-3 groups)."""
 
     @property
     def groups(self) -> Sequence[FlatParamGroup]:

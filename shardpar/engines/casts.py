@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..config import MixedPrecision
-from ..core.reducer import ParamSpace
+from ..core.reducer import BucketedParams
 from .hooks import engine_hook
 
 
@@ -47,7 +47,7 @@ class MixedPrecisionCasts:
                 self.original_buffer_dtypes[name] = buffer.dtype
                 buffer.data = buffer.data.to(mp.buffer_dtype)
 
-    def reduce_dtype(self, space: ParamSpace) -> torch.dtype:
+    def reduce_dtype(self, space: BucketedParams) -> torch.dtype:
         """dtype gradients of ``space`` are accumulated and communicated in."""
         mp = self.mp
         if mp is None or not space.master_dtype.is_floating_point:

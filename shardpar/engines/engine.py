@@ -127,7 +127,7 @@ class Engine:
         self.layout_generation = 0
         """How many times the buckets were rebuilt (at most once; see [Note: bucket rebuild])."""
         self._relayouts: dict[Any, Any] = {}
-        """The rebuild's moves, by parameter space: what optimizers built before it follow."""
+        """The rebuild's moves, by bucketed parameter set: what optimizers built before it follow."""
         self._handles: list[Any] = []
         self._backward_start_hook = _disabled(lambda grad: self.ensure_backward_started())
         """Put on the root output once per forward; made once (see on_first_grad)."""
@@ -453,7 +453,7 @@ class Engine:
         return reductions + [("all_gather", numel, dtype) for numel, dtype in self.gatherer.gathers_per_step()]
 
     def layouts(self) -> list[BufferLayout]:
-        """The BufferLayout of every parameter space: stage 0-2 buffers, stage 3 groups."""
+        """The BufferLayout of every bucketed parameter set: stage 0-2 buffers, stage 3 groups."""
         layouts: list[BufferLayout] = self.storage.layouts()
         return layouts
 

@@ -25,6 +25,7 @@ from ..comm import collectives as C
 from ..comm import watch
 from ..comm.sharding_groups import ShardingGroups
 from ..config import ShardConfig
+from ..core.averaging import AcrossReplicas
 from ..core.backward_paths import BackwardPath, ReduceWhenComplete, ReshardThenReduce
 from ..core.deferred_init import DeferredInit, InitWalk
 from ..core.gather_phases import GatherPhases, NoGatherer, PostStepGatherer
@@ -32,8 +33,7 @@ from ..core.gatherer import UnitGatherer
 from ..core.inventory import ParamInventory
 from ..core.masters import FullMaster, ShardedMaster
 from ..core.reduce_strategies import AllReduceStrategy, ReduceScatterInPlace, ReduceStrategy
-from ..core.reducer import ParamSpace
-from ..core.replicas import AcrossReplicas
+from ..core.reducer import BucketedParams
 from ..core.replicated import ReplicatedStorage
 from ..core.sharded import FromInit, FromLiveModule, ShardedStorage
 from ..core.staged_reduce_scatter import StagedReduceScatter
@@ -186,7 +186,7 @@ def _unit_gatherer(engine: Engine) -> UnitGatherer:
 # ---------------------------------------------------------------------- reducer strategies
 
 
-def _all_reduce(inputs: RowInputs, spaces: Sequence[ParamSpace]) -> AllReduceStrategy:
+def _all_reduce(inputs: RowInputs, spaces: Sequence[BucketedParams]) -> AllReduceStrategy:
     return AllReduceStrategy(
         spaces,
         inputs.casts.reduce_dtype,
@@ -202,7 +202,7 @@ def _across_replicas(inputs: RowInputs) -> AcrossReplicas | None:
     return AcrossReplicas(shards.replica_group, shards.shard_rank, inputs.replica_comm) if shards.is_hybrid else None
 
 
-def _reduce_scatter_in_place(inputs: RowInputs, spaces: Sequence[ParamSpace]) -> ReduceScatterInPlace:
+def _reduce_scatter_in_place(inputs: RowInputs, spaces: Sequence[BucketedParams]) -> ReduceScatterInPlace:
     shards = inputs.shards
     return ReduceScatterInPlace(
         spaces,
@@ -217,7 +217,7 @@ def _reduce_scatter_in_place(inputs: RowInputs, spaces: Sequence[ParamSpace]) ->
     )
 
 
-def _staged_reduce_scatter(inputs: RowInputs, spaces: Sequence[ParamSpace]) -> StagedReduceScatter:
+def _staged_reduce_scatter(inputs: RowInputs, spaces: Sequence[BucketedParams]) -> StagedReduceScatter:
     shards = inputs.shards
     return StagedReduceScatter(
         spaces,
@@ -252,8 +252,8 @@ class StageRow:
     storage: Callable[[RowInputs], Storage]
     """Builds the parameter storage (stages 0-2 with their master part: full or sharded, the
     latter with its post-step gatherer)."""
-    strategy: Callable[[RowInputs, Sequence[ParamSpace]], ReduceStrategy]
-    """Builds the reducer's strategy over the storage's parameter spaces."""
+    strategy: Callable[[RowInputs, Sequence[BucketedParams]], ReduceStrategy]
+    """Builds the reducer's strategy over the storage's bucketed parameter sets."""
     gatherer: Callable[[Engine], GatherPhases]
     """Gives the engine the stage's gatherer and installs the module hooks that drive it."""
     backward_path: Callable[[Engine], BackwardPath]

@@ -23,7 +23,7 @@ not name yet:
 
 [Note: hybrid sharding alone]
 ``engine.collective_schedule()`` lists the collectives by kind and size only, and under
-hybrid sharding ([Note: reduction under hybrid sharding] in shardpar/core/replicas.py) the
+hybrid sharding ([Note: reduction under hybrid sharding] in shardpar/core/averaging.py) the
 reduce-scatters and gathers run on the shard group (G ranks, not the world) and each
 bucket's reduce-scatter is followed by an all-reduce of the rank's owned slice (bucket/G
 elements, in the reduce dtype) across the replica group, which the schedule leaves out. So
