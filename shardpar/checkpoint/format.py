@@ -92,7 +92,7 @@ class FileRecord:
 
 
 @dataclass(frozen=True)
-class Piece:
+class StoredPiece:
     """Elements ``[start, end)`` of a tensor flattened to 1-D, stored under ``key`` in ``file``
     as a 1-D tensor of ``end - start`` elements."""
 
@@ -111,7 +111,7 @@ class TensorEntry(TensorSize):
     kind: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    pieces: list[Piece] = field(default_factory=list)
+    pieces: list[StoredPiece] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind} if self.kind else {}
@@ -122,7 +122,7 @@ class TensorEntry(TensorSize):
         )
         return out
 
-    def overlapping(self, start: int, end: int) -> Iterator[tuple[Piece, int, int]]:
+    def overlapping(self, start: int, end: int) -> Iterator[tuple[StoredPiece, int, int]]:
         """Pieces holding part of ``[start, end)``, with the overlap (param space)."""
         for piece in self.pieces:
             a, b = max(start, piece.start), min(end, piece.end)
@@ -160,7 +160,7 @@ def _parse_entry(name: str, raw: Any, kind: str, files: dict[str, FileRecord], w
             f"{where}: tensor '{name}' has a piece in file {p.get('file')!r}, "
             "which the manifest's file table does not list",
         )
-        entry.pieces.append(Piece(p["file"], p["key"], p["start"], p["end"]))
+        entry.pieces.append(StoredPiece(p["file"], p["key"], p["start"], p["end"]))
     check_coverage(entry, where)
     return entry
 

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import CheckpointError
 from .dtypes import dtype_name
-from .format import Manifest, Piece, TensorEntry
+from .format import Manifest, StoredPiece, TensorEntry
 from .host_bytes import CHUNK_BYTES
 from .io import MAX_OPEN_FILES, OpenFiles, SafetensorsReader, StoredTensor
 
@@ -25,7 +25,7 @@ class PieceRead:
     1-D ``dest``."""
 
     entry: TensorEntry
-    piece: Piece
+    piece: StoredPiece
     first: int  # element offset inside the stored piece
     dest: torch.Tensor  # 1-D
 
@@ -82,7 +82,7 @@ class CheckpointReader:
         for name in sorted(set(names)):
             self.file(name)
 
-    def stored(self, entry: TensorEntry, piece: Piece) -> StoredTensor:
+    def stored(self, entry: TensorEntry, piece: StoredPiece) -> StoredTensor:
         """Where ``piece`` of ``entry`` lies in its file, which must hold it as the manifest says."""
         file = self.file(piece.file)
         stored = file.tensors.get(piece.key)
