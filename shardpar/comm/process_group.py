@@ -29,7 +29,7 @@ ProcessGroup = Any  # torch's ProcessGroup; kept loose so world size 1 needs no 
 #   through Dynamo at the first wrap. They are imported here instead, with shardpar, when no
 #   group exists yet and the default is None (milliseconds);
 # - the parameter hooks held the engine, which holds the group (see [Note: hooks hold their
-#   owner weakly] in core/reducer.py);
+#   owner weakly] in engines/hooks.py);
 # - the sibling groups below are kept per parent group, weakly.
 # tests/test_lifetime.py checks that the groups are freed at every stage.
 _IMPORTED_BEFORE_ANY_GROUP = (

@@ -22,7 +22,7 @@ reduce-scatter share :class:`ShardedAverage` (here).
 [Note: stage 1 accumulation across reductions]
 Stage 1 reduce-scatters each bucket in place, so after backward the owned slice of the full
 buffer holds the averaged gradient while the rest holds stale local gradients -- no extra
-memory (DESIGN.md's ``8Ψ + 8Ψ/N``). ``param.grad`` of the bucket's parameters is released
+memory (docs/design.md's ``8Ψ + 8Ψ/N``). ``param.grad`` of the bucket's parameters is released
 (it would show that mix; the optimizer reads the owned slices). A later backward before
 ``zero_grad`` (accumulating across reductions, or ``no_sync`` after a reduced backward)
 finds ``param.grad`` None; the first new gradient of such a bucket moves the reduced slice

@@ -9,7 +9,8 @@ its parent's (docs/design.md, "A stage is a row of a table").
 | 3     | reduce-scatter, staged  | bounded staging -> owned shard | sharded per unit    | the shards themselves            | per unit, forward and backward | reshard, then reduce |
 
 The storage and strategy builders take :class:`RowInputs`, what the engine set up before its
-parts; the gatherer and backward-path builders take the engine, whose hooks they install.
+parts; the gatherer builders take the engine, whose hooks for the gatherer they install, and
+the backward-path builders take it for its reducer and gatherer.
 """
 
 from __future__ import annotations

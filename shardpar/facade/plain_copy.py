@@ -15,7 +15,7 @@ methods declared with ``register_forward_method`` (the copy's are its class's pl
 Because the values are gathered at stages 1-3, the copy is a collective: every rank makes it,
 as every rank calls ``state_dict()``.
 
-A copy of the ``ShardedModule`` itself is refused by name (see ``module.py``): a second set of
+A copy of the ``ShardedModule`` itself is refused by name (see ``sharded_module.py``): a second set of
 engines over the same process groups would pair its collectives with the first.
 """
 

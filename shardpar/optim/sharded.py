@@ -377,9 +377,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )
 
     # ------------------------------------------------------------------ state as pieces
-    # [Note: optimizer state as pieces] Checkpoints store optimizer state per parameter piece
-    # (see checkpoint/save.py), never by reaching into the inner optimizer: these methods
-    # are the whole interface between the two.
+    # Checkpoints store optimizer state per parameter piece ([Note: optimizer state in pieces]
+    # in checkpoint/save.py), never by reaching into the inner optimizer: these methods are
+    # the whole interface between the two.
 
     @property
     def class_name(self) -> str:

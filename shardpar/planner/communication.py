@@ -21,7 +21,7 @@ unit of the hook module registered last and the units enclosing it (the root's o
 from a bare count, none (2Ψ·g·f is then an upper bound by one unit's gather). Each
 gather also carries a 16-byte tag per rank (counted as padding). Every stage adds one
 all-reduce per step of a 4-byte flag per trainable tensor plus three counters and their
-negatives (the reducer's "used_flags", [Note: used parameters] in core/gradient_ledger.py; the
+negatives (the ledger's "used_flags", [Note: used parameters] in core/gradient_ledger.py; the
 counters are [Note: ranks out of step]'s), and broadcasts buffers. Padding (the layouts' P
 of [Note: storage model] in memory.py, in the dtype of each collective, plus the tags) is predicted apart,
 as ``comm_stats()`` reports it: ``padding_sent_bytes``. Buckets are counted as laid out at
