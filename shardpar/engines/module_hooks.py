@@ -223,7 +223,7 @@ class UnitHooks:
 
     def _record_use(self, unit: Unit) -> None:
         """A unit's use, to the first-step orders (their recording rule: core/first_step_orders.py)."""
-        self.reducer.orders.module_runs(name for flat in unit.trainable for name in flat.params)
+        self.reducer.orders.module_runs(unit.trainable_names)
 
     def _hook_inputs(
         self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
