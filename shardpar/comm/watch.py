@@ -179,8 +179,9 @@ def issued(group: Any) -> int | None:
     entry = _counted.get(id(pg))
     if entry is None or entry.group() is not pg:
         return None
+    counted: Any = pg  # (torch does not declare the sequence-number reader)
     try:  # _Counted.issued, inline: read after every collective stage 3 issues
-        number: int = pg._get_sequence_number_for_group() - entry.point_to_point
+        number: int = counted._get_sequence_number_for_group() - entry.point_to_point
         return number
     except (AttributeError, RuntimeError):
         return None
