@@ -197,20 +197,22 @@ class TaggedAllGather:
                 windows[src] = row
         for src, window in self._in_place.items():
             windows[src] = window
-        works = [
-            compat.broadcast(send if src == self.rank else windows[src], group_src=src, group=self.group, async_op=True)
-            for src in range(self.world_size)
-        ]
+        works = []  # (loops rather than comprehensions here: each of those is a call, twice per unit per step)
+        for src in range(self.world_size):
+            source = send if src == self.rank else windows[src]
+            works.append(compat.broadcast(source, group_src=src, group=self.group, async_op=True))
 
         def check_then_copy() -> list[list[int]]:
             # Every tag is read before anything is written: a peer's tag may sit in this rank's
             # chunk. One read of the peers' tags, as bytes (a window need not be aligned for int64).
-            peers = [windows[src][:TAG_BYTES] for src in self._peers]
+            peers = []
+            for src in self._peers:
+                peers.append(windows[src][:TAG_BYTES])
             raw = [host.read_host(peers[0])] if len(peers) == 1 else host.read_host(torch.stack(peers))
             tags = [mine] * self.world_size
             for src, tag_bytes in zip(self._peers, raw):
                 tags[src] = list(_TAG.unpack(bytes(tag_bytes)))
-            if all(t == mine for t in tags):
+            if tags.count(mine) == len(tags):  # every rank sent this rank's tag
                 for src in self._through_buffer:
                     self._chunk_bytes[src].copy_(windows[src][TAG_BYTES : TAG_BYTES + self.payload_bytes])
                 self._chunk_bytes[self.rank].copy_(own)

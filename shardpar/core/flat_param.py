@@ -46,7 +46,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from .layout import Bucket, BufferLayout
-from .param_guard import guard, storageless, unguard
+from .param_guard import guard_all, storageless, unguard_all
 
 
 class ShardState(enum.Enum):
@@ -164,9 +164,17 @@ class FlatParamGroup:
         self.waiter: GatherWaiter | None = None
         """Who completes the gather in flight (given to :meth:`begin_gather` with its handle)."""
         self._views = {name: layout.view(full, name) for name in self.params}
-        # Guards made once: a transition only switches each parameter's class and guard.
+        self.full_bytes = layout.numel * full.element_size()
+        """Bytes of the full buffer while allocated (the tag's room in front not counted)."""
+        # Made once, in parameter order: a transition only walks these lists, switching each
+        # parameter's class and guard and pointing its ``.data`` at a view or a placeholder
+        # (no per-parameter call; see [Note: guarded parameters] in param_guard.py).
+        self._param_list = list(self.params.values())
+        self._view_list = list(self._views.values())
         self._pending = _PendingGather(self)
+        self._pending_list = [self._pending] * len(self._param_list)
         self._sharded = {name: _Sharded(self, name) for name in self.params}
+        self._sharded_list = list(self._sharded.values())
         self._placeholders = (
             {
                 name: storageless(order.shape, full.dtype, full.device, order.strides)
@@ -175,6 +183,7 @@ class FlatParamGroup:
             if frees_storage
             else {}
         )
+        self._placeholder_list = [self._placeholders[name] for name in self.params] if frees_storage else []
 
     # ------------------------------------------------------------------ sizes and spaces
 
@@ -198,10 +207,6 @@ class FlatParamGroup:
     @property
     def device(self) -> torch.device:
         return self.shard.device
-
-    @property
-    def full_bytes(self) -> int:
-        return self.layout.numel * self.full.element_size()
 
     @property
     def shard_bytes(self) -> int:
@@ -238,8 +243,7 @@ class FlatParamGroup:
         assert self.state is not ShardState.GATHERING, f"'{self.label}' is already gathering"
         self.handle, self.waiter = handle, waiter
         self.state = ShardState.GATHERING
-        for param in self.params.values():
-            guard(param, self._pending)
+        guard_all(self._param_list, self._pending_list)
 
     def take_handle(self) -> C.Handle:
         """The gather's handle, handed to the one caller that waits for it (then :meth:`complete_gather`)."""
@@ -274,12 +278,12 @@ class FlatParamGroup:
         freed = self.full_bytes if storage.nbytes() > 0 else 0
         storage.resize_(0)
         self.state = ShardState.SHARDED
-        for name, param in self.params.items():
-            param.data = self._placeholders[name]
-            guard(param, self._sharded[name])
+        for param, placeholder in zip(self._param_list, self._placeholder_list):
+            param.data = placeholder
+        guard_all(self._param_list, self._sharded_list)
         return freed
 
     def point_params_at_full(self) -> None:
-        for name, param in self.params.items():
-            unguard(param)
-            param.data = self._views[name]
+        unguard_all(self._param_list)
+        for param, view in zip(self._param_list, self._view_list):
+            param.data = view

@@ -153,19 +153,29 @@ class UnitGatherer(GatherPhases):
 
     def unshard(self, unit: Unit) -> None:
         """Start the gathers of ``unit``'s sharded groups (tagged: UnitOrder.issue)."""
+        for flat in unit.needed:
+            if flat.state is ShardState.SHARDED:
+                self._start_gather(flat)
+
+    def _start_gather(self, flat: FlatParamGroup) -> None:
         with torch.no_grad():
-            for flat in unit.needed():
-                if flat.state is ShardState.SHARDED:
-                    self.gathered.add(flat.allocate_full())
-                    flat.begin_gather(self.order.issue(flat), self)
+            self.gathered.add(flat.allocate_full())
+            flat.begin_gather(self.order.issue(flat), self)
 
     def wait(self, unit: Unit) -> None:
-        self.unshard(unit)
-        needed = unit.needed()
+        """``unit`` gathered: its gathers started if they were not, and completed."""
+        needed = unit.needed
         for flat in needed:
-            self._wait_flat(flat)
-        if any(flat.state is ShardState.SHARDED for flat in needed):
-            self.wait(unit)  # a recovery drained a gather of it (see UnitOrder.drain_in_flight): again
+            if flat.state is ShardState.SHARDED:
+                self._start_gather(flat)
+        for flat in needed:
+            if flat.state is not ShardState.UNSHARDED:
+                assert flat.state is ShardState.GATHERING, f"'{flat.label}' is {flat.state.value}, not gathering"
+                self.wait_for_gather(flat)
+        for flat in needed:
+            if flat.state is ShardState.SHARDED:
+                self.wait(unit)  # a recovery drained a gather of it (see UnitOrder.drain_in_flight): again
+                return
 
     def wait_for_gather(self, flat: FlatParamGroup) -> None:
         """Complete ``flat``'s gather, after every gather issued before it ([Note: kept for
@@ -199,8 +209,19 @@ class UnitGatherer(GatherPhases):
         self.gathered.add(-flat.reshard())
 
     def reshard(self, unit: Unit, flats: Sequence[FlatParamGroup] | None = None) -> None:
+        """Free ``unit``'s groups (``flats``: those of them), as :meth:`_free` each; the bytes
+        freed are metered once (a free never raises the peak)."""
+        freed = 0
         for flat in flats if flats is not None else unit.flats:
-            self._free(flat)
+            if flat.state is ShardState.SHARDED:
+                continue
+            if flat.state is ShardState.GATHERING:
+                self.gathered.add(-freed)  # metered before a recovery there may gather more
+                freed = 0
+                self.wait_for_gather(flat)
+            freed += flat.reshard()
+        if freed:
+            self.gathered.add(-freed)
 
     def _hold_leftovers(self) -> None:
         """Ranks ran different leftover units (see [Note: unit order across ranks]): drain what
@@ -315,7 +336,7 @@ class UnitGatherer(GatherPhases):
             # A unit recomputed after its gradients were final in this backward: reentrant
             # checkpointing of one module twice. More gradients will follow (late ones; see
             # [Note: a gradient that arrives twice] in reducer.py), so it is gathered again.
-            unit.final.clear()
+            unit.clear_final()
             self.wait(unit)  # usually gathered by its pre-backward already
             unit.running += 1
             return
@@ -419,7 +440,7 @@ class UnitGatherer(GatherPhases):
         """All gradients of a trainable group are final: its parameters are not needed again
         in this backward (every node using them has run)."""
         unit = self.unit_of[flat]
-        unit.final.add(flat)
+        unit.mark_final(flat)
         if not self.hold_for_double_backward:
             self._free(flat)
 
@@ -431,7 +452,7 @@ class UnitGatherer(GatherPhases):
             if not keep:
                 self.reshard(unit)
             unit.active_backward = 0
-            unit.final.clear()
+            unit.clear_final()
         self._kept_for_backward = []
         self._forget_running()
         if self._backward_uses:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -90,6 +90,9 @@ class ParamSlot:
     order: ElementOrder
     range: Range
     bucket: int
+    in_bucket: Range
+    """``range`` indexed from its bucket's start (a buffer laid out like the bucket alone):
+    made with the layout, so a gradient's place in a bucket costs no range per step."""
 
     @property
     def shape(self) -> torch.Size:
@@ -112,20 +115,36 @@ class Bucket:
     tensors, and the tail), in buffer order."""
     names: tuple[str, ...]
     world_size: int
+    shard_size: int = field(init=False, compare=False)
+    """Elements of one rank's slice."""
+    _shards: tuple[Range, ...] = field(init=False, repr=False, compare=False)
+    _shards_in_bucket: tuple[Range, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Every rank's slice made once: the reducer and the gatherers ask for them every step.
+        shard_size = self.range.size // self.world_size
+        starts = [self.range.start + rank * shard_size for rank in range(self.world_size)]
+        object.__setattr__(self, "shard_size", shard_size)  # a frozen dataclass sets its own fields so
+        object.__setattr__(self, "_shards", tuple(Range(start, start + shard_size) for start in starts))
+        object.__setattr__(
+            self,
+            "_shards_in_bucket",
+            tuple(Range(start - self.range.start, start - self.range.start + shard_size) for start in starts),
+        )
 
     @property
     def padding(self) -> int:
         """Elements of ``range`` that belong to no tensor (every gap, the tail included)."""
         return sum(gap.size for gap in self.gaps)
 
-    @property
-    def shard_size(self) -> int:
-        return self.range.size // self.world_size
-
     def shard(self, rank: int) -> Range:
         """Rank ``rank``'s slice of this bucket, in buffer space."""
-        start = self.range.start + rank * self.shard_size
-        return Range(start, start + self.shard_size)
+        return self._shards[rank]
+
+    def shard_in_bucket(self, rank: int) -> Range:
+        """Rank ``rank``'s slice of this bucket, indexed from the bucket's start (a buffer laid
+        out like the bucket alone, such as a staging buffer)."""
+        return self._shards_in_bucket[rank]
 
 
 @dataclass(frozen=True)
@@ -239,7 +258,13 @@ class BufferLayout:
                 start = offset  # a bucket starts aligned
             if start > offset:
                 gaps.append(Range(offset, start))
-            self.slots[name] = ParamSlot(name, order, Range(start, start + numel), len(self.buckets))
+            self.slots[name] = ParamSlot(
+                name,
+                order,
+                Range(start, start + numel),
+                len(self.buckets),
+                Range(start - bucket_start, start - bucket_start + numel),
+            )
             bucket_names.append(name)
             offset = start + numel
         if bucket_names:

@@ -275,17 +275,14 @@ class UnitOrder:
             self._unchecked.append((self._issued_as.get(flat, self._sequence), result))
             self.check_tags(block=False)
             return False
-        if not self._agree(result) and self._recoverable(result):
+        if result.count(result[self.rank]) != len(result) and self._recoverable(result):
             self.leftovers_held = True
             return True
         self._check_rows(result)
         return False
 
-    def _agree(self, rows: list[list[int]]) -> bool:
-        return all(row == rows[self.rank] for row in rows)
-
     def _check_rows(self, rows: list[list[int]]) -> None:
-        if self._agree(rows):
+        if rows.count(rows[self.rank]) == len(rows):  # every rank's tag is this rank's
             if self.state.phase is Phase.BACKWARD:
                 self.checked_in_backward = True
             return

@@ -123,26 +123,37 @@ class Unit:
         self.hook_modules = hook_modules
         self.flats = flats
         self.from_policy = from_policy
+        self.trainable: list[FlatParamGroup] = [f for f in flats if f.trainable]
+        self.trainable_names: tuple[str, ...] = tuple(name for f in self.trainable for name in f.params)
+        """The trainable groups' parameter names (what a use tells the first-step orders)."""
         self.active_backward = 0
         """Uses whose backward started (pre-backward) and has not reached the inputs yet."""
         self.final: set[FlatParamGroup] = set()
-        """Trainable groups whose gradients are final in this backward (not gathered again)."""
+        """Trainable groups whose gradients are final in this backward (not gathered again):
+        changed only through :meth:`mark_final` and :meth:`clear_final`, which keep
+        :attr:`needed` and :attr:`backward_done` with it."""
+        self.needed: list[FlatParamGroup] = list(flats)
+        """The groups a gather of this unit still needs: all but the final ones (kept as
+        ``final`` changes, so the hooks read it without building it)."""
+        self.backward_done = False
+        """Every trainable group's gradients are final in this backward (a unit with none never is)."""
         self.running = 0
         """Uses of the unit whose forward is running (see [Note: entry modules])."""
         self.entered_by: Any = None
         """The entry module whose forward started the use in progress, if one did."""
 
-    @property
-    def trainable(self) -> list[FlatParamGroup]:
-        return [f for f in self.flats if f.trainable]
+    def mark_final(self, flat: FlatParamGroup) -> None:
+        """``flat``'s gradients are final in this backward."""
+        self.final.add(flat)
+        self.needed = [f for f in self.flats if f not in self.final]
+        self.backward_done = len(self.final) == len(self.trainable)
 
-    @property
-    def backward_done(self) -> bool:
-        trainable = self.trainable
-        return bool(trainable) and len(self.final) == len(trainable)
-
-    def needed(self) -> list[FlatParamGroup]:
-        return [f for f in self.flats if f not in self.final]
+    def clear_final(self) -> None:
+        """A new backward (or a recompute after the gradients were final): every group is needed again."""
+        if self.final:
+            self.final.clear()
+            self.needed = list(self.flats)
+            self.backward_done = False
 
     def full_bytes(self) -> int:
         return sum(f.full_bytes for f in self.flats)

@@ -42,6 +42,12 @@ PHASES = ("forward", "backward_gather", "backward", "step")
 """See [Note: exposed communication]."""
 
 
+_GATHER_PHASES = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward_gather"}
+"""The clock's phase of a parameter gather's wait, by the engine's phase (any other: "step")."""
+_REDUCTION_PHASES = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward"}
+"""The same for any other wait (a gradient reduction)."""
+
+
 class WaitClock:
     """See [Note: exposed communication]."""
 
@@ -58,18 +64,10 @@ class WaitClock:
         started = time.perf_counter()
         result = handle.wait()
         elapsed = time.perf_counter() - started
-        phase = self._phase(gather)
+        phase = (_GATHER_PHASES if gather else _REDUCTION_PHASES).get(self.state.phase, "step")
         self.seconds[phase] += elapsed
         self.waits[phase] += 1
         return result
-
-    def _phase(self, gather: bool) -> str:
-        phase = self.state.phase
-        if phase is Phase.FORWARD:
-            return "forward"
-        if phase is Phase.BACKWARD:
-            return "backward_gather" if gather else "backward"
-        return "step"
 
     @property
     def total_s(self) -> float:

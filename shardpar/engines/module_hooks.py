@@ -175,18 +175,29 @@ class UnitHooks:
                 )
         self.on_entry_modules: dict[str, list[Any]] = {}
         """Entry module -> its hooks' handles (see [Note: entry modules] in core/units.py)."""
+        # An entry module runs almost always inside a use of its unit (its block's forward),
+        # where its hooks do nothing: each asks the unit first, itself, and calls down only
+        # when there is something to do (the gatherer's enter/leave ask the same again).
         for unit, plan in zip(units, plans):
             for entry_name in plan.entry_modules:
                 module = modules[entry_name]
                 self.on_entry_modules.setdefault(entry_name, []).extend(
                     [
                         module.register_forward_pre_hook(
-                            engine_hook(lambda m, args, kwargs, unit=unit: self._enter(unit, m, args, kwargs)),
+                            engine_hook(
+                                lambda m, args, kwargs, unit=unit: (
+                                    None if unit.running else self._enter(unit, m, args, kwargs)
+                                )
+                            ),
                             prepend=True,
                             with_kwargs=True,
                         ),
                         module.register_forward_hook(
-                            engine_hook(lambda m, args, output, unit=unit: self._leave(unit, m, output)),
+                            engine_hook(
+                                lambda m, args, output, unit=unit: (
+                                    self._leave(unit, m, output) if unit.entered_by is m else None
+                                )
+                            ),
                             always_call=True,
                         ),
                     ]
@@ -223,7 +234,7 @@ class UnitHooks:
 
     def _record_use(self, unit: Unit) -> None:
         """A unit's use, to the first-step orders (their recording rule: core/first_step_orders.py)."""
-        self.reducer.orders.module_runs(name for flat in unit.trainable for name in flat.params)
+        self.reducer.orders.module_runs(unit.trainable_names)
 
     def _hook_inputs(
         self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
