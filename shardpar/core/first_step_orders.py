@@ -185,11 +185,6 @@ class FirstStepOrders:
         if self.state.backward_syncs and not self.launch.agreed:
             self.launch.agree(exchange)
 
-    def gradient_ready(self, name: str) -> None:
-        """``name``'s gradient became final in a synchronising backward (its first arrival)."""
-        if self.ready is not None:
-            self.ready.saw(name)
-
     def end_ready_record(self) -> ReadyOrder:
         """The rebuild takes the ready order: nothing more is recorded."""
         record, self.ready = self.ready, None

@@ -75,7 +75,8 @@ class GradientLedger:
         self.wait_clock = wait_clock
         self._name_order(names)
         self.used = bytearray(len(self.names))
-        """Host flags of the parameters that got a gradient on this rank since ``zero_grad``."""
+        """Host flags of the parameters that got a gradient on this rank since ``zero_grad``, in
+        the order of ``names``: the reducer's gradient hook sets its parameter's byte itself."""
         self.unused: set[str] = set()
         """Parameters no rank used since ``zero_grad`` (known after a synchronising backward,
         once ``unused_known``)."""
@@ -106,10 +107,6 @@ class GradientLedger:
         used = dict(zip(self.names, self.used))
         self._name_order(names)
         self.used = bytearray(used[name] for name in self.names)
-
-    def got_gradient(self, name: str) -> None:
-        """``name``'s gradient arrived on this rank (a gradient hook)."""
-        self.used[self._index[name]] = 1
 
     # ------------------------------------------------------------------ at a synchronising backward
 

@@ -167,16 +167,17 @@ class _FullGradBuffer:
     def _take_views_off(self, bucket: GradBucket) -> None:
         """Launching: a late gradient must not be added into the buffer being reduced (see
         [Note: a gradient that arrives twice] in reducer.py)."""
-        for name in bucket.names:
-            param = bucket.params[name]
-            if param.grad is self.views[name]:
+        views = self.views
+        for name, param in bucket.members:
+            if param.grad is views[name]:
                 param.grad = None
 
     def fill_missing(self, bucket: GradBucket) -> None:
         """Parameters that got no gradient this backward contribute zeros (or what they
         accumulated earlier, e.g. under no_sync)."""
+        params = bucket.params
         for name in bucket.missing:
-            param = bucket.params[name]
+            param = params[name]
             view = self.views[name]
             if view.dtype != param.dtype:
                 if param.grad is not None:
@@ -455,8 +456,8 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
         if space in self.master_grad_shards:
             space.layout.shard_of(bucket.spec, self.master_grad_shards[space]).copy_(reduced)
         bucket.reduced = True
-        for name in bucket.names:  # see [Note: stage 1 accumulation across reductions]
-            bucket.params[name].grad = None
+        for _, param in bucket.members:  # see [Note: stage 1 accumulation across reductions]
+            param.grad = None
 
     def _carry_reduced(self, bucket: GradBucket) -> None:
         if self._carry is None:

@@ -301,9 +301,11 @@ class Engine:
         return rows
 
     def _on_grad_ready(self, name: str, param: nn.Parameter) -> None:
-        self.ensure_backward_started()
-        if param.grad is not None and param.grad.layout is not torch.strided:
-            raise sparse_gradient_error(name, param.grad)
+        if not self.state.final_callback_queued:  # else the backward has started: skip the call
+            self.ensure_backward_started()
+        grad = param.grad
+        if grad is not None and grad.layout is not torch.strided:
+            raise sparse_gradient_error(name, grad)
         if not torch.is_grad_enabled():  # backward without create_graph: already so, no context to enter
             self.backward_path.grad_ready(name, param)
             return

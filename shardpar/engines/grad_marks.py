@@ -49,10 +49,15 @@ class GradPlaceholders:
         or through a parameter used outside any forward reaches a parameter first. So each
         parameter gets a tensor hook, which runs before accumulation: it starts the backward
         (``start_backward``, a bound method of the engine, which takes the marks off) if
-        nothing did yet, and otherwise returns at once."""
+        nothing did yet, and otherwise returns at once: the training state, which holds nothing
+        of the engine, answers that without a call ([Note: the host's share of a step] in
+        hooks.py)."""
         receiver = weakref.WeakMethod(start_backward)
+        state = self.reducer.state
 
         def before_accumulation(grad: torch.Tensor) -> None:
+            if state.final_callback_queued:
+                return
             start = receiver()
             if start is not None:  # else the engine is gone ([Note: hooks hold their owner weakly])
                 start()
