@@ -352,11 +352,11 @@ class GradientReducer:
             self.strategy.release_unused(unused)
         return True
 
-    def has_gradient(self, name: str) -> bool:
-        """Whether ``name`` has a gradient for the optimizer (reading the flags if need be)."""
+    def without_gradient(self) -> set[str]:
+        """The parameters without a gradient for the optimizer (reading the flags if need be)."""
         if not self.ledger.unused_known:
             self.settle(block=True)
-        return self.ledger.has_gradient(name)
+        return self.ledger.without_gradient()
 
     # ------------------------------------------------------------------ between steps
 
