@@ -41,6 +41,7 @@ from torch import nn
 from ..comm import collectives as C
 from .averaging import AcrossReplicas, Averaging, ReduceDtype, averaging_per_space, scale
 from .layout import Bucket, ShardPiece
+from .param_guard import metadata_only
 from .rebuild import Relayout
 from .reducer import BucketedParams, GradBucket
 
@@ -196,8 +197,9 @@ class _FullGradBuffer:
         for space, grad in self.grad_buffers.items():
             if grad.dtype != space.compute_dtype:
                 grad.zero_()
-            for param in space.params.values():
-                param.grad = None
+            with metadata_only():  # stage 1's parameters may be guarded here (a gather pending)
+                for param in space.params.values():
+                    param.grad = None
 
     def clear_params(self, names: set[str], set_to_none: bool = True) -> None:
         """``zero_grad`` of some parameters only (an optimizer over part of the model; see
