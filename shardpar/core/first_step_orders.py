@@ -161,6 +161,14 @@ class FirstStepOrders:
         self.ready = ready
         """Recorded until the buckets are rebuilt (see [Note: bucket rebuild] in rebuild.py);
         None once they are, or where they never are."""
+        self.records_uses = True
+        """Whether :meth:`module_runs` may record anything: a use hook, which fires for every
+        module at every forward, reads this attribute instead of calling in (False from the
+        first step on, where the buckets are not rebuilt or once they are)."""
+        self._update_records_uses()
+
+    def _update_records_uses(self) -> None:
+        self.records_uses = self.launch.recording or self.ready is not None
 
     def module_runs(self, names: Iterable[str]) -> None:
         """A module using the parameters ``names`` is about to run its forward (a use-module
@@ -178,21 +186,19 @@ class FirstStepOrders:
         """A forward with autograd returned from the root (not a recompute): the first ends
         the first-use record."""
         self.launch.stop_recording()
+        self._update_records_uses()
 
     def backward_starts(self, exchange: Callable[[list[int]], list[list[int]]]) -> None:
         """The first hook of a backward ran: the first synchronising one agrees on the launch
         order (``exchange`` gives every rank's list: a collective, on every rank at once)."""
         if self.state.backward_syncs and not self.launch.agreed:
             self.launch.agree(exchange)
-
-    def gradient_ready(self, name: str) -> None:
-        """``name``'s gradient became final in a synchronising backward (its first arrival)."""
-        if self.ready is not None:
-            self.ready.saw(name)
+            self._update_records_uses()
 
     def end_ready_record(self) -> ReadyOrder:
         """The rebuild takes the ready order: nothing more is recorded."""
         record, self.ready = self.ready, None
+        self._update_records_uses()
         assert record is not None  # the engine rebuilds only while a ready order is recorded
         return record
 
@@ -202,3 +208,4 @@ class FirstStepOrders:
         rebuild])."""
         self.launch = LaunchOrder(bucket_names)
         self.launch.adopt(completion_order(bucket_names, ready))
+        self._update_records_uses()

@@ -75,7 +75,8 @@ class GradientLedger:
         self.wait_clock = wait_clock
         self._name_order(names)
         self.used = bytearray(len(self.names))
-        """Host flags of the parameters that got a gradient on this rank since ``zero_grad``."""
+        """Host flags of the parameters that got a gradient on this rank since ``zero_grad``, in
+        the order of ``names``: the reducer's gradient hook sets its parameter's byte itself."""
         self.unused: set[str] = set()
         """Parameters no rank used since ``zero_grad`` (known after a synchronising backward,
         once ``unused_known``)."""
@@ -106,10 +107,6 @@ class GradientLedger:
         used = dict(zip(self.names, self.used))
         self._name_order(names)
         self.used = bytearray(used[name] for name in self.names)
-
-    def got_gradient(self, name: str) -> None:
-        """``name``'s gradient arrived on this rank (a gradient hook)."""
-        self.used[self._index[name]] = 1
 
     # ------------------------------------------------------------------ at a synchronising backward
 
@@ -157,16 +154,23 @@ class GradientLedger:
 
     # ------------------------------------------------------------------ what the optimizer asks
 
-    def has_gradient(self, name: str) -> bool:
-        """Whether ``name`` has a gradient for the optimizer; once ``unused_known`` (the
-        reducer settles first)."""
-        return name in self.kept_as_zeros or (self.grads_ready and name not in self.unused and name not in self.cleared)
+    def without_gradient(self) -> set[str]:
+        """The parameters without a gradient for the optimizer (the rest have one: torch's
+        ``.grad`` is not None); once ``unused_known`` (the reducer settles first). One set for
+        the whole model, so a step asks once, not once per parameter; empty in the usual case."""
+        if not self.grads_ready:
+            return set(self.names) - self.kept_as_zeros
+        if not self.unused and not self.cleared:
+            return set()
+        return (self.unused | self.cleared) - self.kept_as_zeros
 
-    def has_gradient_here(self, name: str) -> bool:
-        """:meth:`has_gradient` as far as the host knows without the flags: what this rank used."""
-        return name in self.kept_as_zeros or (
-            self.grads_ready and bool(self.used[self._index[name]]) and name not in self.cleared
-        )
+    def without_gradient_here(self) -> set[str]:
+        """:meth:`without_gradient` as far as the host knows without the flags: what this rank
+        did not use."""
+        if not self.grads_ready:
+            return set(self.names) - self.kept_as_zeros
+        unused_here = {name for name, used in zip(self.names, self.used) if not used}
+        return (unused_here | self.cleared) - self.kept_as_zeros
 
     @property
     def any_gradient(self) -> bool:
@@ -181,7 +185,7 @@ class GradientLedger:
         for the strategy to zero); else ``some`` is kept no longer. Once ``unused_known``."""
         kept: set[str] = set()
         if not set_to_none:  # (a name already kept has a gradient, so it is kept again)
-            kept = {name for name in (self.names if some is None else some) if self.has_gradient(name)}
+            kept = set(self.names if some is None else some) - self.without_gradient()
             self.kept_as_zeros |= kept
         elif self.kept_as_zeros:
             self.kept_as_zeros = set() if some is None else self.kept_as_zeros - some

@@ -41,6 +41,7 @@ from torch import nn
 from ..comm import collectives as C
 from .averaging import AcrossReplicas, Averaging, ReduceDtype, averaging_per_space, scale
 from .layout import Bucket, ShardPiece
+from .param_guard import metadata_only
 from .rebuild import Relayout
 from .reducer import BucketedParams, GradBucket
 
@@ -167,16 +168,17 @@ class _FullGradBuffer:
     def _take_views_off(self, bucket: GradBucket) -> None:
         """Launching: a late gradient must not be added into the buffer being reduced (see
         [Note: a gradient that arrives twice] in reducer.py)."""
-        for name in bucket.names:
-            param = bucket.params[name]
-            if param.grad is self.views[name]:
+        views = self.views
+        for name, param in bucket.members:
+            if param.grad is views[name]:
                 param.grad = None
 
     def fill_missing(self, bucket: GradBucket) -> None:
         """Parameters that got no gradient this backward contribute zeros (or what they
         accumulated earlier, e.g. under no_sync)."""
+        params = bucket.params
         for name in bucket.missing:
-            param = bucket.params[name]
+            param = params[name]
             view = self.views[name]
             if view.dtype != param.dtype:
                 if param.grad is not None:
@@ -195,8 +197,9 @@ class _FullGradBuffer:
         for space, grad in self.grad_buffers.items():
             if grad.dtype != space.compute_dtype:
                 grad.zero_()
-            for param in space.params.values():
-                param.grad = None
+            with metadata_only():  # stage 1's parameters may be guarded here (a gather pending)
+                for param in space.params.values():
+                    param.grad = None
 
     def clear_params(self, names: set[str], set_to_none: bool = True) -> None:
         """``zero_grad`` of some parameters only (an optimizer over part of the model; see
@@ -455,8 +458,8 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
         if space in self.master_grad_shards:
             space.layout.shard_of(bucket.spec, self.master_grad_shards[space]).copy_(reduced)
         bucket.reduced = True
-        for name in bucket.names:  # see [Note: stage 1 accumulation across reductions]
-            bucket.params[name].grad = None
+        for _, param in bucket.members:  # see [Note: stage 1 accumulation across reductions]
+            param.grad = None
 
     def _carry_reduced(self, bucket: GradBucket) -> None:
         if self._carry is None:

@@ -114,6 +114,8 @@ class GradBucket:
         self.space = space
         self.spec = spec
         self.names = spec.names
+        self.members = [(name, space.params[name]) for name in spec.names]
+        """(name, parameter) of each of its parameters: what a loop over the bucket reads."""
         self.missing: set[str] = set(spec.names)
         self.phase = BucketPhase.COLLECTING
         self.handle: C.Handle | None = None
@@ -132,15 +134,6 @@ class GradBucket:
         with the parameter's shape and strides ([Note: element order] in core/element_order.py)."""
         slot = self.space.layout.slots[name]
         return slot.shaped(slot.range.shift(-self.spec.range.start).of(bucket_sized))
-
-    def mark_ready(self, name: str) -> None:
-        assert self.phase is BucketPhase.COLLECTING, (
-            f"gradient of '{name}' arrived after bucket {self.position} was already reduced; "
-            "a parameter took part in two backward passes that were not separated by a forward"
-        )
-        self.missing.discard(name)
-        if not self.missing:
-            self.phase = BucketPhase.COMPLETE
 
     def reset(self) -> None:
         self.missing = set(self.spec.names)
@@ -190,6 +183,8 @@ class GradientReducer:
         self.bucket_of = {name: bucket for bucket in self.buckets for name in bucket.names}
         self.names = [name for bucket in self.buckets for name in bucket.names]
         self.flag_index = {name: i for i, name in enumerate(self.names)}
+        self._slot_of = {name: (self.bucket_of[name], i) for i, name in enumerate(self.names)}
+        """name -> (its bucket, its flag index): the one look-up a gradient hook makes."""
 
     @property
     def launch_order(self) -> LaunchOrder:
@@ -233,26 +228,39 @@ class GradientReducer:
         """A parameter's gradient arrived: final for this backward, unless its module is
         checkpointed reentrantly more than once (see [Note: a gradient that arrives twice]).
         Returns the bucket this gradient completed, if any: whoever drives backward (see
-        backward_paths.py) decides when it launches."""
-        bucket = self.bucket_of[name]
-        index = self.flag_index[name]
-        self.ledger.got_gradient(name)
+        backward_paths.py) decides when it launches. It runs once per parameter per backward,
+        so the bookkeeping is inline ([Note: the host's share of a step] in engines/hooks.py):
+        the used flag (the ledger's vector is in this reducer's name order), the ready order
+        while one is recorded, and the bucket's count."""
+        bucket, index = self._slot_of[name]
+        self.ledger.used[index] = 1
         if not self.state.backward_syncs:
             self.strategy.accumulate_no_sync(bucket, name, param)
             return None
         if bucket.launched:
             self._accept_late(bucket, name, param)
             return None
-        if self._arrived[index]:
+        arrived = self._arrived
+        if arrived[index]:
             self.strategy.accept_again(bucket, name, param)
             return None
-        self._arrived[index] = 1
+        arrived[index] = 1
         if self.timeline is not None:
             self.timeline.append(("grad", name))
-        self.orders.gradient_ready(name)
+        ready = self.orders.ready
+        if ready is not None:
+            ready.saw(name)
         self.strategy.accept_grad(bucket, name, param)
-        bucket.mark_ready(name)
-        return bucket if bucket.phase is BucketPhase.COMPLETE else None
+        assert bucket.phase is BucketPhase.COLLECTING, (
+            f"gradient of '{name}' arrived after bucket {bucket.position} was already reduced; "
+            "a parameter took part in two backward passes that were not separated by a forward"
+        )
+        missing = bucket.missing
+        missing.discard(name)
+        if missing:
+            return None
+        bucket.phase = BucketPhase.COMPLETE
+        return bucket
 
     def launch_ready(self) -> None:
         """Launch the complete buckets whose turn it is."""
@@ -344,11 +352,11 @@ class GradientReducer:
             self.strategy.release_unused(unused)
         return True
 
-    def has_gradient(self, name: str) -> bool:
-        """Whether ``name`` has a gradient for the optimizer (reading the flags if need be)."""
+    def without_gradient(self) -> set[str]:
+        """The parameters without a gradient for the optimizer (reading the flags if need be)."""
         if not self.ledger.unused_known:
             self.settle(block=True)
-        return self.ledger.has_gradient(name)
+        return self.ledger.without_gradient()
 
     # ------------------------------------------------------------------ between steps
 

@@ -139,17 +139,24 @@ _OWNERS: dict[int, tuple[weakref.ref[nn.Parameter], str, str]] = {}
 
 
 def refuse_sharded_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """The torch optimizer step pre-hook (see the Note): refuse an optimizer over a claimed parameter."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            owner = _OWNERS.get(id(param))
-            if owner is not None and owner[0]() is param:
-                cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-                raise ShardedGradError(
-                    f"{cls} holds parameter '{owner[1]}' of a model wrapped by shardpar, whose gradient it cannot "
-                    f"see: {owner[2]}. Stepping it would change nothing. Build it with "
-                    f"shardpar.optimizer(model, {cls}, ...) instead: it takes the same options and param groups"
-                )
+    """The torch optimizer step pre-hook (see the Note): refuse an optimizer over a claimed
+    parameter. It runs in every torch optimizer's step (shardpar's own inner optimizers too),
+    so the common case is one set test done in C, with no Python call per parameter; only an
+    optimizer that shares an id with a claimed parameter is looked at one parameter at a time."""
+    if not _OWNERS:
+        return
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    if _OWNERS.keys().isdisjoint(map(id, params)):
+        return
+    for param in params:
+        owner = _OWNERS.get(id(param))
+        if owner is not None and owner[0]() is param:
+            cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+            raise ShardedGradError(
+                f"{cls} holds parameter '{owner[1]}' of a model wrapped by shardpar, whose gradient it cannot "
+                f"see: {owner[2]}. Stepping it would change nothing. Build it with "
+                f"shardpar.optimizer(model, {cls}, ...) instead: it takes the same options and param groups"
+            )
 
 
 def claim_params(named_params: Sequence[tuple[str, nn.Parameter]], where: str) -> None:

@@ -64,9 +64,9 @@ class StagedReduceScatter(ShardedAverage):
         self.grad_shards = {
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device) for s in spaces
         }  # 1-D, this rank's slice of every bucket, in bucket order (local space), master dtype
-        self._staging: dict[int, torch.Tensor] = {}  # bucket position -> its full-size gradients
-        self._free: list[tuple[torch.Tensor, Bucket | None]] = []
-        """Released staging buffers, each with the layout bucket it last served."""
+        self._staging: dict[int, StagingBuffer] = {}  # bucket position -> its full-size gradients
+        self._free: list[StagingBuffer] = []
+        """Released staging buffers, each knowing the layout bucket it last served."""
         self._accumulated: dict[BucketedParams, torch.Tensor] = {}  # no_sync, full size, reduce dtype
         self.peak_staging_bytes = 0
         for space in spaces:
@@ -75,26 +75,27 @@ class StagedReduceScatter(ShardedAverage):
 
     # ------------------------------------------------------------------ staging
 
-    def _staging_for(self, bucket: GradBucket) -> torch.Tensor:
+    def _staging_for(self, bucket: GradBucket) -> StagingBuffer:
         staging = self._staging.get(bucket.position)
         if staging is None:
             dtype, numel = self.reduce_dtype(bucket.space), bucket.spec.range.size
-            reusable = [i for i, (t, _) in enumerate(self._free) if t.dtype == dtype and t.numel() == numel]
-            reusable.sort(key=lambda i: self._free[i][1] is not bucket.spec)  # one that served this bucket first
+            reusable = [i for i, b in enumerate(self._free) if b.data.dtype == dtype and b.data.numel() == numel]
+            reusable.sort(key=lambda i: self._free[i].served is not bucket.spec)  # one that served this bucket first
             if reusable:
-                staging, served = self._free.pop(reusable[0])
+                staging = self._free.pop(reusable[0])
             else:
-                staging, served = torch.empty(numel, dtype=dtype, device=bucket.space.device), None
+                staging = StagingBuffer(torch.empty(numel, dtype=dtype, device=bucket.space.device))
             # Not zeroed as a whole: every slot is overwritten by its gradient or, if none comes,
             # by fill_missing; only the padding must be zero. It stays zero while the buffer
             # serves the same bucket (the collective sums zeros there), so it is zeroed only
             # when the buffer comes new or from another bucket -- of this layout or of the
             # one before a rebuild, whose gaps differ ([Note: bucket rebuild]).
-            if served is not bucket.spec:
+            if staging.served is not bucket.spec:
                 for gap in bucket.spec.gaps:
-                    gap.shift(-bucket.spec.range.start).of(staging).zero_()
+                    gap.shift(-bucket.spec.range.start).of(staging.data).zero_()
+                staging.served = bucket.spec
             self._staging[bucket.position] = staging
-            self.peak_staging_bytes = max(self.peak_staging_bytes, nbytes(self._staging.values()))
+            self.peak_staging_bytes = max(self.peak_staging_bytes, nbytes(b.data for b in self._staging.values()))
         return staging
 
     def _slot(self, bucket: GradBucket, name: str, full: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,7 +104,7 @@ class StagedReduceScatter(ShardedAverage):
         if full is not None:
             slot = bucket.space.layout.slots[name]
             return slot.shaped(slot.range.of(full))
-        return bucket.slot_in(self._staging_for(bucket), name)
+        return self._staging_for(bucket).slots(bucket)[name]
 
     def _accumulation(self, space: BucketedParams) -> torch.Tensor:
         if space not in self._accumulated:
@@ -116,7 +117,10 @@ class StagedReduceScatter(ShardedAverage):
 
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
         assert param.grad is not None  # called from its post-accumulate-grad hook: the gradient is there
-        slot = self._slot(bucket, name)
+        staging = self._staging.get(bucket.position)
+        if staging is None:
+            staging = self._staging_for(bucket)
+        slot = staging.slots(bucket)[name]
         slot.copy_(param.grad)
         if bucket.space in self._accumulated:
             slot.add_(self._slot(bucket, name, self._accumulated[bucket.space]))
@@ -151,7 +155,7 @@ class StagedReduceScatter(ShardedAverage):
     # ------------------------------------------------------------------ collectives
 
     def start(self, bucket: GradBucket) -> C.Handle:
-        staging = self._staging_for(bucket)
+        staging = self._staging_for(bucket).data
         plan = self.averaging_of[bucket.space]
         scale(staging, plan.before)
         return C.reduce_scatter(
@@ -165,8 +169,8 @@ class StagedReduceScatter(ShardedAverage):
         )
 
     def finish(self, bucket: GradBucket) -> None:
-        staging = self._staging.pop(bucket.position)
-        owned = self.owned_in_staging(bucket, staging)
+        buffer = self._staging.pop(bucket.position)
+        owned = self.owned_in_staging(bucket, buffer.data)
         self.sum_replicas(bucket, owned)
         shard = bucket.space.layout.shard_of(bucket.spec, self.grad_shards[bucket.space])
         scale = self.averaging_of[bucket.space].after
@@ -177,7 +181,7 @@ class StagedReduceScatter(ShardedAverage):
         else:
             shard.copy_(owned).mul_(scale)
         bucket.reduced = True
-        self._free.append((staging, bucket.spec))
+        self._free.append(buffer)
         assert self.max_in_flight is not None  # this strategy always bounds the reductions in flight
         if len(self._free) > self.max_in_flight + 1:
             self._free.pop(0)
@@ -224,4 +228,26 @@ class StagedReduceScatter(ShardedAverage):
         return nbytes(list(self.grad_shards.values()) + list(self._accumulated.values()))
 
     def workspace_bytes(self) -> int:
-        return nbytes(list(self._staging.values()) + [t for t, _ in self._free])
+        return nbytes([b.data for b in self._staging.values()] + [b.data for b in self._free])
+
+
+class StagingBuffer:
+    """One bucket-sized staging buffer of the pool: its tensor (1-D, reduce dtype), the layout
+    bucket it last served (whose padding it holds zeroed), and its gradient slots for each
+    bucket it served, made once: a gradient hook then copies into a view it looks up ([Note:
+    the host's share of a step] in engines/hooks.py)."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self.served: Bucket | None = None
+        self._slots: dict[int, tuple[Bucket, dict[str, torch.Tensor]]] = {}
+        """Bucket position -> (the layout bucket, name -> its slot in ``data``); a bucket of
+        another layout at that position (after a rebuild) makes them again."""
+
+    def slots(self, bucket: GradBucket) -> dict[str, torch.Tensor]:
+        """Each of ``bucket``'s parameters' slot in this buffer, with the parameter's shape and
+        strides (see ``GradBucket.slot_in``)."""
+        made = self._slots.get(bucket.position)
+        if made is None or made[0] is not bucket.spec:
+            made = self._slots[bucket.position] = (bucket.spec, {n: bucket.slot_in(self.data, n) for n in bucket.names})
+        return made[1]

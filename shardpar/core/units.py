@@ -199,8 +199,11 @@ class ModuleTree:
     def compiled_since(self) -> list[str]:
         """Submodules compiled in place (``module.compile()``) since this tree was made, by
         canonical name; a submodule replaced by a ``torch.compile`` wrapper of itself is an
-        error (see [Note: compiled after wrap] in engines/module_hooks.py). Cheap: one
-        attribute test per module, one dict look-up per registration."""
+        error (see [Note: compiled after wrap] in engines/module_hooks.py). Cheap, as it runs
+        at every root forward: one dict look-up per registration, and one attribute test per
+        module with no call -- a module of this tree that was not compiled when it was made
+        can become compiled only in place, which sets its ``_compiled_call_impl``, so only a
+        module with that set is asked :func:`is_compiled`."""
         from torch._dynamo.eval_frame import OptimizedModule
 
         for registered, key, child in self._registrations:
@@ -214,7 +217,11 @@ class ModuleTree:
                     "assign the torch.compile wrapper before shardpar.wrap"
                 )
         known = set(self.compiled)
-        return [n for n, m in self.modules.items() if n and n not in known and is_compiled(m)]
+        return [
+            n
+            for n, m in self.modules.items()
+            if m._compiled_call_impl is not None and n and n not in known and is_compiled(m)
+        ]
 
     def canonical_name_of(self, module: nn.Module) -> str:
         return next(name for name, m in self.modules.items() if m is module)

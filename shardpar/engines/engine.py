@@ -301,9 +301,11 @@ class Engine:
         return rows
 
     def _on_grad_ready(self, name: str, param: nn.Parameter) -> None:
-        self.ensure_backward_started()
-        if param.grad is not None and param.grad.layout is not torch.strided:
-            raise sparse_gradient_error(name, param.grad)
+        if not self.state.final_callback_queued:  # else the backward has started: skip the call
+            self.ensure_backward_started()
+        grad = param.grad
+        if grad is not None and grad.layout is not torch.strided:
+            raise sparse_gradient_error(name, grad)
         if not torch.is_grad_enabled():  # backward without create_graph: already so, no context to enter
             self.backward_path.grad_ready(name, param)
             return
@@ -390,12 +392,12 @@ class Engine:
             return [], False
         return self.strategy.owned_grad_pieces(), self.strategy.owned_grads()[1]
 
-    def has_gradient(self, name: str) -> bool:
-        """Whether the optimizer should update ``name`` in the coming step (plain torch skips
-        a parameter whose ``.grad`` is None; see [Note: used parameters] in core/gradient_ledger.py)."""
+    def without_gradient(self) -> set[str]:
+        """The parameters the optimizer must skip in the coming step (plain torch skips a
+        parameter whose ``.grad`` is None; see [Note: used parameters] in core/gradient_ledger.py)."""
         if not self.reducer.ledger.unused_known:
             self.settle_gradients()
-        return self.reducer.has_gradient(name)
+        return self.reducer.without_gradient()
 
     def count_optimizer_step(self) -> None:
         """Every ``step()`` call counts, also one with nothing to do: ranks in step call it

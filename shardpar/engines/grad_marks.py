@@ -49,10 +49,15 @@ class GradPlaceholders:
         or through a parameter used outside any forward reaches a parameter first. So each
         parameter gets a tensor hook, which runs before accumulation: it starts the backward
         (``start_backward``, a bound method of the engine, which takes the marks off) if
-        nothing did yet, and otherwise returns at once."""
+        nothing did yet, and otherwise returns at once: the training state, which holds nothing
+        of the engine, answers that without a call ([Note: the host's share of a step] in
+        hooks.py)."""
         receiver = weakref.WeakMethod(start_backward)
+        state = self.reducer.state
 
         def before_accumulation(grad: torch.Tensor) -> None:
+            if state.final_callback_queued:
+                return
             start = receiver()
             if start is not None:  # else the engine is gone ([Note: hooks hold their owner weakly])
                 start()
@@ -64,10 +69,10 @@ class GradPlaceholders:
         """Placeholders on the ``.grad`` of parameters that have a gradient: all of them once the
         used-parameter flags are read, until then those this rank used (see [Note: reading the
         used-parameter flags] in core/gradient_ledger.py; the rest follow when the flags are read)."""
-        reducer = self.reducer
-        self.wait_for_flags = not reducer.ledger.unused_known
-        known = reducer.has_gradient if reducer.ledger.unused_known else reducer.ledger.has_gradient_here
-        self.marks.put_on(n for n, _ in self.trainable if known(n))
+        ledger = self.reducer.ledger
+        self.wait_for_flags = not ledger.unused_known
+        without = ledger.without_gradient_here() if self.wait_for_flags else self.reducer.without_gradient()
+        self.marks.put_on([n for n, _ in self.trainable if n not in without])
 
     def take_off(self, names: Iterable[str] | None = None) -> None:
         self.marks.take_off(names)

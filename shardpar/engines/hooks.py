@@ -8,6 +8,18 @@ a graph break, and under ``fullgraph=True`` an error, so none is placed inside a
 declared with ``shardpar.register_forward_method`` can run the engine's hooks around it and no
 others ([Note: forward methods] in facade/forward_methods.py).
 
+[Note: the host's share of a step]
+Every hook below that fires once per parameter per step (the post-accumulate-grad hook, the
+placeholders' pre-accumulation hook) is what the host pays per parameter tensor: a model of
+386 small tensors spends more time in these Python calls than in its arithmetic (issue #44,
+tools/bench.py's overhead model). So such a hook is one closure, with what it needs bound
+in; it asks the cheap question first (has this backward started? an attribute) and calls
+into the engine only when there is work; the engine, the backward path, the reducer and the
+strategy then make one call each, the reducer doing its per-gradient bookkeeping (used
+flag, ready order, the bucket's count) inline rather than in a helper per fact. Work that
+is the same for every parameter of a bucket is done per bucket at launch, with the
+(parameter, view) pairs computed once per layout.
+
 [Note: hooks hold their owner weakly]
 A tensor hook lives in C++ state that Python's cycle collector cannot see into, so a hook
 that held the engine strongly (parameter -> hook -> engine -> parameter) made every wrapped
@@ -62,18 +74,19 @@ def grad_ready_hooks(
     params: Iterable[tuple[str, nn.Parameter]], on_ready: Callable[[str, nn.Parameter], None]
 ) -> list[Any]:
     """One post-accumulate-grad hook per parameter, calling ``on_ready`` (a bound method)
-    through a weak reference: see [Note: hooks hold their owner weakly]."""
+    through a weak reference: see [Note: hooks hold their owner weakly]. Each hook is one
+    closure over its parameter's name ([Note: the host's share of a step])."""
     receiver = weakref.WeakMethod(on_ready)
 
-    def hook(param: nn.Parameter, name: str) -> None:
-        engine_method = receiver()
-        if engine_method is not None:  # else the engine is gone: the parameter is plain again
-            engine_method(name, param)
+    def hook_for(name: str) -> Callable[[nn.Parameter], None]:
+        def on_accumulated(param: nn.Parameter) -> None:
+            engine_method = receiver()
+            if engine_method is not None:  # else the engine is gone: the parameter is plain again
+                engine_method(name, param)
+
+        return torch.compiler.disable(on_accumulated)  # type: ignore[no-untyped-call,no-any-return]  # untyped in torch
 
     return [
-        # both are untyped in torch
-        param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-            torch.compiler.disable(lambda p, name=name: hook(p, name))  # type: ignore[no-untyped-call]
-        )
+        param.register_post_accumulate_grad_hook(hook_for(name))  # type: ignore[no-untyped-call]  # untyped in torch
         for name, param in params
     ]

@@ -22,6 +22,7 @@ wrapping is an error too: the wrapper is not the module the engine wrapped (its 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,12 +72,16 @@ class UseHooks:
         for hook_name, names in self.storage.use_modules(self.tree.lift).items():
             positions = sorted({self.reducer.bucket_of[name].position for name in names})
             groups = [self.storage.groups[p] for p in positions] if self.storage.groups else []
-            hook = engine_hook(lambda module, args, names=names, groups=groups: self._on_use(names, groups))
+            hook = engine_hook(functools.partial(self._on_use, names, groups))  # a partial: no extra Python call
             handle = modules[hook_name].register_forward_pre_hook(hook, prepend=True)
             (self.gathers if groups else self.first_use).append(handle)
 
-    def _on_use(self, names: list[str], groups: list[FlatParamGroup]) -> None:
-        self.reducer.orders.module_runs(names)
+    def _on_use(self, names: list[str], groups: list[FlatParamGroup], module: nn.Module, args: Any) -> None:
+        orders = self.reducer.orders
+        if (
+            orders.records_uses
+        ):  # else nothing to record: skip the call ([Note: the host's share of a step] in hooks.py)
+            orders.module_runs(names)
         for group in groups:
             group.wait_unsharded()
 

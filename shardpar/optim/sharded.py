@@ -316,10 +316,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Point each tensor at its reduced gradient, or at None where no rank's backward used
         the parameter since ``zero_grad`` (torch then skips it: no decay, no moment update).
         Pieces that are the parameters themselves (stage 0) carry their own ``.grad``."""
+        skipped: set[str] | None = None  # asked once per step, not once per piece, and only if needed
         for tensors in self.group_tensors:
             for piece in tensors:
                 if piece.grad is not None:
-                    piece.tensor.grad = piece.grad if self.engine.has_gradient(piece.name) else None
+                    if skipped is None:
+                        skipped = self.engine.without_gradient()
+                    piece.tensor.grad = None if piece.name in skipped else piece.grad
 
     def _detach_grads(self) -> None:
         """No gradient since ``zero_grad`` (a closure without backward): as torch's, every
