@@ -363,7 +363,7 @@ class ShardedAverage:
 
     def owned_in_staging(self, bucket: GradBucket, staging: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``bucket`` in its staging buffer (indexed from the bucket start)."""
-        return bucket.spec.shard(self.rank).shift(-bucket.spec.range.start).of(staging)
+        return bucket.spec.shard_in_bucket(self.rank).of(staging)
 
     def start_late(self, bucket: GradBucket, late: torch.Tensor) -> C.Handle:
         """Reduce-scatter a bucket-sized buffer: the late gradients of [Note: a gradient that

@@ -133,7 +133,7 @@ class GradBucket:
         """``name``'s gradient in a buffer laid out like this bucket (indexed from its start),
         with the parameter's shape and strides ([Note: element order] in core/element_order.py)."""
         slot = self.space.layout.slots[name]
-        return slot.shaped(slot.range.shift(-self.spec.range.start).of(bucket_sized))
+        return slot.shaped(slot.in_bucket.of(bucket_sized))
 
     def reset(self) -> None:
         self.missing = set(self.spec.names)
