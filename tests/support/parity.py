@@ -238,7 +238,8 @@ def describe(model: Any) -> dict[str, Any]:
     """Closed-form inputs of the byte/memory formulas, read from the engine's layouts."""
     engine = model.engine
     layouts = [space.layout for space in engine.storage.spaces]  # the trainable parameters' layouts
-    pieces = [piece for layout in layouts for piece in layout.pieces(engine.rank)]
+    # A rank owns its slice within its shard group (all ranks unless hybrid sharding).
+    pieces = [piece for layout in layouts for piece in layout.pieces(engine.shards.shard_rank)]
     return {
         "psi": sum(p.numel() for _, p in engine.trainable),
         "frozen_numel": sum(p.numel() for _, p in engine.frozen),
@@ -277,7 +278,7 @@ def padding_magnitude(model: Any) -> tuple[float, int]:
     engine = model.engine
     largest, looked_at = 0.0, 0
     for space in engine.storage.spaces:  # stage 0-2 buffers, stage-3 trainable flat groups
-        full_mask, local_mask = _padding_masks(space.layout, engine.rank)
+        full_mask, local_mask = _padding_masks(space.layout, engine.shards.shard_rank)
         tensors = [getattr(space, name, None) for name in ("data", "full", "shard")]
         master = getattr(engine.storage, "master", None)  # stages 0-2: the full-precision copies and shards
         tensors += [(getattr(master, name, None) or {}).get(space) for name in ("copies", "full", "shards")]
