@@ -28,7 +28,7 @@ The tensors the parts hold, by name, and which ``.data`` is which:
   ``.data`` between gathers is a storageless tensor of its shape (core/param_guard.py:
   ``storageless``) behind a guarded class, and at stages 1-3 (and stage 0 under mixed
   precision) ``param.grad`` after a backward is a ``ShardedGrad`` that raises when read
-  (core/sharded_grads.py), since only the owned slice exists.
+  (core/grad_placeholders.py), since only the owned slice exists.
 - **full values** -- what ``model.gathered()`` and state dicts show in the parameters for a
   while (facade/module_state.py, [Note: full values in the module]): the live tensors at stage
   0, the masters under mixed precision, assembled copies at stages 1-3.

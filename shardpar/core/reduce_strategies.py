@@ -235,7 +235,7 @@ class AllReduceStrategy(_FullGradBuffer):
     collective = "all_reduce"
     full_grads_on_params = True
     """Whether ``param.grad`` holds the whole reduced gradient after a synchronising backward
-    (else see [Note: no full gradients at stages 1-3] in core/sharded_grads.py)."""
+    (else see [Note: no full gradients at stages 1-3] in core/grad_placeholders.py)."""
 
     def __init__(
         self,

@@ -57,7 +57,7 @@ from ..core.units import ModuleTree
 from ..core.wait_clock import WaitClock
 from .buffer_sync import BufferSync
 from .casts import MixedPrecisionCasts
-from .grad_marks import GradPlaceholders
+from .grad_placeholder_hooks import GradPlaceholders
 from .hooks import engine_hook, grad_ready_hooks, grad_tensors, on_first_grad
 from .module_hooks import UnitHooks, UseHooks, module_of_params
 from .stages import RowInputs
@@ -161,15 +161,17 @@ class Engine:
         self.use_hooks = UseHooks(self._tree, self.storage, self.reducer)
         """Stages 0-2's hooks on the modules that use parameters (installed by the stage's row)."""
         # Where param.grad cannot be the gradient (shards; fp32 masters under mixed precision),
-        # plain torch code that reads it must fail loudly: see core/sharded_grads.py.
+        # plain torch code that reads it must fail loudly: see core/grad_placeholders.py.
         hidden = not self.strategy.full_grads_on_params or self.param_dtype is not None
-        self.grad_marks = GradPlaceholders(self.inventory.trainable, self.stage, self.reducer) if hidden else None
+        self.grad_placeholders = (
+            GradPlaceholders(self.inventory.trainable, self.stage, self.reducer) if hidden else None
+        )
         reducer = self.reducer
         self._handles += grad_ready_hooks(
             ((name, reducer.bucket_of[name].params[name]) for name in reducer.names), self._on_grad_ready
         )
-        if self.grad_marks is not None:
-            self._handles += self.grad_marks.before_accumulation_hooks(self.ensure_backward_started)
+        if self.grad_placeholders is not None:
+            self._handles += self.grad_placeholders.before_accumulation_hooks(self.ensure_backward_started)
         self.buffer_sync = BufferSync(
             module, group, self.rank, self.world_size, config.broadcast_buffers, self.comm, self.wait_clock
         )
@@ -249,7 +251,7 @@ class Engine:
             return
         self.check_requires_grad()
         self._follow_compiled_modules()
-        self._take_off_grad_marks()
+        self._take_off_grad_placeholders()
         self.state.phase = Phase.FORWARD
         self.buffer_sync.before_forward()
         self.gatherer.begin_forward()
@@ -281,7 +283,7 @@ class Engine:
         """The first hook of a backward (see [Note: end of backward])."""
         if self.state.final_callback_queued:
             return
-        self._take_off_grad_marks()  # before the first gradient accumulates into .grad
+        self._take_off_grad_placeholders()  # before the first gradient accumulates into .grad
         self.state.begin_backward()
         self.reducer.begin_backward()
         self.state.final_callback_queued = True
@@ -320,7 +322,7 @@ class Engine:
                     self.backward_path.finish_backward()
                     if self.reducer.orders.ready is not None:
                         self._rebuild_buckets()
-                    self._put_grad_marks()
+                    self._put_grad_placeholders()
                 self.gatherer.finish_backward()
                 self.buffer_sync.after_backward()
         finally:
@@ -330,8 +332,12 @@ class Engine:
         """Read the used-parameter flags in flight, waiting for them on a GPU: after it, which
         parameters have a gradient is known (step(), zero_grad(set_to_none=False), checkpoints)."""
         self.gatherer.check_tags(block=True)  # first: see [Note: deferred tag checks] in core/unit_order.py
-        if self.reducer.settle(block=True) and self.grad_marks is not None and self.grad_marks.wait_for_flags:
-            self.grad_marks.put_on()
+        if (
+            self.reducer.settle(block=True)
+            and self.grad_placeholders is not None
+            and self.grad_placeholders.wait_for_flags
+        ):
+            self.grad_placeholders.put_on()
 
     def _rebuild_buckets(self) -> None:
         """Once, at the end of the first synchronising backward: see [Note: bucket rebuild] in
@@ -366,16 +372,16 @@ class Engine:
             some = None
         if (some is not None or not set_to_none) and not self.reducer.ledger.unused_known:
             self.settle_gradients()
-        self._take_off_grad_marks(some)
+        self._take_off_grad_placeholders(some)
         self.reducer.zero_grad(some, set_to_none)
 
-    def _put_grad_marks(self) -> None:
-        if self.grad_marks is not None:
-            self.grad_marks.put_on()
+    def _put_grad_placeholders(self) -> None:
+        if self.grad_placeholders is not None:
+            self.grad_placeholders.put_on()
 
-    def _take_off_grad_marks(self, names: Iterable[str] | None = None) -> None:
-        if self.grad_marks is not None:
-            self.grad_marks.take_off(names)
+    def _take_off_grad_placeholders(self, names: Iterable[str] | None = None) -> None:
+        if self.grad_placeholders is not None:
+            self.grad_placeholders.take_off(names)
 
     def owned_grads(self) -> tuple[list[torch.Tensor], bool]:
         """Final gradients this rank is responsible for, and whether they are a shard (so a

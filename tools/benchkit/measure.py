@@ -18,7 +18,7 @@ overhead model, [Note: the overhead model] in models.py) and any other:
   3.11, comprehensions included (cProfile counts each as a call: each costs the interpreter a
   frame). Per parameter tensor in brackets: what issue #44's targets count. The slowest
   rank's, i.e. the most calls. The peers are counted too: a process that built a stage 1-3
-  engine runs shardpar's global optimizer step pre-hook (core/sharded_grads.py, which refuses a
+  engine runs shardpar's global optimizer step pre-hook (core/grad_placeholders.py, which refuses a
   torch optimizer over parameters whose gradients shardpar keeps) in every torch optimizer's
   step, theirs included. Calls are counted, not the loops inside them: a function looping in
   Python over every parameter counts once. Every configuration takes this step, right after

@@ -18,7 +18,7 @@ flat and clipping returns 0. So, in those cases:
   removed before anything could accumulate into them: at the start of the next forward and
   of the next backward, and by ``zero_grad``.
 - A torch optimizer step pre-hook (:func:`refuse_sharded_params`, registered once per process
-  by the engine's hook layer, engines/grad_marks.py) refuses, before anything changes, to step a torch optimizer that holds such a parameter, naming the optimizer class
+  by the engine's hook layer, engines/grad_placeholder_hooks.py) refuses, before anything changes, to step a torch optimizer that holds such a parameter, naming the optimizer class
   and the parameter. It also covers what the placeholders cannot: a step before any
   backward, and stage-3 parameters, whose storage an optimizer would read first.
 
@@ -92,11 +92,11 @@ class ShardedGrad(torch.Tensor):
         raise ShardedGradError(
             f"the gradient of parameter '{first._shardpar_name}' was read ({func}), but {first._shardpar_where}: "
             f"{_FIX}. {_WHOLE_GRADS_AT_STAGE_0}. See [Note: no full gradients at stages 1-3] in "
-            "shardpar/core/sharded_grads.py"
+            "shardpar/core/grad_placeholders.py"
         )
 
 
-class ShardedGradMarks:
+class GradPlaceholderSet:
     """The placeholders of one engine: put on after a synchronising backward wherever
     ``.grad`` is None although the parameter got a gradient, taken off before anything
     accumulates again."""

@@ -1,6 +1,6 @@
 """When the ``.grad`` placeholders go on and come off, and the torch optimizer step pre-hook
 that refuses an optimizer over such parameters (what they are, and why: [Note: no full
-gradients at stages 1-3] in core/sharded_grads.py).
+gradients at stages 1-3] in core/grad_placeholders.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..core.grad_placeholders import GradPlaceholderSet, refuse_sharded_params, where_grads_live
 from ..core.reducer import GradientReducer
-from ..core.sharded_grads import ShardedGradMarks, refuse_sharded_params, where_grads_live
 from .hooks import engine_hook
 
 _OPTIMIZER_STEP_HOOK: Any = None
@@ -35,7 +35,7 @@ class GradPlaceholders:
 
     def __init__(self, trainable: Sequence[tuple[str, nn.Parameter]], stage: int, reducer: GradientReducer) -> None:
         self.trainable = trainable
-        self.marks = ShardedGradMarks(trainable, where_grads_live(stage))
+        self.placeholders = GradPlaceholderSet(trainable, where_grads_live(stage))
         refuse_torch_optimizers()
         self.reducer = reducer
         self.wait_for_flags = False
@@ -48,7 +48,7 @@ class GradPlaceholders:
         a submodule called directly (FSDP2's chunked loss: ``model.module.head(h).backward()``)
         or through a parameter used outside any forward reaches a parameter first. So each
         parameter gets a tensor hook, which runs before accumulation: it starts the backward
-        (``start_backward``, a bound method of the engine, which takes the marks off) if
+        (``start_backward``, a bound method of the engine, which takes the placeholders off) if
         nothing did yet, and otherwise returns at once: the training state, which holds nothing
         of the engine, answers that without a call ([Note: the host's share of a step] in
         hooks.py)."""
@@ -72,7 +72,7 @@ class GradPlaceholders:
         ledger = self.reducer.ledger
         self.wait_for_flags = not ledger.unused_known
         without = ledger.without_gradient_here() if self.wait_for_flags else self.reducer.without_gradient()
-        self.marks.put_on([n for n, _ in self.trainable if n not in without])
+        self.placeholders.put_on([n for n, _ in self.trainable if n not in without])
 
     def take_off(self, names: Iterable[str] | None = None) -> None:
-        self.marks.take_off(names)
+        self.placeholders.take_off(names)
