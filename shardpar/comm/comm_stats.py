@@ -158,7 +158,9 @@ class CommStats:
     def record_bytes(
         self, op: str, payload_bytes: float, padding_bytes: float, world_size: int, calls: int = 1
     ) -> None:
-        traffic = self.ops.setdefault(op, OpTraffic(factor=SEND_FACTOR[op], world_size=world_size))
+        traffic = self.ops.get(op)
+        if traffic is None:  # the kind's first call since a reset (made only then, not per call)
+            traffic = self.ops[op] = OpTraffic(factor=SEND_FACTOR[op], world_size=world_size)
         assert traffic.world_size == world_size, "one CommStats counts one process group"
         traffic.calls += calls
         traffic.payload_bytes += payload_bytes

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import compat, host, watch
 from .backend_traits import traits
@@ -161,6 +162,12 @@ class TaggedAllGather:
         )
         self._peers = [src for src in range(self.world_size) if src != self.rank]
         self._through_buffer = [src for src in self._peers if src not in self._in_place]
+        # Each rank's broadcast, its spelling chosen once (a gather issues one per rank).
+        self._broadcasts = (
+            [compat.broadcast_keywords(src, group) for src in range(self.world_size)] if self._gloo else []
+        )
+        self._host_tag = full.device.type == "cpu"
+        """The tag is written from a host tensor made in place (else pinned, copied without blocking)."""
         self.receive_bytes = (
             len(self._through_buffer) * (TAG_BYTES + max_shard_bytes)
             if self._gloo
@@ -184,7 +191,10 @@ class TaggedAllGather:
             return Handle(then=lambda: [mine])
         if not self._gloo:
             return self._start_native(own, mine)
-        send[:TAG_BYTES].copy_(host.to_device(mine, torch.int64, send.device).view(torch.uint8))
+        tag_tensor = (
+            torch.tensor(mine, dtype=torch.int64) if self._host_tag else host.to_device(mine, torch.int64, send.device)
+        )
+        send[:TAG_BYTES].copy_(tag_tensor.view(torch.uint8))
         # One broadcast per rank of its tagged shard, received in place where the note says
         # it is safe and otherwise into a buffer sized for the largest shard, so another
         # unit's message always fits.
@@ -198,9 +208,8 @@ class TaggedAllGather:
         for src, window in self._in_place.items():
             windows[src] = window
         works = []  # (loops rather than comprehensions here: each of those is a call, twice per unit per step)
-        for src in range(self.world_size):
-            source = send if src == self.rank else windows[src]
-            works.append(compat.broadcast(source, group_src=src, group=self.group, async_op=True))
+        for src, keywords in enumerate(self._broadcasts):
+            works.append(dist.broadcast(send if src == self.rank else windows[src], **keywords))
 
         def check_then_copy() -> list[list[int]]:
             # Every tag is read before anything is written: a peer's tag may sit in this rank's
@@ -208,7 +217,9 @@ class TaggedAllGather:
             peers = []
             for src in self._peers:
                 peers.append(windows[src][:TAG_BYTES])
-            raw = [host.read_host(peers[0])] if len(peers) == 1 else host.read_host(torch.stack(peers))
+            received_tags = peers[0].unsqueeze(0) if len(peers) == 1 else torch.stack(peers)
+            # (on the CPU host.read_host is this .tolist(), inline: two gathers per unit per step)
+            raw = received_tags.tolist() if self._host_tag else host.read_host(received_tags)
             tags = [mine] * self.world_size
             for src, tag_bytes in zip(self._peers, raw):
                 tags[src] = list(_TAG.unpack(bytes(tag_bytes)))
