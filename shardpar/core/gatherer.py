@@ -152,22 +152,24 @@ class UnitGatherer(GatherPhases):
     # ------------------------------------------------------------------ gathers
 
     def unshard(self, unit: Unit) -> None:
-        """Start the gathers of ``unit``'s sharded groups (tagged: UnitOrder.issue)."""
+        """Start the gathers of ``unit``'s sharded groups (tagged: UnitOrder.issue): each
+        group's full buffer allocated (metered), its gather issued, the group told."""
+        gathered = self.gathered
         for flat in unit.needed:
             if flat.state is ShardState.SHARDED:
-                self._start_gather(flat)
-
-    def _start_gather(self, flat: FlatParamGroup) -> None:
-        with torch.no_grad():
-            self.gathered.add(flat.allocate_full())
-            flat.begin_gather(self.order.issue(flat), self)
+                with torch.no_grad():
+                    gathered.now += flat.allocate_full()  # GatheredBytes.add, inline (once per gather)
+                    if gathered.now > gathered.peak:
+                        gathered.peak = gathered.now
+                    flat.begin_gather(self.order.issue(flat), self)
 
     def wait(self, unit: Unit) -> None:
         """``unit`` gathered: its gathers started if they were not, and completed."""
         needed = unit.needed
         for flat in needed:
             if flat.state is ShardState.SHARDED:
-                self._start_gather(flat)
+                self.unshard(unit)
+                break
         for flat in needed:
             if flat.state is not ShardState.UNSHARDED:
                 assert flat.state is ShardState.GATHERING, f"'{flat.label}' is {flat.state.value}, not gathering"
@@ -185,7 +187,9 @@ class UnitGatherer(GatherPhases):
             self._wait_flat(earlier)
         if flat.state is not ShardState.GATHERING:
             return  # completed or dropped by a recovery while earlier gathers were waited for
-        result = self.wait_clock.wait(flat.take_handle(), gather=True)
+        handle = flat.handle  # (take_handle, inline: complete_gather lets go of it)
+        assert handle is not None, f"'{flat.label}' has no gather to wait for"
+        result = self.wait_clock.wait(handle, gather=True)
         flat.complete_gather()
         if self.order.check_gather(flat, result):
             self._hold_leftovers()
@@ -433,7 +437,9 @@ class UnitGatherer(GatherPhases):
         """Backward reached a use's inputs: that use's backward is over."""
         if unit.active_backward > 0:
             unit.active_backward -= 1
-        if unit.active_backward == 0 and not self._kept_gathered(unit):
+        # (_kept_gathered, inline: once per unit per step)
+        kept = self.hold_for_double_backward or (self.order.leftovers_held and not unit.from_policy)
+        if unit.active_backward == 0 and not kept:
             self.reshard(unit)
 
     def grads_final(self, flat: FlatParamGroup) -> None:
