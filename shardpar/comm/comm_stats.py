@@ -182,8 +182,9 @@ class CommStats:
 
 def record_traffic(stats: CommStats | None, op: str, tensor: torch.Tensor, padding_numel: int, world_size: int) -> None:
     """Count ``tensor`` (``padding_numel`` of its elements padding) under ``op`` in ``stats``, if any."""
-    if stats is not None:
-        stats.record(op, tensor.numel(), padding_numel, tensor.element_size(), world_size)
+    if stats is not None:  # (CommStats.record, inline)
+        element = tensor.element_size()
+        stats.record_bytes(op, (tensor.numel() - padding_numel) * element, padding_numel * element, world_size)
 
 
 def merge_snapshots(snapshots: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:

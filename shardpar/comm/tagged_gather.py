@@ -177,6 +177,8 @@ class TaggedAllGather:
         )
         """Bytes of receive buffers one gather holds while in flight (the planner counts them too)."""
         self._op = f"tagged all_gather of {what}" if what else "tagged all_gather"
+        self._handle = _BroadcastsHandle(self)
+        """The handle of every gloo gather of this plan, given out again by each ``start``."""
 
     def start(self, send: torch.Tensor, tag: Sequence[int]) -> Handle:
         """Send ``send`` (a :func:`tagged_buffer` of ``payload_bytes``) tagged with ``tag``."""
@@ -210,26 +212,11 @@ class TaggedAllGather:
         works = []  # (loops rather than comprehensions here: each of those is a call, twice per unit per step)
         for src, keywords in enumerate(self._broadcasts):
             works.append(dist.broadcast(send if src == self.rank else windows[src], **keywords))
-
-        def check_then_copy() -> list[list[int]]:
-            # Every tag is read before anything is written: a peer's tag may sit in this rank's
-            # chunk. One read of the peers' tags, as bytes (a window need not be aligned for int64).
-            peers = []
-            for src in self._peers:
-                peers.append(windows[src][:TAG_BYTES])
-            received_tags = peers[0].unsqueeze(0) if len(peers) == 1 else torch.stack(peers)
-            # (on the CPU host.read_host is this .tolist(), inline: two gathers per unit per step)
-            raw = received_tags.tolist() if self._host_tag else host.read_host(received_tags)
-            tags = [mine] * self.world_size
-            for src, tag_bytes in zip(self._peers, raw):
-                tags[src] = list(_TAG.unpack(bytes(tag_bytes)))
-            if tags.count(mine) == len(tags):  # every rank sent this rank's tag
-                for src in self._through_buffer:
-                    self._chunk_bytes[src].copy_(windows[src][TAG_BYTES : TAG_BYTES + self.payload_bytes])
-                self._chunk_bytes[self.rank].copy_(own)
-            return tags
-
-        return Handle(works, then=check_then_copy, op=self._op, group=self.group)
+        handle = self._handle
+        assert not handle._works, "a gather into this buffer is already in flight"
+        handle._works, handle._issued, handle._result = works, watch.issued(self.group), None
+        handle.mine, handle.own, handle.windows = mine, own, windows
+        return handle
 
     def _start_native(self, own: torch.Tensor, mine: list[int]) -> Handle:
         """Other backends: every rank's tag by a 16-byte all-gather, then the payload by an
@@ -261,6 +248,51 @@ class TaggedAllGather:
             return gathered
 
         return Handle([tag_work], then=payload_if_tags_agree, op=self._op, group=self.group, issued=gathered.number)
+
+
+class _BroadcastsHandle(Handle):
+    """The handle of a :class:`TaggedAllGather`'s gloo gather, its broadcast per rank: made
+    once per plan and given out again by each of its gathers (a full buffer has one gather in
+    flight at a time), so a gather, twice per unit per step, makes no handle. Its wait checks
+    every rank's tag and, if they agree, copies the payload out (see [Note: tagged all-gather]);
+    it returns every rank's tag."""
+
+    def __init__(self, plan: TaggedAllGather) -> None:
+        super().__init__(op=plan._op, group=plan.group)
+        self.plan = plan
+        self.mine: list[int] = []
+        """This rank's tag of the gather in flight."""
+        self.own = torch.empty(0, dtype=torch.uint8)
+        """This rank's payload (bytes), copied into its chunk once the tags agree."""
+        self.windows: dict[int, torch.Tensor] = {}
+        """Peer -> where its broadcast lands (its tag, then its payload)."""
+
+    def wait(self) -> Any:
+        if not self._works:
+            return self._result  # waited for already
+        plan = self.plan
+        watch.wait_all(self._works, op=self._op, group=self._group, last=self._issued)
+        self._works = []
+        # Every tag is read before anything is written: a peer's tag may sit in this rank's
+        # chunk. One read of the peers' tags, as bytes (a window need not be aligned for int64).
+        windows, mine = self.windows, self.mine
+        peers = []
+        for src in plan._peers:
+            peers.append(windows[src][:TAG_BYTES])
+        received_tags = peers[0].unsqueeze(0) if len(peers) == 1 else torch.stack(peers)
+        # (on the CPU host.read_host is this .tolist(), inline: two gathers per unit per step)
+        raw = received_tags.tolist() if plan._host_tag else host.read_host(received_tags)
+        tags = [mine] * plan.world_size
+        for src, tag_bytes in zip(plan._peers, raw):
+            tags[src] = list(_TAG.unpack(bytes(tag_bytes)))
+        if tags.count(mine) == len(tags):  # every rank sent this rank's tag
+            chunk_bytes = plan._chunk_bytes
+            for src in plan._through_buffer:
+                chunk_bytes[src].copy_(windows[src][TAG_BYTES : TAG_BYTES + plan.payload_bytes])
+            chunk_bytes[plan.rank].copy_(self.own)
+        self._result = tags
+        self.windows = {}  # the receive buffers go with the gather
+        return tags
 
 
 def all_gather_tags(
