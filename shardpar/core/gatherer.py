@@ -116,14 +116,18 @@ class UnitGatherer(GatherPhases):
         """The units the last forward kept gathered into backward (one gather fewer each: gathers_per_step)."""
         self._shard_bytes = sum(f.shard_bytes for f in self.flats)
         self.gathered = GatheredBytes(sum(f.allocated_full_bytes() for f in self.flats))
+        # Off the CPU a gather that cannot be told apart is checked later, see [Note: deferred
+        # tag checks] in unit_order.py; on the CPU a wait blocks anyway.
+        self._checked_later = not self.order.tolerant and self.flats[0].device.type != "cpu"
+        """Reductions need no gather of their backward checked first (see :meth:`reductions_allowed`)."""
 
     def may_reduce(self) -> bool:
         """Whether this backward's gradient reductions may be posted: once a gather of this
         backward has been checked (see [Note: kept for backward]). Completes the gathers in
         flight first if none has been."""
-        if self.reductions_allowed():
-            return True
         order = self.order
+        if self._checked_later or order.checked_in_backward:  # reductions_allowed, inline
+            return True
         if order.in_flight:
             self._complete_in_flight()
         if not order.checked_in_backward and not order.tolerant:
@@ -132,10 +136,7 @@ class UnitGatherer(GatherPhases):
 
     def reductions_allowed(self) -> bool:
         """:meth:`may_reduce`'s answer without completing or checking anything."""
-        order = self.order
-        # Off the CPU a gather that cannot be told apart is checked later, see [Note: deferred
-        # tag checks] in unit_order.py; on the CPU a wait blocks anyway.
-        return (not order.tolerant and self.flats[0].device.type != "cpu") or order.checked_in_backward
+        return self._checked_later or self.order.checked_in_backward
 
     # ------------------------------------------------------------------ tag checks (unit_order.py)
 
@@ -183,15 +184,19 @@ class UnitGatherer(GatherPhases):
         """Complete ``flat``'s gather, after every gather issued before it ([Note: kept for
         backward]), checking each one's tags; the :class:`~.flat_param.GatherWaiter` of every
         group it gathers."""
-        while (earlier := self.order.pop_earlier(flat)) is not None:
-            self._wait_flat(earlier)
+        order = self.order
+        if order.in_flight and order.in_flight[0] is flat:
+            order.in_flight.popleft()  # pop_earlier's usual answer, inline: the first in flight is flat's
+        else:
+            while (earlier := order.pop_earlier(flat)) is not None:
+                self._wait_flat(earlier)
         if flat.state is not ShardState.GATHERING:
             return  # completed or dropped by a recovery while earlier gathers were waited for
         handle = flat.handle  # (take_handle, inline: complete_gather lets go of it)
         assert handle is not None, f"'{flat.label}' has no gather to wait for"
         result = self.wait_clock.wait(handle, gather=True)
         flat.complete_gather()
-        if self.order.check_gather(flat, result):
+        if order.check_gather(flat, result):
             self._hold_leftovers()
 
     def _wait_flat(self, flat: FlatParamGroup) -> None:
@@ -225,7 +230,7 @@ class UnitGatherer(GatherPhases):
                 self.wait_for_gather(flat)
             freed += flat.reshard()
         if freed:
-            self.gathered.add(-freed)
+            self.gathered.now -= freed  # GatheredBytes.add, inline (a free never raises the peak)
 
     def _hold_leftovers(self) -> None:
         """Ranks ran different leftover units (see [Note: unit order across ranks]): drain what
@@ -270,17 +275,18 @@ class UnitGatherer(GatherPhases):
 
     # ------------------------------------------------------------------ prefetch
 
-    def _predict(self, current: list[Unit], history: Sequence[Unit], count: int) -> list[Unit]:
-        """The next ``count`` units the recorded order runs after the uses seen so far (nothing
-        once the present departs from the record)."""
+    def _prefetch(self, current: list[Unit], history: Sequence[Unit], count: int, backward: bool) -> None:
+        """Start the gathers of the next ``count`` units the recorded order ``history`` runs
+        after the uses seen so far, ``current`` (none once the present departs from the
+        record; in ``backward`` none whose gradients are already final)."""
         k = len(current)
         if count == 0 or len(history) < k or history[k - 1] is not current[-1]:
-            return []
-        return list(history[k : k + count])
-
-    def _prefetch(self, units: list[Unit]) -> None:
-        for unit in units:
-            if unit.from_policy or not self.order.leftovers_held:  # held leftovers follow the root
+            return
+        leftovers_held = self.order.leftovers_held
+        for unit in history[k : k + count]:
+            if backward and unit.backward_done:
+                continue
+            if unit.from_policy or not leftovers_held:  # held leftovers follow the root
                 self.unshard(unit)
 
     # ------------------------------------------------------------------ hooks
@@ -348,7 +354,7 @@ class UnitGatherer(GatherPhases):
         self.state.unit = (Phase.FORWARD, self.state.backward_count, unit.name, torch.is_grad_enabled())  # reports
         self._free_forward_ended(unit)
         self.wait(unit)
-        self._prefetch(self._predict(self._forward_uses, self._last_forward, self.forward_prefetch_units))
+        self._prefetch(self._forward_uses, self._last_forward, self.forward_prefetch_units, backward=False)
         unit.running += 1
 
     def enter(self, unit: Unit, module: Any) -> bool:
@@ -379,7 +385,9 @@ class UnitGatherer(GatherPhases):
         """A use of ``unit`` ended in forward (the hook layer then hooks its outputs for
         :meth:`pre_backward`): freed now, when the next unit starts, or kept."""
         unit.running = max(unit.running - 1, 0)
-        if self.state.is_recompute() or self._kept_gathered(unit):
+        # (_kept_gathered, inline: once per unit use)
+        kept = self.hold_for_double_backward or (self.order.leftovers_held and not unit.from_policy)
+        if kept or self.state.is_recompute():
             return  # the recomputed graph is about to use the storage
         if unit.running:
             return  # a use of it is still running (a registered method called from its forward)
@@ -414,8 +422,7 @@ class UnitGatherer(GatherPhases):
         self.state.unit = (Phase.BACKWARD, self.state.backward_count, unit.name, True)  # for reports only
         self.wait(unit)
         history = self._last_backward or self._last_forward_reversed()
-        predicted = self._predict(self._backward_uses, history, self.backward_prefetch_units)
-        self._prefetch([u for u in predicted if not u.backward_done])
+        self._prefetch(self._backward_uses, history, self.backward_prefetch_units, backward=True)
 
     def _release_kept(self, starting: Unit) -> None:
         if starting in self._kept_for_backward:
@@ -445,10 +452,11 @@ class UnitGatherer(GatherPhases):
     def grads_final(self, flat: FlatParamGroup) -> None:
         """All gradients of a trainable group are final: its parameters are not needed again
         in this backward (every node using them has run)."""
-        unit = self.unit_of[flat]
-        unit.mark_final(flat)
-        if not self.hold_for_double_backward:
-            self._free(flat)
+        self.unit_of[flat].mark_final(flat)
+        if not self.hold_for_double_backward:  # (_free, inline: once per trainable group per step)
+            if flat.state is ShardState.GATHERING:
+                self.wait_for_gather(flat)
+            self.gathered.now -= flat.reshard()  # (a free never raises the peak)
 
     def finish_backward(self) -> None:
         keep = self._backward_creates_graph  # the graph it made still multiplies by them
@@ -456,9 +464,13 @@ class UnitGatherer(GatherPhases):
         self.hold_for_double_backward = keep
         for unit in self.units:
             if not keep:
-                self.reshard(unit)
+                for flat in unit.flats:
+                    if flat.state is not ShardState.SHARDED:
+                        self.reshard(unit)  # (asked first: most units were freed by their backward)
+                        break
             unit.active_backward = 0
-            unit.clear_final()
+            if unit.final:
+                unit.clear_final()
         self._kept_for_backward = []
         self._forget_running()
         if self._backward_uses:
