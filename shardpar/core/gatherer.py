@@ -352,7 +352,10 @@ class UnitGatherer(GatherPhases):
             return
         self._forward_uses.append(unit)
         self.state.unit = (Phase.FORWARD, self.state.backward_count, unit.name, torch.is_grad_enabled())  # reports
-        self._free_forward_ended(unit)
+        for ended in self._forward_ended:  # (_free_forward_ended, inline: once per unit use)
+            if ended is not unit:
+                self.reshard(ended)
+        self._forward_ended.clear()
         self.wait(unit)
         self._prefetch(self._forward_uses, self._last_forward, self.forward_prefetch_units, backward=False)
         unit.running += 1
