@@ -250,6 +250,10 @@ class TaggedAllGather:
         return Handle([tag_work], then=payload_if_tags_agree, op=self._op, group=self.group, issued=gathered.number)
 
 
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
+"""What a :class:`_BroadcastsHandle` holds of a send buffer between gathers."""
+
+
 class _BroadcastsHandle(Handle):
     """The handle of a :class:`TaggedAllGather`'s gloo gather, its broadcast per rank: made
     once per plan and given out again by each of its gathers (a full buffer has one gather in
@@ -259,10 +263,14 @@ class _BroadcastsHandle(Handle):
 
     def __init__(self, plan: TaggedAllGather) -> None:
         super().__init__(op=plan._op, group=plan.group)
-        self.plan = plan
+        # What the wait needs of the plan, fixed by its layout (the plan itself is not held:
+        # a one-off gather's plan and handle would otherwise be a reference cycle).
+        self.peers, self.through_buffer, self.chunk_bytes = plan._peers, plan._through_buffer, plan._chunk_bytes
+        self.rank, self.world_size, self.payload_bytes = plan.rank, plan.world_size, plan.payload_bytes
+        self.host_tag = plan._host_tag
         self.mine: list[int] = []
         """This rank's tag of the gather in flight."""
-        self.own = torch.empty(0, dtype=torch.uint8)
+        self.own = _NO_BYTES
         """This rank's payload (bytes), copied into its chunk once the tags agree."""
         self.windows: dict[int, torch.Tensor] = {}
         """Peer -> where its broadcast lands (its tag, then its payload)."""
@@ -270,28 +278,27 @@ class _BroadcastsHandle(Handle):
     def wait(self) -> Any:
         if not self._works:
             return self._result  # waited for already
-        plan = self.plan
         watch.wait_all(self._works, op=self._op, group=self._group, last=self._issued)
         self._works = []
         # Every tag is read before anything is written: a peer's tag may sit in this rank's
         # chunk. One read of the peers' tags, as bytes (a window need not be aligned for int64).
         windows, mine = self.windows, self.mine
         peers = []
-        for src in plan._peers:
+        for src in self.peers:
             peers.append(windows[src][:TAG_BYTES])
         received_tags = peers[0].unsqueeze(0) if len(peers) == 1 else torch.stack(peers)
         # (on the CPU host.read_host is this .tolist(), inline: two gathers per unit per step)
-        raw = received_tags.tolist() if plan._host_tag else host.read_host(received_tags)
-        tags = [mine] * plan.world_size
-        for src, tag_bytes in zip(plan._peers, raw):
+        raw = received_tags.tolist() if self.host_tag else host.read_host(received_tags)
+        tags = [mine] * self.world_size
+        for src, tag_bytes in zip(self.peers, raw):
             tags[src] = list(_TAG.unpack(bytes(tag_bytes)))
         if tags.count(mine) == len(tags):  # every rank sent this rank's tag
-            chunk_bytes = plan._chunk_bytes
-            for src in plan._through_buffer:
-                chunk_bytes[src].copy_(windows[src][TAG_BYTES : TAG_BYTES + plan.payload_bytes])
-            chunk_bytes[plan.rank].copy_(self.own)
+            chunk_bytes = self.chunk_bytes
+            for src in self.through_buffer:
+                chunk_bytes[src].copy_(windows[src][TAG_BYTES : TAG_BYTES + self.payload_bytes])
+            chunk_bytes[self.rank].copy_(self.own)
         self._result = tags
-        self.windows = {}  # the receive buffers go with the gather
+        self.windows, self.own = {}, _NO_BYTES  # the receive and send buffers go with the gather
         return tags
 
 
