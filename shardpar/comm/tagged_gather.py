@@ -166,8 +166,6 @@ class TaggedAllGather:
         self._broadcasts = (
             [compat.broadcast_keywords(src, group) for src in range(self.world_size)] if self._gloo else []
         )
-        self._host_tag = full.device.type == "cpu"
-        """The tag is written from a host tensor made in place (else pinned, copied without blocking)."""
         self.receive_bytes = (
             len(self._through_buffer) * (TAG_BYTES + max_shard_bytes)
             if self._gloo
@@ -193,10 +191,7 @@ class TaggedAllGather:
             return Handle(then=lambda: [mine])
         if not self._gloo:
             return self._start_native(own, mine)
-        tag_tensor = (
-            torch.tensor(mine, dtype=torch.int64) if self._host_tag else host.to_device(mine, torch.int64, send.device)
-        )
-        send[:TAG_BYTES].copy_(tag_tensor.view(torch.uint8))
+        send[:TAG_BYTES].copy_(host.to_device(mine, torch.int64, send.device).view(torch.uint8))
         # One broadcast per rank of its tagged shard, received in place where the note says
         # it is safe and otherwise into a buffer sized for the largest shard, so another
         # unit's message always fits.
@@ -267,7 +262,6 @@ class _BroadcastsHandle(Handle):
         # a one-off gather's plan and handle would otherwise be a reference cycle).
         self.peers, self.through_buffer, self.chunk_bytes = plan._peers, plan._through_buffer, plan._chunk_bytes
         self.rank, self.world_size, self.payload_bytes = plan.rank, plan.world_size, plan.payload_bytes
-        self.host_tag = plan._host_tag
         self.mine: list[int] = []
         """This rank's tag of the gather in flight."""
         self.own = _NO_BYTES
@@ -287,8 +281,7 @@ class _BroadcastsHandle(Handle):
         for src in self.peers:
             peers.append(windows[src][:TAG_BYTES])
         received_tags = peers[0].unsqueeze(0) if len(peers) == 1 else torch.stack(peers)
-        # (on the CPU host.read_host is this .tolist(), inline: two gathers per unit per step)
-        raw = received_tags.tolist() if self.host_tag else host.read_host(received_tags)
+        raw = host.read_host(received_tags)
         tags = [mine] * self.world_size
         for src, tag_bytes in zip(self.peers, raw):
             tags[src] = list(_TAG.unpack(bytes(tag_bytes)))
