@@ -158,7 +158,9 @@ class CommStats:
     def record_bytes(
         self, op: str, payload_bytes: float, padding_bytes: float, world_size: int, calls: int = 1
     ) -> None:
-        traffic = self.ops.setdefault(op, OpTraffic(factor=SEND_FACTOR[op], world_size=world_size))
+        traffic = self.ops.get(op)
+        if traffic is None:  # the kind's first call since a reset (made only then, not per call)
+            traffic = self.ops[op] = OpTraffic(factor=SEND_FACTOR[op], world_size=world_size)
         assert traffic.world_size == world_size, "one CommStats counts one process group"
         traffic.calls += calls
         traffic.payload_bytes += payload_bytes
@@ -180,8 +182,9 @@ class CommStats:
 
 def record_traffic(stats: CommStats | None, op: str, tensor: torch.Tensor, padding_numel: int, world_size: int) -> None:
     """Count ``tensor`` (``padding_numel`` of its elements padding) under ``op`` in ``stats``, if any."""
-    if stats is not None:
-        stats.record(op, tensor.numel(), padding_numel, tensor.element_size(), world_size)
+    if stats is not None:  # (CommStats.record, inline)
+        element = tensor.element_size()
+        stats.record_bytes(op, (tensor.numel() - padding_numel) * element, padding_numel * element, world_size)
 
 
 def merge_snapshots(snapshots: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:

@@ -31,6 +31,7 @@ from torch import nn
 __all__ = [
     "all_gather_single",
     "broadcast",
+    "broadcast_keywords",
     "default_backend_for_device",
     "fully_shard",
     "global_rank",
@@ -89,6 +90,16 @@ def broadcast(tensor: torch.Tensor, group_src: int, group: Any = None, async_op:
     if _GROUP_RANK_KEYWORDS:
         return dist.broadcast(tensor, group_src=group_src, group=group, async_op=async_op)
     return dist.broadcast(tensor, src=global_rank(group, group_src), group=group, async_op=async_op)
+
+
+def broadcast_keywords(group_src: int, group: Any = None) -> dict[str, Any]:
+    """The keywords of an asynchronous ``dist.broadcast`` from the group rank ``group_src`` on
+    ``group`` (what :func:`broadcast` passes), worked out once: a prepared collective (stage 3's
+    tagged gathers, a broadcast per rank, twice per unit per step) calls
+    ``dist.broadcast(tensor, **keywords)`` itself rather than through the shim each time."""
+    if _GROUP_RANK_KEYWORDS:
+        return {"group_src": group_src, "group": group, "async_op": True}
+    return {"src": global_rank(group, group_src), "group": group, "async_op": True}
 
 
 def isend(tensor: torch.Tensor, group_dst: int, group: Any = None) -> Any:

@@ -38,12 +38,11 @@ class Handle:
         self._issued = issued if issued is not None or not self._works or not collective else watch.issued(group)
 
     def wait(self) -> Any:
-        while self._works:
-            # The works were issued one after the other on the group, so the first one left is
-            # the one numbered len(works) - 1 before the last ([Note: stalled waits] in stalls).
-            number = None if self._issued is None else self._issued - len(self._works) + 1
-            watch.wait(self._works[0], op=self._op, group=self._group, number=number)
-            self._works.pop(0)
+        if self._works:
+            # The works were issued one after the other on the group, the last numbered
+            # ``issued`` ([Note: stalled waits] in stalls); all waited for in one call.
+            watch.wait_all(self._works, op=self._op, group=self._group, last=self._issued)
+            self._works = []
         if self._then is not None:
             then, self._then = self._then, None
             self._result = then()

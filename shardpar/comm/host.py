@@ -67,7 +67,9 @@ def _send(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Python numbers as a new 1-D tensor on ``device``, copied from pinned memory without
     blocking the host."""
-    return _send(torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda"), device)
+    on_cpu = device.type == "cpu"  # (_send, inline: a stage-3 gather writes its tag through here)
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host if on_cpu else host.to(device, non_blocking=True)
 
 
 def flags_to_device(flags: bytearray, tail: Sequence[int], device: torch.device) -> torch.Tensor:

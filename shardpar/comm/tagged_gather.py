@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import compat, host, watch
 from .backend_traits import traits
@@ -161,6 +162,10 @@ class TaggedAllGather:
         )
         self._peers = [src for src in range(self.world_size) if src != self.rank]
         self._through_buffer = [src for src in self._peers if src not in self._in_place]
+        # Each rank's broadcast, its spelling chosen once (a gather issues one per rank).
+        self._broadcasts = (
+            [compat.broadcast_keywords(src, group) for src in range(self.world_size)] if self._gloo else []
+        )
         self.receive_bytes = (
             len(self._through_buffer) * (TAG_BYTES + max_shard_bytes)
             if self._gloo
@@ -170,6 +175,8 @@ class TaggedAllGather:
         )
         """Bytes of receive buffers one gather holds while in flight (the planner counts them too)."""
         self._op = f"tagged all_gather of {what}" if what else "tagged all_gather"
+        self._handle = _BroadcastsHandle(self)
+        """The handle of every gloo gather of this plan, given out again by each ``start``."""
 
     def start(self, send: torch.Tensor, tag: Sequence[int]) -> Handle:
         """Send ``send`` (a :func:`tagged_buffer` of ``payload_bytes``) tagged with ``tag``."""
@@ -198,27 +205,13 @@ class TaggedAllGather:
         for src, window in self._in_place.items():
             windows[src] = window
         works = []  # (loops rather than comprehensions here: each of those is a call, twice per unit per step)
-        for src in range(self.world_size):
-            source = send if src == self.rank else windows[src]
-            works.append(compat.broadcast(source, group_src=src, group=self.group, async_op=True))
-
-        def check_then_copy() -> list[list[int]]:
-            # Every tag is read before anything is written: a peer's tag may sit in this rank's
-            # chunk. One read of the peers' tags, as bytes (a window need not be aligned for int64).
-            peers = []
-            for src in self._peers:
-                peers.append(windows[src][:TAG_BYTES])
-            raw = [host.read_host(peers[0])] if len(peers) == 1 else host.read_host(torch.stack(peers))
-            tags = [mine] * self.world_size
-            for src, tag_bytes in zip(self._peers, raw):
-                tags[src] = list(_TAG.unpack(bytes(tag_bytes)))
-            if tags.count(mine) == len(tags):  # every rank sent this rank's tag
-                for src in self._through_buffer:
-                    self._chunk_bytes[src].copy_(windows[src][TAG_BYTES : TAG_BYTES + self.payload_bytes])
-                self._chunk_bytes[self.rank].copy_(own)
-            return tags
-
-        return Handle(works, then=check_then_copy, op=self._op, group=self.group)
+        for src, keywords in enumerate(self._broadcasts):
+            works.append(dist.broadcast(send if src == self.rank else windows[src], **keywords))
+        handle = self._handle
+        assert not handle._works, "a gather into this buffer is already in flight"
+        handle._works, handle._issued, handle._result = works, watch.issued(self.group), None
+        handle.mine, handle.own, handle.windows = mine, own, windows
+        return handle
 
     def _start_native(self, own: torch.Tensor, mine: list[int]) -> Handle:
         """Other backends: every rank's tag by a 16-byte all-gather, then the payload by an
@@ -250,6 +243,56 @@ class TaggedAllGather:
             return gathered
 
         return Handle([tag_work], then=payload_if_tags_agree, op=self._op, group=self.group, issued=gathered.number)
+
+
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
+"""What a :class:`_BroadcastsHandle` holds of a send buffer between gathers."""
+
+
+class _BroadcastsHandle(Handle):
+    """The handle of a :class:`TaggedAllGather`'s gloo gather, its broadcast per rank: made
+    once per plan and given out again by each of its gathers (a full buffer has one gather in
+    flight at a time), so a gather, twice per unit per step, makes no handle. Its wait checks
+    every rank's tag and, if they agree, copies the payload out (see [Note: tagged all-gather]);
+    it returns every rank's tag."""
+
+    def __init__(self, plan: TaggedAllGather) -> None:
+        super().__init__(op=plan._op, group=plan.group)
+        # What the wait needs of the plan, fixed by its layout (the plan itself is not held:
+        # a one-off gather's plan and handle would otherwise be a reference cycle).
+        self.peers, self.through_buffer, self.chunk_bytes = plan._peers, plan._through_buffer, plan._chunk_bytes
+        self.rank, self.world_size, self.payload_bytes = plan.rank, plan.world_size, plan.payload_bytes
+        self.mine: list[int] = []
+        """This rank's tag of the gather in flight."""
+        self.own = _NO_BYTES
+        """This rank's payload (bytes), copied into its chunk once the tags agree."""
+        self.windows: dict[int, torch.Tensor] = {}
+        """Peer -> where its broadcast lands (its tag, then its payload)."""
+
+    def wait(self) -> Any:
+        if not self._works:
+            return self._result  # waited for already
+        watch.wait_all(self._works, op=self._op, group=self._group, last=self._issued)
+        self._works = []
+        # Every tag is read before anything is written: a peer's tag may sit in this rank's
+        # chunk. One read of the peers' tags, as bytes (a window need not be aligned for int64).
+        windows, mine = self.windows, self.mine
+        peers = []
+        for src in self.peers:
+            peers.append(windows[src][:TAG_BYTES])
+        received_tags = peers[0].unsqueeze(0) if len(peers) == 1 else torch.stack(peers)
+        raw = host.read_host(received_tags)
+        tags = [mine] * self.world_size
+        for src, tag_bytes in zip(self.peers, raw):
+            tags[src] = list(_TAG.unpack(bytes(tag_bytes)))
+        if tags.count(mine) == len(tags):  # every rank sent this rank's tag
+            chunk_bytes = self.chunk_bytes
+            for src in self.through_buffer:
+                chunk_bytes[src].copy_(windows[src][TAG_BYTES : TAG_BYTES + self.payload_bytes])
+            chunk_bytes[self.rank].copy_(self.own)
+        self._result = tags
+        self.windows, self.own = {}, _NO_BYTES  # the receive and send buffers go with the gather
+        return tags
 
 
 def all_gather_tags(

@@ -49,7 +49,7 @@ import json
 import os
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -244,38 +244,53 @@ def wait(work: Any, *, op: str, group: Any, number: int | None = None) -> None:
     """Wait for one torch work object of ``op`` on ``group``; see [Note: ranks out of step].
     ``number``: the collective's place among those this rank issued on ``group``
     (:func:`issued` right after it; None: a point-to-point operation, or unknown)."""
+    wait_all((work,), op=op, group=group, last=number)
+
+
+def wait_all(works: Sequence[Any], *, op: str, group: Any, last: int | None = None) -> None:
+    """Wait for torch work objects of ``op`` on ``group``, issued one after the other, in
+    order, each as :func:`wait` does: one call for a collective made of several (a tagged
+    gather's broadcast per rank, twice per unit per step at stage 3). ``last``: the last
+    work's place among the collectives this rank issued on ``group`` (each earlier one is
+    numbered one less than the next; None: point-to-point operations, or unknown)."""
     pg = group if group is not None else dist.group.WORLD
     bound = _bounds.get(id(pg))  # _wait_bound's look-up, inline (one per wait)
     timeout = bound[1] if bound is not None and bound[0]() is pg else _wait_bound(pg)
     stall: stalls.Stall | None = None
     try:
         if timeout is None:
-            work.wait()
+            for work in works:
+                work.wait()
             return
-        started = time.monotonic()
-        deadline = started + timeout
-        store = None
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                work.wait(datetime.timedelta(seconds=max(min(SLICE_S, remaining), 0.001)))
-                return
-            except RuntimeError as error:
-                if work.is_completed() or "timed out" not in str(error).lower():
-                    raise
-            now = time.monotonic()
-            if now >= deadline:
-                raise post_mortem(group, op, f"{op} did not complete within timeout_s={timeout:g}")
-            store = store if store is not None else default_store()
-            if store is None:
-                continue
-            if _incident_declared(store):
-                raise post_mortem(group, op, "stopped waiting: another rank reported an incident")
-            if now - started >= stalls.STALL_S:
-                stall = stall if stall is not None else _stall(store, group, op, {"number": number})
-                verdict = stall.verdict()
-                if verdict is not None:
-                    raise post_mortem(group, op, verdict["reports"][str(dist.get_rank())]["cause"], verdict)
+        for position, work in enumerate(works):
+            started = time.monotonic()
+            deadline = started + timeout
+            store = None
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    work.wait(datetime.timedelta(seconds=max(min(SLICE_S, remaining), 0.001)))
+                    break
+                except RuntimeError as error:
+                    if work.is_completed() or "timed out" not in str(error).lower():
+                        raise
+                now = time.monotonic()
+                if now >= deadline:
+                    raise post_mortem(group, op, f"{op} did not complete within timeout_s={timeout:g}")
+                store = store if store is not None else default_store()
+                if store is None:
+                    continue
+                if _incident_declared(store):
+                    raise post_mortem(group, op, "stopped waiting: another rank reported an incident")
+                if now - started >= stalls.STALL_S:
+                    number = None if last is None else last - (len(works) - 1 - position)
+                    stall = stall if stall is not None else _stall(store, group, op, {"number": number})
+                    verdict = stall.verdict()
+                    if verdict is not None:
+                        raise post_mortem(group, op, verdict["reports"][str(dist.get_rank())]["cause"], verdict)
+            if stall is not None:  # this work completed: a stall of the next is posted afresh
+                stall.retract()
+                stall = None
     except RanksOutOfStep:
         raise
     except RuntimeError as error:

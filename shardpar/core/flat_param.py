@@ -252,11 +252,15 @@ class FlatParamGroup:
         return handle
 
     def complete_gather(self) -> None:
-        """The gather's handle was waited for: the parameters are views of the full buffer."""
+        """The gather's handle was waited for (taken with :meth:`take_handle`, or read from
+        :attr:`handle` by the one caller that waits for it): the parameters are views of the
+        full buffer."""
         assert self.state is ShardState.GATHERING, f"'{self.label}' is {self.state.value}, not gathering"
-        self.waiter = None
+        self.handle = self.waiter = None
         self.state = ShardState.UNSHARDED
-        self.point_params_at_full()
+        unguard_all(self._param_list)
+        for param, view in zip(self._param_list, self._view_list):  # point_params_at_full, inline
+            param.data = view
 
     def wait_unsharded(self) -> None:
         """Block until the gather is done, through the gatherer that issued it: for code that

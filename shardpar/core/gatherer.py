@@ -116,14 +116,18 @@ class UnitGatherer(GatherPhases):
         """The units the last forward kept gathered into backward (one gather fewer each: gathers_per_step)."""
         self._shard_bytes = sum(f.shard_bytes for f in self.flats)
         self.gathered = GatheredBytes(sum(f.allocated_full_bytes() for f in self.flats))
+        # Off the CPU a gather that cannot be told apart is checked later, see [Note: deferred
+        # tag checks] in unit_order.py; on the CPU a wait blocks anyway.
+        self._checked_later = not self.order.tolerant and self.flats[0].device.type != "cpu"
+        """Reductions need no gather of their backward checked first (see :meth:`reductions_allowed`)."""
 
     def may_reduce(self) -> bool:
         """Whether this backward's gradient reductions may be posted: once a gather of this
         backward has been checked (see [Note: kept for backward]). Completes the gathers in
         flight first if none has been."""
-        if self.reductions_allowed():
-            return True
         order = self.order
+        if self._checked_later or order.checked_in_backward:  # reductions_allowed, inline
+            return True
         if order.in_flight:
             self._complete_in_flight()
         if not order.checked_in_backward and not order.tolerant:
@@ -132,10 +136,7 @@ class UnitGatherer(GatherPhases):
 
     def reductions_allowed(self) -> bool:
         """:meth:`may_reduce`'s answer without completing or checking anything."""
-        order = self.order
-        # Off the CPU a gather that cannot be told apart is checked later, see [Note: deferred
-        # tag checks] in unit_order.py; on the CPU a wait blocks anyway.
-        return (not order.tolerant and self.flats[0].device.type != "cpu") or order.checked_in_backward
+        return self._checked_later or self.order.checked_in_backward
 
     # ------------------------------------------------------------------ tag checks (unit_order.py)
 
@@ -152,22 +153,24 @@ class UnitGatherer(GatherPhases):
     # ------------------------------------------------------------------ gathers
 
     def unshard(self, unit: Unit) -> None:
-        """Start the gathers of ``unit``'s sharded groups (tagged: UnitOrder.issue)."""
+        """Start the gathers of ``unit``'s sharded groups (tagged: UnitOrder.issue): each
+        group's full buffer allocated (metered), its gather issued, the group told."""
+        gathered = self.gathered
         for flat in unit.needed:
             if flat.state is ShardState.SHARDED:
-                self._start_gather(flat)
-
-    def _start_gather(self, flat: FlatParamGroup) -> None:
-        with torch.no_grad():
-            self.gathered.add(flat.allocate_full())
-            flat.begin_gather(self.order.issue(flat), self)
+                with torch.no_grad():
+                    gathered.now += flat.allocate_full()  # GatheredBytes.add, inline (once per gather)
+                    if gathered.now > gathered.peak:
+                        gathered.peak = gathered.now
+                    flat.begin_gather(self.order.issue(flat), self)
 
     def wait(self, unit: Unit) -> None:
         """``unit`` gathered: its gathers started if they were not, and completed."""
         needed = unit.needed
         for flat in needed:
             if flat.state is ShardState.SHARDED:
-                self._start_gather(flat)
+                self.unshard(unit)
+                break
         for flat in needed:
             if flat.state is not ShardState.UNSHARDED:
                 assert flat.state is ShardState.GATHERING, f"'{flat.label}' is {flat.state.value}, not gathering"
@@ -181,13 +184,19 @@ class UnitGatherer(GatherPhases):
         """Complete ``flat``'s gather, after every gather issued before it ([Note: kept for
         backward]), checking each one's tags; the :class:`~.flat_param.GatherWaiter` of every
         group it gathers."""
-        while (earlier := self.order.pop_earlier(flat)) is not None:
-            self._wait_flat(earlier)
+        order = self.order
+        if order.in_flight and order.in_flight[0] is flat:
+            order.in_flight.popleft()  # pop_earlier's usual answer, inline: the first in flight is flat's
+        else:
+            while (earlier := order.pop_earlier(flat)) is not None:
+                self._wait_flat(earlier)
         if flat.state is not ShardState.GATHERING:
             return  # completed or dropped by a recovery while earlier gathers were waited for
-        result = self.wait_clock.wait(flat.take_handle(), gather=True)
+        handle = flat.handle  # (take_handle, inline: complete_gather lets go of it)
+        assert handle is not None, f"'{flat.label}' has no gather to wait for"
+        result = self.wait_clock.wait(handle, gather=True)
         flat.complete_gather()
-        if self.order.check_gather(flat, result):
+        if order.check_gather(flat, result):
             self._hold_leftovers()
 
     def _wait_flat(self, flat: FlatParamGroup) -> None:
@@ -221,7 +230,7 @@ class UnitGatherer(GatherPhases):
                 self.wait_for_gather(flat)
             freed += flat.reshard()
         if freed:
-            self.gathered.add(-freed)
+            self.gathered.now -= freed  # GatheredBytes.add, inline (a free never raises the peak)
 
     def _hold_leftovers(self) -> None:
         """Ranks ran different leftover units (see [Note: unit order across ranks]): drain what
@@ -266,17 +275,18 @@ class UnitGatherer(GatherPhases):
 
     # ------------------------------------------------------------------ prefetch
 
-    def _predict(self, current: list[Unit], history: Sequence[Unit], count: int) -> list[Unit]:
-        """The next ``count`` units the recorded order runs after the uses seen so far (nothing
-        once the present departs from the record)."""
+    def _prefetch(self, current: list[Unit], history: Sequence[Unit], count: int, backward: bool) -> None:
+        """Start the gathers of the next ``count`` units the recorded order ``history`` runs
+        after the uses seen so far, ``current`` (none once the present departs from the
+        record; in ``backward`` none whose gradients are already final)."""
         k = len(current)
         if count == 0 or len(history) < k or history[k - 1] is not current[-1]:
-            return []
-        return list(history[k : k + count])
-
-    def _prefetch(self, units: list[Unit]) -> None:
-        for unit in units:
-            if unit.from_policy or not self.order.leftovers_held:  # held leftovers follow the root
+            return
+        leftovers_held = self.order.leftovers_held
+        for unit in history[k : k + count]:
+            if backward and unit.backward_done:
+                continue
+            if unit.from_policy or not leftovers_held:  # held leftovers follow the root
                 self.unshard(unit)
 
     # ------------------------------------------------------------------ hooks
@@ -342,9 +352,12 @@ class UnitGatherer(GatherPhases):
             return
         self._forward_uses.append(unit)
         self.state.unit = (Phase.FORWARD, self.state.backward_count, unit.name, torch.is_grad_enabled())  # reports
-        self._free_forward_ended(unit)
+        for ended in self._forward_ended:  # (_free_forward_ended, inline: once per unit use)
+            if ended is not unit:
+                self.reshard(ended)
+        self._forward_ended.clear()
         self.wait(unit)
-        self._prefetch(self._predict(self._forward_uses, self._last_forward, self.forward_prefetch_units))
+        self._prefetch(self._forward_uses, self._last_forward, self.forward_prefetch_units, backward=False)
         unit.running += 1
 
     def enter(self, unit: Unit, module: Any) -> bool:
@@ -375,7 +388,9 @@ class UnitGatherer(GatherPhases):
         """A use of ``unit`` ended in forward (the hook layer then hooks its outputs for
         :meth:`pre_backward`): freed now, when the next unit starts, or kept."""
         unit.running = max(unit.running - 1, 0)
-        if self.state.is_recompute() or self._kept_gathered(unit):
+        # (_kept_gathered, inline: once per unit use)
+        kept = self.hold_for_double_backward or (self.order.leftovers_held and not unit.from_policy)
+        if kept or self.state.is_recompute():
             return  # the recomputed graph is about to use the storage
         if unit.running:
             return  # a use of it is still running (a registered method called from its forward)
@@ -410,8 +425,7 @@ class UnitGatherer(GatherPhases):
         self.state.unit = (Phase.BACKWARD, self.state.backward_count, unit.name, True)  # for reports only
         self.wait(unit)
         history = self._last_backward or self._last_forward_reversed()
-        predicted = self._predict(self._backward_uses, history, self.backward_prefetch_units)
-        self._prefetch([u for u in predicted if not u.backward_done])
+        self._prefetch(self._backward_uses, history, self.backward_prefetch_units, backward=True)
 
     def _release_kept(self, starting: Unit) -> None:
         if starting in self._kept_for_backward:
@@ -433,16 +447,19 @@ class UnitGatherer(GatherPhases):
         """Backward reached a use's inputs: that use's backward is over."""
         if unit.active_backward > 0:
             unit.active_backward -= 1
-        if unit.active_backward == 0 and not self._kept_gathered(unit):
+        # (_kept_gathered, inline: once per unit per step)
+        kept = self.hold_for_double_backward or (self.order.leftovers_held and not unit.from_policy)
+        if unit.active_backward == 0 and not kept:
             self.reshard(unit)
 
     def grads_final(self, flat: FlatParamGroup) -> None:
         """All gradients of a trainable group are final: its parameters are not needed again
         in this backward (every node using them has run)."""
-        unit = self.unit_of[flat]
-        unit.mark_final(flat)
-        if not self.hold_for_double_backward:
-            self._free(flat)
+        self.unit_of[flat].mark_final(flat)
+        if not self.hold_for_double_backward:  # (_free, inline: once per trainable group per step)
+            if flat.state is ShardState.GATHERING:
+                self.wait_for_gather(flat)
+            self.gathered.now -= flat.reshard()  # (a free never raises the peak)
 
     def finish_backward(self) -> None:
         keep = self._backward_creates_graph  # the graph it made still multiplies by them
@@ -450,9 +467,13 @@ class UnitGatherer(GatherPhases):
         self.hold_for_double_backward = keep
         for unit in self.units:
             if not keep:
-                self.reshard(unit)
+                for flat in unit.flats:
+                    if flat.state is not ShardState.SHARDED:
+                        self.reshard(unit)  # (asked first: most units were freed by their backward)
+                        break
             unit.active_backward = 0
-            unit.clear_final()
+            if unit.final:
+                unit.clear_final()
         self._kept_for_backward = []
         self._forget_running()
         if self._backward_uses:

@@ -156,10 +156,13 @@ class UnitOrder:
 
     def issue(self, flat: FlatParamGroup) -> C.Handle:
         """Start ``flat``'s tagged gather (the unit gatherer issues its gathers here)."""
+        # What the tag says it gathers: the group, and whether for a backward (a rank gathering
+        # a unit for its forward while another gathers it for backward has departed).
+        index = self.flat_index[flat] | (BACKWARD_MARK if self.state.phase is Phase.BACKWARD else 0)
         if not self.tolerant and not self._repeats_history(flat):
-            self._probe((self._sequence, self._tag_index(flat)), flat.device)
+            self._probe((self._sequence, index), flat.device)
         self._pass.append(flat)
-        if flat.shard.dtype == flat.dtype and flat.tagged_shard is not None:
+        if flat.tagged_shard is not None and flat.shard.dtype == flat.full.dtype:
             send = flat.tagged_shard  # the shard sits behind room for the tag: sent without a copy
         else:  # mixed precision: gather the compute dtype
             send, payload = C.tagged_buffer(flat.shard.numel(), flat.dtype, flat.device)
@@ -176,7 +179,7 @@ class UnitOrder:
                 padding_numel=flat.layout.padding,
                 what=self._reported_as[flat],
             )
-        tag = (self._sequence, self._tag_index(flat))
+        tag = (self._sequence, index)
         self._issued_as[flat] = self._sequence
         self._sequence += 1
         handle = plan.start(send, tag)
@@ -185,11 +188,6 @@ class UnitOrder:
             self._receiving[flat] = plan.receive_bytes
             self.receive_buffers.add(plan.receive_bytes)
         return handle
-
-    def _tag_index(self, flat: FlatParamGroup) -> int:
-        """What a gather's tag says it gathers: the group, and whether for a backward (a rank
-        gathering a unit for its forward while another gathers it for backward has departed)."""
-        return self.flat_index[flat] | (BACKWARD_MARK if self.state.phase is Phase.BACKWARD else 0)
 
     def _repeats_history(self, flat: FlatParamGroup) -> bool:
         history = self._history.get(self._pass_key)
@@ -270,12 +268,18 @@ class UnitOrder:
         units: they are held from now on, and the caller drains the gathers in flight
         (:meth:`drain_in_flight`) and gathers the leftover units again (see [Note: unit order
         across ranks]); any other mismatch raises."""
-        self._received(flat)
+        nbytes = self._receiving.pop(flat, 0)  # its receive buffers are gone (_received, inline)
+        if nbytes:
+            self.receive_buffers.add(-nbytes)
         if isinstance(result, C.GatheredTags):
             self._unchecked.append((self._issued_as.get(flat, self._sequence), result))
             self.check_tags(block=False)
             return False
-        if result.count(result[self.rank]) != len(result) and self._recoverable(result):
+        if result.count(result[self.rank]) == len(result):  # every rank's tag is this rank's (_check_rows)
+            if self.state.phase is Phase.BACKWARD:
+                self.checked_in_backward = True
+            return False
+        if self._recoverable(result):
             self.leftovers_held = True
             return True
         self._check_rows(result)

@@ -145,7 +145,11 @@ class Unit:
     def mark_final(self, flat: FlatParamGroup) -> None:
         """``flat``'s gradients are final in this backward."""
         self.final.add(flat)
-        self.needed = [f for f in self.flats if f not in self.final]
+        needed = []  # (a loop rather than a comprehension, which is a call: once per group per step)
+        for f in self.flats:
+            if f not in self.final:
+                needed.append(f)
+        self.needed = needed
         self.backward_done = len(self.final) == len(self.trainable)
 
     def clear_final(self) -> None:

@@ -156,10 +156,12 @@ class UnitHooks:
         """The engine's start of a backward ([Note: end of backward] in engine.py), run first by
         every pre-backward hook."""
         self.units = list(units)
-        # Made once: a hook per unit output per forward is only registered, not built.
+        # Made once: a hook per unit output per forward is only registered, not built. The
+        # hooks are partials of the methods (no lambda between: a call fewer per hook, three
+        # per unit per step).
         self._pre_backward_hooks = {
             # (torch.compiler.disable is untyped in torch)
-            unit: torch.compiler.disable(lambda grad, unit=unit: self._pre_backward(unit))  # type: ignore[no-untyped-call]
+            unit: torch.compiler.disable(functools.partial(self._pre_backward, unit))  # type: ignore[no-untyped-call]
             for unit in units
         }
         self.on_hook_modules: list[Any] = []
@@ -168,15 +170,13 @@ class UnitHooks:
                 module = modules[hook_name]
                 self.on_hook_modules.append(
                     module.register_forward_pre_hook(
-                        engine_hook(lambda m, args, kwargs, unit=unit: self._pre_forward(unit, args, kwargs)),
+                        engine_hook(functools.partial(self._pre_forward, unit)),
                         prepend=True,
                         with_kwargs=True,
                     )
                 )
                 self.on_hook_modules.append(
-                    module.register_forward_hook(
-                        engine_hook(lambda m, args, output, unit=unit: self._post_forward(unit, output))
-                    )
+                    module.register_forward_hook(engine_hook(functools.partial(self._post_forward, unit)))
                 )
         self.on_entry_modules: dict[str, list[Any]] = {}
         """Entry module -> its hooks' handles (see [Note: entry modules] in core/units.py)."""
@@ -211,13 +211,13 @@ class UnitHooks:
     # ------------------------------------------------------------------ a use of a unit
 
     def _pre_forward(
-        self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self.gatherer.pre_forward(unit)
-        self._record_use(unit)
+        self.reducer.orders.module_runs(unit.trainable_names)  # (_record_use, inline)
         return self._hook_inputs(unit, args, kwargs)
 
-    def _post_forward(self, unit: Unit, output: Any) -> None:
+    def _post_forward(self, unit: Unit, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         self.gatherer.post_forward(unit)
         self._hook_outputs(unit, output)
 
@@ -233,7 +233,7 @@ class UnitHooks:
         if self.gatherer.leave(unit, module):
             self._hook_outputs(unit, output)
 
-    def _pre_backward(self, unit: Unit) -> None:
+    def _pre_backward(self, unit: Unit, grad: Any) -> None:
         self.start_backward()
         self.gatherer.pre_backward(unit)
 
@@ -247,24 +247,39 @@ class UnitHooks:
         """The use's inputs through :class:`_PostBackward`: its backward ends the use's backward."""
         if not torch.is_grad_enabled():
             return None
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # block(x): no tree walk
+        # (loops rather than comprehensions: each of those is a call, once per unit use)
+        only_tensors = not kwargs  # block(x): no tree walk
+        for a in args if only_tensors else ():
+            if not isinstance(a, torch.Tensor):
+                only_tensors = False
+                break
+        if only_tensors:
             leaves, spec = list(args), None
         else:
             leaves, spec = tree_flatten((args, kwargs))
-        positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        positions, tensors = [], []
+        for i, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                positions.append(i)
+                tensors.append(t)
         if not positions:
             return None  # freed when its gradients are final, or at the end of backward
-        outputs = _PostBackward.apply(self.gatherer, unit, *[leaves[i] for i in positions])  # type: ignore[no-untyped-call]
+        outputs = _PostBackward.apply(self.gatherer, unit, *tensors)  # type: ignore[no-untyped-call]
         for i, tensor in zip(positions, outputs):
             leaves[i] = tensor
         return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)
 
     def _hook_outputs(self, unit: Unit, output: Any) -> None:
         """A hook on the use's outputs: their first gradient starts the use's backward."""
-        if torch.is_grad_enabled():
-            tensors = grad_tensors(output)
-            if tensors:
-                on_first_grad(tensors, self._pre_backward_hooks[unit])
+        if not torch.is_grad_enabled():
+            return
+        if isinstance(output, torch.Tensor):  # a block's one output: its own hook, without the helpers
+            if output.requires_grad:
+                output.register_hook(self._pre_backward_hooks[unit])  # type: ignore[no-untyped-call]  # untyped in torch
+            return
+        tensors = grad_tensors(output)
+        if tensors:
+            on_first_grad(tensors, self._pre_backward_hooks[unit])
 
     @property
     def handles(self) -> list[Any]:
