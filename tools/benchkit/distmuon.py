@@ -87,7 +87,41 @@ def _flat_grad(param: nn.Parameter) -> torch.Tensor:
     )
 
 
-class DistMuon:
+class _OwnedShares:
+    """What both peers share: a step is a reduce-scatter, this rank's update and an all-gather
+    (``start_reduce``, ``step_and_start_gather``, ``finish_gather``), and the state is the
+    inner optimizer's over what this rank owns (none where it owns nothing)."""
+
+    params: list[nn.Parameter]
+    inner: torch.optim.Optimizer | None
+
+    def start_reduce(self) -> None:
+        raise NotImplementedError
+
+    def step_and_start_gather(self) -> None:
+        raise NotImplementedError
+
+    def finish_gather(self) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        self.start_reduce()
+        self.step_and_start_gather()
+        self.finish_gather()
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """This rank's optimizer state (Muon: the momentum of the matrices it owns; AdamW: the
+        moments of its slice, and its step)."""
+        if self.inner is not None:
+            for state in self.inner.state.values():
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class DistMuon(_OwnedShares):
     """Whole matrices owned round-robin by size: see [Note: the DistMuon peer]."""
 
     def __init__(self, params: Iterable[nn.Parameter], **options: Any) -> None:
@@ -145,23 +179,8 @@ class DistMuon:
                 start = owner * self.segment + offset
                 param.copy_(gathered[start : start + param.numel()].view_as(param))
 
-    def step(self) -> None:
-        self.start_reduce()
-        self.step_and_start_gather()
-        self.finish_gather()
 
-    def zero_grad(self) -> None:
-        for param in self.params:
-            param.grad = None
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        """This rank's optimizer state: the momentum of the matrices it owns."""
-        if self.inner is not None:
-            for state in self.inner.state.values():
-                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-
-
-class DistAdamW:
+class DistAdamW(_OwnedShares):
     """ZeRO-1 AdamW over flat slices: see [Note: the DistMuon peer]."""
 
     def __init__(self, params: Iterable[nn.Parameter], **options: Any) -> None:
@@ -205,20 +224,6 @@ class DistAdamW:
         for param in self.params:
             param.copy_(gathered[start : start + param.numel()].view_as(param))
             start += param.numel()
-
-    def step(self) -> None:
-        self.start_reduce()
-        self.step_and_start_gather()
-        self.finish_gather()
-
-    def zero_grad(self) -> None:
-        for param in self.params:
-            param.grad = None
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        """This rank's optimizer state: AdamW's moments of its slice, and its step."""
-        for state in self.inner.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
 class DistMuonAdamW:
