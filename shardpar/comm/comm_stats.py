@@ -182,7 +182,7 @@ class CommStats:
 
 def record_traffic(stats: CommStats | None, op: str, tensor: torch.Tensor, padding_numel: int, world_size: int) -> None:
     """Count ``tensor`` (``padding_numel`` of its elements padding) under ``op`` in ``stats``, if any."""
-    if stats is not None:  # (CommStats.record, inline)
+    if stats is not None:  # record the collective's bytes
         element = tensor.element_size()
         stats.record_bytes(op, (tensor.numel() - padding_numel) * element, padding_numel * element, world_size)
 

@@ -67,7 +67,7 @@ def _send(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Python numbers as a new 1-D tensor on ``device``, copied from pinned memory without
     blocking the host."""
-    on_cpu = device.type == "cpu"  # (_send, inline: a stage-3 gather writes its tag through here)
+    on_cpu = device.type == "cpu"  # a stage-3 gather writes its tag through here
     host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return host if on_cpu else host.to(device, non_blocking=True)
 

@@ -180,7 +180,7 @@ def issued(group: Any) -> int | None:
     if entry is None or entry.group() is not pg:
         return None
     counted: Any = pg  # (torch does not declare the sequence-number reader)
-    try:  # _Counted.issued, inline: read after every collective stage 3 issues
+    try:  # the group's count of issued collectives (read after every one stage 3 issues)
         number: int = counted._get_sequence_number_for_group() - entry.point_to_point
         return number
     except (AttributeError, RuntimeError):
@@ -254,7 +254,7 @@ def wait_all(works: Sequence[Any], *, op: str, group: Any, last: int | None = No
     work's place among the collectives this rank issued on ``group`` (each earlier one is
     numbered one less than the next; None: point-to-point operations, or unknown)."""
     pg = group if group is not None else dist.group.WORLD
-    bound = _bounds.get(id(pg))  # _wait_bound's look-up, inline (one per wait)
+    bound = _bounds.get(id(pg))  # the group's wait bound: one look-up per wait
     timeout = bound[1] if bound is not None and bound[0]() is pg else _wait_bound(pg)
     stall: stalls.Stall | None = None
     try:

@@ -259,7 +259,7 @@ class FlatParamGroup:
         self.handle = self.waiter = None
         self.state = ShardState.UNSHARDED
         unguard_all(self._param_list)
-        for param, view in zip(self._param_list, self._view_list):  # point_params_at_full, inline
+        for param, view in zip(self._param_list, self._view_list):  # the parameters are views of the full buffer again
             param.data = view
 
     def wait_unsharded(self) -> None:

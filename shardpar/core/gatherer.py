@@ -126,7 +126,7 @@ class UnitGatherer(GatherPhases):
         backward has been checked (see [Note: kept for backward]). Completes the gathers in
         flight first if none has been."""
         order = self.order
-        if self._checked_later or order.checked_in_backward:  # reductions_allowed, inline
+        if self._checked_later or order.checked_in_backward:  # what reductions_allowed answers
             return True
         if order.in_flight:
             self._complete_in_flight()
@@ -155,13 +155,10 @@ class UnitGatherer(GatherPhases):
     def unshard(self, unit: Unit) -> None:
         """Start the gathers of ``unit``'s sharded groups (tagged: UnitOrder.issue): each
         group's full buffer allocated (metered), its gather issued, the group told."""
-        gathered = self.gathered
         for flat in unit.needed:
             if flat.state is ShardState.SHARDED:
                 with torch.no_grad():
-                    gathered.now += flat.allocate_full()  # GatheredBytes.add, inline (once per gather)
-                    if gathered.now > gathered.peak:
-                        gathered.peak = gathered.now
+                    self.gathered.add(flat.allocate_full())
                     flat.begin_gather(self.order.issue(flat), self)
 
     def wait(self, unit: Unit) -> None:
@@ -186,13 +183,13 @@ class UnitGatherer(GatherPhases):
         group it gathers."""
         order = self.order
         if order.in_flight and order.in_flight[0] is flat:
-            order.in_flight.popleft()  # pop_earlier's usual answer, inline: the first in flight is flat's
+            order.in_flight.popleft()  # the usual case: flat's is the first gather in flight
         else:
             while (earlier := order.pop_earlier(flat)) is not None:
                 self._wait_flat(earlier)
         if flat.state is not ShardState.GATHERING:
             return  # completed or dropped by a recovery while earlier gathers were waited for
-        handle = flat.handle  # (take_handle, inline: complete_gather lets go of it)
+        handle = flat.handle  # complete_gather lets go of it
         assert handle is not None, f"'{flat.label}' has no gather to wait for"
         result = self.wait_clock.wait(handle, gather=True)
         flat.complete_gather()
@@ -230,7 +227,7 @@ class UnitGatherer(GatherPhases):
                 self.wait_for_gather(flat)
             freed += flat.reshard()
         if freed:
-            self.gathered.now -= freed  # GatheredBytes.add, inline (a free never raises the peak)
+            self.gathered.add(-freed)
 
     def _hold_leftovers(self) -> None:
         """Ranks ran different leftover units (see [Note: unit order across ranks]): drain what
@@ -352,7 +349,7 @@ class UnitGatherer(GatherPhases):
             return
         self._forward_uses.append(unit)
         self.state.unit = (Phase.FORWARD, self.state.backward_count, unit.name, torch.is_grad_enabled())  # reports
-        for ended in self._forward_ended:  # (_free_forward_ended, inline: once per unit use)
+        for ended in self._forward_ended:  # free the units whose forward ended since the last use
             if ended is not unit:
                 self.reshard(ended)
         self._forward_ended.clear()
@@ -388,9 +385,7 @@ class UnitGatherer(GatherPhases):
         """A use of ``unit`` ended in forward (the hook layer then hooks its outputs for
         :meth:`pre_backward`): freed now, when the next unit starts, or kept."""
         unit.running = max(unit.running - 1, 0)
-        # (_kept_gathered, inline: once per unit use)
-        kept = self.hold_for_double_backward or (self.order.leftovers_held and not unit.from_policy)
-        if kept or self.state.is_recompute():
+        if self._kept_gathered(unit) or self.state.is_recompute():
             return  # the recomputed graph is about to use the storage
         if unit.running:
             return  # a use of it is still running (a registered method called from its forward)
@@ -447,19 +442,17 @@ class UnitGatherer(GatherPhases):
         """Backward reached a use's inputs: that use's backward is over."""
         if unit.active_backward > 0:
             unit.active_backward -= 1
-        # (_kept_gathered, inline: once per unit per step)
-        kept = self.hold_for_double_backward or (self.order.leftovers_held and not unit.from_policy)
-        if unit.active_backward == 0 and not kept:
+        if unit.active_backward == 0 and not self._kept_gathered(unit):
             self.reshard(unit)
 
     def grads_final(self, flat: FlatParamGroup) -> None:
         """All gradients of a trainable group are final: its parameters are not needed again
         in this backward (every node using them has run)."""
         self.unit_of[flat].mark_final(flat)
-        if not self.hold_for_double_backward:  # (_free, inline: once per trainable group per step)
+        if not self.hold_for_double_backward:  # free the group (its gather completed first)
             if flat.state is ShardState.GATHERING:
                 self.wait_for_gather(flat)
-            self.gathered.now -= flat.reshard()  # (a free never raises the peak)
+            self.gathered.add(-flat.reshard())
 
     def finish_backward(self) -> None:
         keep = self._backward_creates_graph  # the graph it made still multiplies by them

@@ -109,7 +109,7 @@ class TrainingState:
 
     def is_recompute(self) -> bool:
         """A module forward that runs inside backward: activation checkpointing recomputing."""
-        return torch._C._current_graph_task_id() != -1  # autograd_running, inline: twice per unit use
+        return torch._C._current_graph_task_id() != -1  # autograd is running (asked twice per unit use)
 
     def begin_backward(self) -> None:
         """The first hook of a backward: fix whether it synchronises."""

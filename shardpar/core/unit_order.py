@@ -268,7 +268,7 @@ class UnitOrder:
         units: they are held from now on, and the caller drains the gathers in flight
         (:meth:`drain_in_flight`) and gathers the leftover units again (see [Note: unit order
         across ranks]); any other mismatch raises."""
-        nbytes = self._receiving.pop(flat, 0)  # its receive buffers are gone (_received, inline)
+        nbytes = self._receiving.pop(flat, 0)  # the gather completed: its receive buffers are gone
         if nbytes:
             self.receive_buffers.add(-nbytes)
         if isinstance(result, C.GatheredTags):

@@ -214,7 +214,7 @@ class UnitHooks:
         self, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self.gatherer.pre_forward(unit)
-        self.reducer.orders.module_runs(unit.trainable_names)  # (_record_use, inline)
+        self.reducer.orders.module_runs(unit.trainable_names)  # the unit's use, to the first-step orders
         return self._hook_inputs(unit, args, kwargs)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
