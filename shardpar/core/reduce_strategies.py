@@ -344,6 +344,29 @@ class ShardedAverage:
     reduction under hybrid sharding] in averaging.py); None under full sharding."""
     collective = "reduce_scatter"
 
+    def _set_up_sharding(
+        self,
+        spaces: Sequence[BucketedParams],
+        reduce_dtype: ReduceDtype,
+        world_size: int,
+        rank: int,
+        group: Any,
+        comm: C.CommStats,
+        replicas: AcrossReplicas | None,
+        ranks_summed: int | None,
+        divide_factor: float | None,
+    ) -> None:
+        """The shard group, this rank's place in it, the replicas and each space's averaging:
+        ``ranks_summed`` ranks' gradients in all (the world size; under hybrid sharding more
+        than the shard group's), divided by ``divide_factor`` ([Note: averaging])."""
+        self.spaces = list(spaces)
+        self.reduce_dtype = reduce_dtype
+        self.world_size, self.rank, self.group, self.comm = world_size, rank, group, comm
+        self.replicas = replicas
+        self.averaging_of = averaging_per_space(
+            spaces, reduce_dtype, ranks_summed or world_size, group, divide_before=False, divide_factor=divide_factor
+        )
+
     def sum_replicas(self, bucket: GradBucket, owned: torch.Tensor) -> None:
         """After ``bucket``'s reduce-scatter: its owned slice summed across replicas, if any."""
         if self.replicas is not None:
@@ -406,16 +429,8 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
         divide_factor: float | None = None,
     ) -> None:
         _FullGradBuffer.__init__(self, spaces, reduce_dtype)
-        self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = (
-            reduce_dtype,
-            world_size,
-            rank,
-            group,
-            comm,
-        )
-        self.replicas = replicas
-        self.averaging_of = averaging_per_space(
-            spaces, reduce_dtype, ranks_summed or world_size, group, divide_before=False, divide_factor=divide_factor
+        self._set_up_sharding(
+            spaces, reduce_dtype, world_size, rank, group, comm, replicas, ranks_summed, divide_factor
         )
         self.master_grad_shards = {
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
-from .averaging import AcrossReplicas, ReduceDtype, averaging_per_space, scale
+from .averaging import AcrossReplicas, ReduceDtype, scale
 from .layout import Bucket, ShardPiece
 from .param_guard import metadata_only
 from .rebuild import Relayout
@@ -48,18 +48,8 @@ class StagedReduceScatter(ShardedAverage):
         ranks_summed: int | None = None,
         divide_factor: float | None = None,
     ) -> None:
-        self.spaces = list(spaces)
-        self.reduce_dtype, self.world_size, self.rank, self.group, self.comm = (
-            reduce_dtype,
-            world_size,
-            rank,
-            group,
-            comm,
-        )
-        self.replicas = replicas
-        """See [Note: reduction under hybrid sharding] in averaging.py."""
-        self.averaging_of = averaging_per_space(
-            spaces, reduce_dtype, ranks_summed or world_size, group, divide_before=False, divide_factor=divide_factor
+        self._set_up_sharding(
+            spaces, reduce_dtype, world_size, rank, group, comm, replicas, ranks_summed, divide_factor
         )
         self.grad_shards = {
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device) for s in spaces

@@ -203,34 +203,27 @@ def _across_replicas(inputs: RowInputs) -> AcrossReplicas | None:
     return AcrossReplicas(shards.replica_group, shards.shard_rank, inputs.replica_comm) if shards.is_hybrid else None
 
 
-def _reduce_scatter_in_place(inputs: RowInputs, spaces: Sequence[BucketedParams]) -> ReduceScatterInPlace:
-    shards = inputs.shards
-    return ReduceScatterInPlace(
-        spaces,
-        inputs.casts.reduce_dtype,
-        shards.shard_size,
-        shards.shard_rank,
-        shards.shard_group,
-        inputs.shard_comm,
-        _across_replicas(inputs),
-        ranks_summed=inputs.world_size,
-        divide_factor=inputs.config.gradient_divide_factor,
-    )
+def _reduce_scatter(
+    strategy: type[ReduceScatterInPlace] | type[StagedReduceScatter],
+) -> Callable[[RowInputs, Sequence[BucketedParams]], ReduceStrategy]:
+    """Stages 1-3's strategies: a reduce-scatter over the shard group (then across replicas
+    under hybrid sharding) of the sum over every rank."""
 
+    def build(inputs: RowInputs, spaces: Sequence[BucketedParams]) -> ReduceStrategy:
+        shards = inputs.shards
+        return strategy(
+            spaces,
+            inputs.casts.reduce_dtype,
+            shards.shard_size,
+            shards.shard_rank,
+            shards.shard_group,
+            inputs.shard_comm,
+            _across_replicas(inputs),
+            ranks_summed=inputs.world_size,
+            divide_factor=inputs.config.gradient_divide_factor,
+        )
 
-def _staged_reduce_scatter(inputs: RowInputs, spaces: Sequence[BucketedParams]) -> StagedReduceScatter:
-    shards = inputs.shards
-    return StagedReduceScatter(
-        spaces,
-        inputs.casts.reduce_dtype,
-        shards.shard_size,
-        shards.shard_rank,
-        shards.shard_group,
-        inputs.shard_comm,
-        _across_replicas(inputs),
-        ranks_summed=inputs.world_size,
-        divide_factor=inputs.config.gradient_divide_factor,
-    )
+    return build
 
 
 # ---------------------------------------------------------------------- backward paths
@@ -263,7 +256,11 @@ class StageRow:
 
 STAGES: dict[int, StageRow] = {
     0: StageRow(0, _replicated(_full_master), _all_reduce, _no_gatherer, _reduce_when_complete),
-    1: StageRow(1, _replicated(_sharded_master), _reduce_scatter_in_place, _masters_gatherer, _reduce_when_complete),
-    2: StageRow(2, _replicated(_sharded_master), _staged_reduce_scatter, _masters_gatherer, _reduce_when_complete),
-    3: StageRow(3, _sharded_units, _staged_reduce_scatter, _unit_gatherer, _reshard_then_reduce),
+    1: StageRow(
+        1, _replicated(_sharded_master), _reduce_scatter(ReduceScatterInPlace), _masters_gatherer, _reduce_when_complete
+    ),
+    2: StageRow(
+        2, _replicated(_sharded_master), _reduce_scatter(StagedReduceScatter), _masters_gatherer, _reduce_when_complete
+    ),
+    3: StageRow(3, _sharded_units, _reduce_scatter(StagedReduceScatter), _unit_gatherer, _reshard_then_reduce),
 }
