@@ -33,45 +33,25 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
         "old table\n<!-- everything below this line is written by hand; "
         "tools/bench.py keeps it -->\nhand-written analysis\n"
     )
-    result = run_script(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(ROOT / "tools" / "bench.py"),
-            "--models",
-            "mlp:tiny,gpt:tiny",
-            "--warmup",
-            "1",
-            "--rounds",
-            "1",
-            "--steps-per-round",
-            "2",
-            "--comm-reps",
-            "1",
-            "--candidate-option",
-            "bucket_cap_mb=0.01",
-            "--candidate-option",
-            "prefetch_units=0",
-            "--candidate-option",
-            "align_for_bandwidth=True",
-            "--out",
-            str(out / "bench.md"),
-            "--png",
-            str(out / "bench.png"),
-            "--json",
-            str(out / "bench.json"),
-        ],
-        timeout=240,
-        env={"OMP_NUM_THREADS": "1"},
-        cwd=ROOT,
-    )
+    options = ["--models", "mlp:tiny,gpt:tiny", "--steps-per-round", "2", "--png", str(out / "bench.png")]
+    for option in ("bucket_cap_mb=0.01", "prefetch_units=0", "align_for_bandwidth=True"):
+        options += ["--candidate-option", option]
+    log = _run_bench(2, out, "bench", options, timeout=240)
+    return out, json.loads((out / "bench.json").read_text()), log
+
+
+def _run_bench(ranks: int, out: Path, stem: str, options: list[str], timeout: int) -> str:
+    """tools/bench.py at its quickest (one warm-up step, one round, one repetition of the
+    isolated collectives) on ``ranks`` processes (1: plain python), writing ``out/stem.md``
+    and ``out/stem.json``; ``options`` the test's own. Returns the log; fails on an error."""
+    launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    quick = ["--warmup", "1", "--rounds", "1", "--comm-reps", "1"]
+    files = ["--out", str(out / f"{stem}.md"), "--json", str(out / f"{stem}.json")]
+    command = [sys.executable, *launcher, str(ROOT / "tools" / "bench.py"), *options, *quick, *files]
+    result = run_script(command, timeout=timeout, env={"OMP_NUM_THREADS": "1"}, cwd=ROOT)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
-    return out, json.loads((out / "bench.json").read_text()), log
+    return log
 
 
 def test_report_has_every_configuration_and_keeps_the_hand_written_part(report) -> None:
@@ -317,32 +297,8 @@ def test_plain_torch_is_every_stages_peer_at_world_size_1(tmp_path: Path) -> Non
     """``--configs ...,torch`` (the default at world size 1 with ``--device cuda``): each stage is
     compared with plain torch, no time target is claimed against it, and it trains the same
     model. Run here on the CPU, where the same code path picks the peer."""
-    result = run_script(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "bench.py"),
-            "--models",
-            "mlp:tiny,overhead:4",
-            "--configs",
-            "stage0,stage1,stage2,stage3,torch",
-            "--warmup",
-            "1",
-            "--rounds",
-            "1",
-            "--steps-per-round",
-            "2",
-            "--comm-reps",
-            "1",
-            "--out",
-            str(tmp_path / "b.md"),
-            "--json",
-            str(tmp_path / "b.json"),
-        ],
-        timeout=180,
-        env={"OMP_NUM_THREADS": "1"},
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    options = ["--models", "mlp:tiny,overhead:4", "--configs", "stage0,stage1,stage2,stage3,torch"]
+    _run_bench(1, tmp_path, "b", options + ["--steps-per-round", "2"], timeout=180)
     results = json.loads((tmp_path / "b.json").read_text())["results"]
     text = (tmp_path / "b.md").read_text()
     for result in results:
@@ -386,37 +342,8 @@ def test_hybrid_sharding_at_world_size_4_bytes_per_group_equal_the_closed_forms(
     (Ψ·4·(G-1)/G each for stage 2's reduce-scatter and gather within the group, 2(Ψ/G)·4·(R-1)/R
     across replicas) and the planner's ``by_group``, to the byte; the HSDP peer holds FSDP2's
     shards of G and trains the same model; the report has the hybrid and bytes-per-group tables."""
-    result = run_script(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "4",
-            str(ROOT / "tools" / "bench.py"),
-            "--models",
-            "mlp:tiny",
-            "--configs",
-            "stage2-g2,stage3,stage3-g2,hsdp-g2",
-            "--warmup",
-            "1",
-            "--rounds",
-            "1",
-            "--steps-per-round",
-            "1",
-            "--comm-reps",
-            "1",
-            "--out",
-            str(tmp_path / "b.md"),
-            "--json",
-            str(tmp_path / "b.json"),
-        ],
-        timeout=240,
-        env={"OMP_NUM_THREADS": "1"},
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    options = ["--models", "mlp:tiny", "--configs", "stage2-g2,stage3,stage3-g2,hsdp-g2", "--steps-per-round", "1"]
+    _run_bench(4, tmp_path, "b", options, timeout=240)
     configs = json.loads((tmp_path / "b.json").read_text())["results"][0]["configs"]
     import shardpar
 
