@@ -405,3 +405,52 @@ def test_overhead_model_is_the_issues_shape() -> None:
         ], kinds
     inputs, targets = spec.batch_for(torch.Generator().manual_seed(0))
     assert inputs.shape == (2, 64) and targets.shape == (2,) and model(inputs).shape == (2, 64)
+
+
+def test_muon_benchmark_holds_half_the_optimizer_state_in_the_distmuon_peer(tmp_path: Path) -> None:
+    """Issue #43's launch at its quickest: ``--models nanochat:tiny --configs distmuon,stage0,ddp``
+    at world size 2, every configuration with Muon over the blocks' matrices and AdamW over the
+    embedding and head (stage 0: two ``shardpar.optimizer`` calls). All three train bit for bit
+    the same model; stage 0 and DDP hold all of both optimizers' state on every rank (4 bytes an
+    element of Muon's momentum, 8 of AdamW's moments, a 4-byte step per AdamW tensor), the peer
+    at most half of it plus one matrix and AdamW's padding; the report's memory table has the
+    optimizer-state column."""
+    options = ["--models", "nanochat:tiny", "--configs", "distmuon,stage0,ddp", "--steps-per-round", "2"]
+    _run_bench(2, tmp_path, "b", options, timeout=180)
+    [result] = json.loads((tmp_path / "b.json").read_text())["results"]
+    configs = result["configs"]
+    sys.path.insert(0, str(ROOT / "tools"))
+    from benchkit.models import parse_models
+
+    model = parse_models("nanochat:tiny")[0].build()
+    matrices = [p.numel() for p in model.muon_params()]
+    adamw = [p.numel() for p in model.adamw_params()]
+    whole = 4 * sum(matrices) + 8 * sum(adamw) + 4 * len(adamw)
+    assert result["optimizers"] == "muon+adamw"
+    assert configs["stage0"]["optimizer_state"] == configs["ddp"]["optimizer_state"] == [whole] * 2
+    peer = configs["distmuon"]["optimizer_state"]
+    assert max(peer) < max(configs["stage0"]["optimizer_state"]), (peer, whole)
+    assert max(peer) <= (4 * sum(matrices) + 8 * sum(adamw)) / 2 + 4 * max(matrices) + 8 + 4, (peer, whole)
+    assert configs["distmuon"]["final_loss"] == configs["stage0"]["final_loss"] == configs["ddp"]["final_loss"]
+    for row in configs.values():
+        assert max(row["model_state"]) == pytest.approx(row["formula"], rel=0.10)
+    text = (tmp_path / "b.md").read_text()
+    assert "| optimizer state MiB (max over ranks) |" in text
+    for config in ("distmuon", "stage0", "ddp"):
+        assert f"| {config} |" in text
+    assert "`torch.optim.Muon`" in text and "- `distmuon`: a DistMuon-style peer" in text
+
+
+def test_muon_models_refuse_the_adamw_only_peers() -> None:
+    """ZeroRedundancyOptimizer and FSDP2 run AdamW only here, and the DistMuon peer Muon: a
+    model and a configuration that do not train alike are refused before anything runs."""
+    bench = [sys.executable, str(ROOT / "tools" / "bench.py")]
+    refused = run_script(
+        [*bench, "--models", "nanochat:tiny", "--configs", "stage0,ddp+zero,fsdp2"], timeout=120, cwd=ROOT
+    )
+    assert refused.returncode != 0 and refused.stderr.strip().splitlines() == [
+        "error: --configs: nanochat:tiny: ddp+zero trains with AdamW only, not Muon + AdamW; name distmuon, ddp or "
+        "the stages; nanochat:tiny: fsdp2 trains with AdamW only, not Muon + AdamW; name distmuon, ddp or the stages"
+    ], refused.stderr
+    peer = run_script([*bench, "--models", "mlp:tiny", "--configs", "distmuon"], timeout=120, cwd=ROOT)
+    assert peer.returncode != 0 and "distmuon trains with Muon + AdamW" in peer.stderr, peer.stderr

@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.support.harness import run_ranks
-from tools.benchkit.distmuon import DistMuon, DistMuonRunner, muon_and_adamw, owners_longest_first
-from tools.benchkit.models import NANOCHAT_SIZES, ModelSpec
+from tools.benchkit.distmuon import DistMuon, owners_longest_first
+from tools.benchkit.models import parse_models
+from tools.benchkit.optimizers import muon_and_adamw
+from tools.benchkit.runners import DistMuonRunner
 
-SPEC = ModelSpec("nanochat", "tiny", **NANOCHAT_SIZES["tiny"])
+[SPEC] = parse_models("nanochat:tiny")
 STEPS = 3
 
 
@@ -45,7 +47,8 @@ def _peer_and_ddp() -> dict[str, Any]:
         peer.step()
         peer.zero_grad()
     out["params"] = {k: v.detach().clone() for k, v in peer.model.state_dict().items()}
-    muon, adamw = peer.opt.parts
+    [both] = peer.optimizers
+    muon, adamw = both.parts
     assert isinstance(muon, DistMuon)
     out["muon state"], out["adamw state"] = _state_bytes(muon.state_tensors()), _state_bytes(adamw.state_tensors())
     out["owned elements"] = sum(p.numel() for p in muon.owned)

@@ -10,6 +10,8 @@
     torchrun --standalone --nproc_per_node 2 tools/bench.py --models overhead --rounds 25
                                                 # the host's share (#44): against plain torch, then the peers
                                                 # (add --steps-per-round 1 for the median of 25 interleaved steps)
+    torchrun --standalone --nproc_per_node 2 tools/bench.py --models nanochat:small \
+        --configs distmuon,stage0,stage1,stage2,ddp     # Muon + AdamW (#43): against the DistMuon-style peer
 
 The benchmark is the package beside this file, tools/benchkit/: its __init__.py says what
 each module does and what is measured ([Note: what is measured], [Note: on CUDA]).

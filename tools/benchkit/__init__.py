@@ -5,8 +5,11 @@ One module per job:
 
     models      the model zoo (``--models``: MLP stacks and transformers, tiny to large; the
                 overhead stack, [Note: the overhead model])
+    optimizers  what a model trains with: AdamW, or nanochat's Muon + AdamW (``nanochat:SIZE``)
+    distmuon    the DistMuon-style peer's optimizer (issue #43's baseline, [Note: the DistMuon peer])
     runners     one configuration each: shardpar stage N, DDP, DDP + ZeRO, FSDP2, plain torch;
-                hybrid sharding stageN-gG against FSDP2's HSDP hsdp-gG ([Note: hybrid configurations])
+                hybrid sharding stageN-gG against FSDP2's HSDP hsdp-gG ([Note: hybrid configurations]);
+                distmuon for a model trained with Muon + AdamW ([Note: Muon configurations])
     measure     one timed training step: wall, phases, CPU, page faults, waits; one untimed
                 step's Python calls into shardpar ([Note: host columns])
     memory      the memory phase: each configuration alone, its peak RSS or CUDA allocation

@@ -31,6 +31,7 @@ from .runners import (
     default_configs,
     init_group,
     load_candidate,
+    optimizers_problem,
     parse_option,
     stage_of,
 )
@@ -42,8 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--models",
         default="mlp:small,mlp:large,gpt:small,gpt:large",
-        help="comma-separated KIND:SIZE, kinds mlp and gpt, sizes tiny, small, large; and overhead "
-        "(overhead:64, the default size, or overhead:4; see [Note: the overhead model] in benchkit/models.py)",
+        help="comma-separated KIND:SIZE, kinds mlp and gpt, sizes tiny, small, large; overhead "
+        "(overhead:64, the default size, or overhead:4; see [Note: the overhead model] in benchkit/models.py); "
+        "and nanochat:tiny or nanochat:small, trained with Muon + AdamW (with --configs distmuon,ddp and the "
+        "stages; see [Note: Muon configurations] in benchkit/runners.py)",
     )
     parser.add_argument(
         "--configs",
@@ -103,6 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         args.config_list = [c.strip() for c in args.configs.split(",")]
     problems = [problem for c in args.config_list if (problem := config_problem(c, world))]
+    problems += [
+        f"{spec.name}: {problem}"
+        for spec in args.model_specs
+        for c in args.config_list
+        if (problem := optimizers_problem(c, spec.optimizers))
+    ]
     if problems:
         raise SystemExit(f"error: --configs: {'; '.join(problems)}")
     if args.warmup < 1 or args.rounds < 1 or args.steps_per_round < 1:

@@ -1,5 +1,6 @@
 """A DistMuon-style peer for issue #43's benchmark: nanochat's ``DistMuon`` and ``DistAdamW``
-in their essentials, over torch's own ``Muon`` and ``AdamW``, as config ``distmuon``.
+in their essentials, over torch's own ``Muon`` and ``AdamW``: the optimizer of config
+``distmuon`` (``DistMuonRunner`` in runners.py).
 
 [Note: the DistMuon peer]
 The model is not wrapped: every rank runs forward and backward on its own batch and keeps its
@@ -32,36 +33,14 @@ reduction order of the collective may differ from DDP's by an ulp.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .runners import Runner
-
-MUON_OPTIONS: dict[str, Any] = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0}
-"""nanochat's Muon settings (no weight decay), for ``torch.optim.Muon``."""
-ADAMW_OPTIONS: dict[str, Any] = {"lr": 1e-3, "betas": (0.8, 0.95), "eps": 1e-10, "weight_decay": 0.0}
-"""nanochat's AdamW settings for the embedding and the head."""
-
-
-def muon_and_adamw_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """nanochat's split: the model's own (``NanochatGPT.muon_params``/``adamw_params``), or
-    else Muon for every matrix and AdamW for the rest."""
-    if hasattr(model, "muon_params") and hasattr(model, "adamw_params"):
-        return list(model.muon_params()), list(model.adamw_params())
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [p for p in params if p.ndim == 2], [p for p in params if p.ndim != 2]
-
-
-def muon_and_adamw(model: nn.Module, make: Callable[..., Any]) -> list[Any]:
-    """The two optimizers as a script builds them, ``make(optimizer_class, params, **options)``
-    (plain torch, or ``shardpar.optimizer`` bound to a wrapped model): what the shardpar
-    stages and a DDP run of the same benchmark should use, with this peer's settings."""
-    matrices, rest = muon_and_adamw_params(model)
-    return [make(torch.optim.Muon, matrices, **MUON_OPTIONS), make(torch.optim.AdamW, rest, **ADAMW_OPTIONS)]
+from .optimizers import ADAMW_OPTIONS, MUON_OPTIONS, muon_and_adamw_params
 
 
 def owners_longest_first(numels: list[int], world: int) -> list[int]:
@@ -248,15 +227,3 @@ class DistMuonAdamW:
     def state_tensors(self) -> Iterator[torch.Tensor]:
         for part in self.parts:
             yield from part.state_tensors()
-
-
-class DistMuonRunner(Runner):
-    """Config ``distmuon``: the model unwrapped, :class:`DistMuonAdamW` as its optimizer."""
-
-    name = "distmuon"
-
-    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
-        return model, DistMuonAdamW(model)
-
-    def _optimizer_state(self) -> Iterator[torch.Tensor]:
-        yield from self.opt.state_tensors()

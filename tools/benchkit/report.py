@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .runners import PLAIN
+from .optimizers import ADAMW_OPTIONS, MUON_ADAMW, MUON_OPTIONS
+from .runners import DISTMUON, PLAIN
 from .tables import (
     exposure_table,
     group_bytes_table,
@@ -92,7 +93,9 @@ COLUMNS = (
     "broadcasts, FSDP2's hooks), where the benchmark cannot time their waits without changing them: their "
     "cells show —. *Model state*: params + grads "
     "+ optimizer state as the engine accounts it (`memory_stats()`; for the peers the tensors they hold, local "
-    "shards for FSDP2) against docs/design.md's ZeRO formula (peers: the stage they match). *Peak RSS increase*: "
+    "shards for FSDP2) against docs/design.md's ZeRO formula (peers: the stage they match; k·Ψ of optimizer "
+    "state: AdamW's 8 bytes an element, Muon's 4). *Optimizer state*: of that, the optimizers' state tensors, "
+    "the most any rank holds (every `shardpar.optimizer`'s at the stages). *Peak RSS increase*: "
     "VmHWM minus RSS before building, with the configuration alone in the process for 2 steps (see [Note: what "
     "is measured] in tools/benchkit/__init__.py). *Sent*: `comm_stats()` per step, padding shown apart, against "
     "`shardpar.estimate_communication`."
@@ -131,6 +134,7 @@ def write_report(path: Path, results: list[dict[str, Any]], info: dict[str, Any]
         if KEEP_MARKER in text:
             kept = text.split(KEEP_MARKER, 1)[1]
     world = results[0]["world"]
+    muon_models = [result["model"] for result in results if result.get("optimizers") == MUON_ADAMW]
     lines = [
         "# Benchmarks: shardpar stages 0–3 against torch DDP, ZeroRedundancyOptimizer and FSDP2",
         "",
@@ -162,9 +166,27 @@ def write_report(path: Path, results: list[dict[str, Any]], info: dict[str, Any]
             f"{args.steps_per_round} timed steps; AdamW lr 1e-3, fp32; shardpar.wrap options: "
             f"{args.wrap_options or 'defaults'} (+ the blocks as stage-3 units)"
         ),
+        *(
+            [
+                f"- {', '.join(muon_models)}: `torch.optim.Muon` ({_options(MUON_OPTIONS)}) over the blocks' "
+                f"matrices and AdamW ({_options(ADAMW_OPTIONS)}) over the embedding and the head, two optimizers "
+                "in every configuration (two `shardpar.optimizer` calls at the stages)"
+            ]
+            if muon_models
+            else []
+        ),
         (
             "- Peers: `DistributedDataParallel` (defaults), DDP + `ZeroRedundancyOptimizer(AdamW)` (defaults), "
             "`fully_shard` (FSDP2) on every block then the root; shardpar stage 3 uses the same blocks as units"
+        ),
+        *(
+            [
+                f"- `{DISTMUON}`: a DistMuon-style peer (nanochat's DistMuon and DistAdamW over torch's Muon and "
+                "AdamW: whole matrices owned round-robin by size, their gradients reduce-scattered to the owner, "
+                "stepped there and all-gathered; ZeRO-1 AdamW; tools/benchkit/distmuon.py)"
+            ]
+            if any(DISTMUON in result["configs"] for result in results)
+            else []
         ),
         *(
             [f"- Plain torch (`{PLAIN}`): the model and AdamW, no wrapper; every stage's peer at world size 1"]
@@ -200,6 +222,10 @@ def write_report(path: Path, results: list[dict[str, Any]], info: dict[str, Any]
     lines += [KEEP_MARKER]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + (kept if kept else "\n"))
+
+
+def _options(options: dict[str, Any]) -> str:
+    return ", ".join(f"{key} {value}" for key, value in options.items())
 
 
 def write_chart(path: Path, results: list[dict[str, Any]]) -> bool:

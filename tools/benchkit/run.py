@@ -26,15 +26,17 @@ def _on(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> tuple
 
 def warm_process(configs: list[str], args) -> None:
     """Pay one-time costs (lazy imports, gloo and autograd threads, allocator pools) on a
-    tiny model first, so the first configuration's RSS increase is its own."""
-    spec = ModelSpec("gpt", "warm-up", **SIZES["gpt"]["tiny"])
-    base = spec.build()
-    batch = _on(spec.batch_for(torch.Generator().manual_seed(0)), args.torch_device)
-    for config in configs:
-        runner = build_runner(config, copy.deepcopy(base), spec, args)
-        for _ in range(2):
-            run_step(runner, batch)
-        runner.close()
+    tiny model first, so the first configuration's RSS increase is its own; once per kind of
+    optimizers the models train with (``--models``' ``ModelSpec.optimizers``)."""
+    for optimizers in dict.fromkeys(spec.optimizers for spec in args.model_specs):
+        spec = ModelSpec("gpt", "warm-up", **SIZES["gpt"]["tiny"], optimizers=optimizers)
+        base = spec.build()
+        batch = _on(spec.batch_for(torch.Generator().manual_seed(0)), args.torch_device)
+        for config in configs:
+            runner = build_runner(config, copy.deepcopy(base), spec, args)
+            for _ in range(2):
+                run_step(runner, batch)
+            runner.close()
     gc.collect()
 
 

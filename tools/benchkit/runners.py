@@ -1,10 +1,24 @@
 """The configurations: shardpar stage N (this checkout's, or a ``--candidate`` checkout's as
 ``stageN-cand``), and the peers it is measured against: torch DDP, DDP +
-ZeroRedundancyOptimizer, FSDP2, and plain torch at world size 1; and hybrid sharding,
-``stageN-gG`` against FSDP2's HSDP ``hsdp-gG`` (see [Note: hybrid configurations]).
+ZeroRedundancyOptimizer, FSDP2, and plain torch at world size 1; hybrid sharding,
+``stageN-gG`` against FSDP2's HSDP ``hsdp-gG`` (see [Note: hybrid configurations]); and, for a
+model trained with Muon + AdamW, the DistMuon-style peer ``distmuon`` (see [Note: Muon
+configurations]).
 
-A :class:`Runner` holds one configuration (a model copy, its wrapper and optimizer) and splits
+A :class:`Runner` holds one configuration (a model copy, its wrapper and optimizers) and splits
 its training step into phases so the report can say where the time goes.
+
+[Note: Muon configurations]
+A model's ``ModelSpec.optimizers`` says what every configuration trains it with (optimizers.py).
+With ``"muon+adamw"`` (nanochat:SIZE) the stages build two shardpar optimizers over the wrapped
+model, ``shardpar.optimizer(model, torch.optim.Muon, matrices, ...)`` and ``shardpar.optimizer(
+model, torch.optim.AdamW, rest, ...)``, and ``ddp`` and ``torch`` the same two torch optimizers,
+so DDP stays the oracle; ``distmuon`` is the peer issue #43 measures the stages against
+(tools/benchkit/distmuon.py: whole matrices owned round-robin, ZeRO-1 AdamW). ZeroRedundancyOptimizer,
+FSDP2 and HSDP run AdamW only here, so ``ddp+zero``, ``fsdp2`` and ``hsdp-gG`` are refused with
+such a model, and ``distmuon`` with a model trained with AdamW alone (it would compare Muon with
+AdamW). At stages 1-3 shardpar refuses Muon until it owns whole tensors (issue #43): those
+configurations are built the same way and fail with shardpar's ValueError naming the class.
 
 [Note: hybrid configurations]
 ``stageN-gG`` (N = 1..3) is ``shardpar.wrap(model, stage=N, shard_group_size=G)``: state
@@ -40,16 +54,22 @@ from torch import nn
 
 import shardpar
 
+from .distmuon import DistMuonAdamW
 from .models import ModelSpec
+from .optimizers import ADAMW_ONLY_OPTIONS, MUON_ADAMW, build_optimizers, torch_optimizer
 
 ALL_CONFIGS = ["stage0", "stage1", "stage2", "stage3", "ddp", "ddp+zero", "fsdp2"]
 PLAIN = "torch"
 """Plain torch, no wrapper: every stage's peer at world size 1 on CUDA (``--configs`` may name
 it at world size 1 on the CPU too)."""
-KNOWN_CONFIGS = [*ALL_CONFIGS, PLAIN]
+DISTMUON = "distmuon"
+"""The DistMuon-style peer of a model trained with Muon + AdamW ([Note: Muon configurations])."""
+KNOWN_CONFIGS = [*ALL_CONFIGS, PLAIN, DISTMUON]
+ADAMW_ONLY_CONFIGS = ("ddp+zero", "fsdp2", "hsdp")
+"""The peers that train with AdamW alone (a hybrid hsdp-gG by its base)."""
 HYBRID_CONFIGS = ["stage1-gG", "stage2-gG", "stage3-gG", "hsdp-gG"]
 """Patterns of the hybrid configurations (G a number): see [Note: hybrid configurations]."""
-PEER_STAGE = {"ddp": 0, "ddp+zero": 1, "fsdp2": 3, PLAIN: 0}
+PEER_STAGE = {"ddp": 0, "ddp+zero": 1, "fsdp2": 3, PLAIN: 0, DISTMUON: 1}
 """The shardpar stage each peer matches (same storage and collectives)."""
 CANDIDATE = "-cand"
 """Suffix of the stages run from ``--candidate`` (another checkout's shardpar, to A/B a patch)."""
@@ -96,6 +116,18 @@ def config_problem(config: str, world: int) -> str | None:
     return None
 
 
+def optimizers_problem(config: str, optimizers: str) -> str | None:
+    """Why ``config`` cannot train a model with ``optimizers`` ([Note: Muon configurations]);
+    None when it can."""
+    match = _HYBRID.fullmatch(config)
+    base = match["base"] if match else config
+    if optimizers == MUON_ADAMW and base in ADAMW_ONLY_CONFIGS:
+        return f"{config} trains with AdamW only, not Muon + AdamW; name distmuon, ddp or the stages"
+    if optimizers != MUON_ADAMW and config == DISTMUON:
+        return f"{DISTMUON} trains with Muon + AdamW, which this model is not trained with"
+    return None
+
+
 def peer_of(config: str, present: Any = ()) -> str | None:
     """The peer a stage is compared with: its distributed counterpart, or plain torch when only
     that is in ``present`` (world size 1 on CUDA); for hybrid sharding, HSDP on the same
@@ -114,14 +146,17 @@ def default_configs(device: str, world: int) -> list[str]:
     return list(ALL_CONFIGS)
 
 
-def zero_formula(config: str, psi: int, world: int) -> float:
-    """docs/design.md's model-state bytes per rank with fp32 AdamW (peers: the stage they match);
-    under hybrid sharding with the shard group's G in place of the world size."""
+def zero_formula(config: str, psi: int, world: int, state: int | None = None) -> float:
+    """docs/design.md's model-state bytes per rank with fp32 parameters and gradients and
+    ``state`` bytes of optimizer state over the whole model (k·Ψ; default AdamW's 8Ψ); peers:
+    the stage they match; under hybrid sharding with the shard group's G in place of the world
+    size."""
     stage = stage_of(config)
     if stage is None:
         stage = PEER_STAGE[full_sharding_of(config)]
     n = shard_group_size_of(config) or world
-    return [16 * psi, 8 * psi + 8 * psi / n, 4 * psi + 12 * psi / n, 16 * psi / n][stage]
+    k = 8 * psi if state is None else state
+    return [8 * psi + k, 8 * psi + k / n, 4 * psi + (4 * psi + k) / n, (8 * psi + k) / n][stage]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -133,8 +168,9 @@ def _tensor_bytes(tensors) -> int:
 
 
 class Runner:
-    """One configuration: a model copy, its wrapper and optimizer, and one training step
-    split into phases so the report can say where the time goes."""
+    """One configuration: a model copy, its wrapper and optimizers (one, or nanochat's two:
+    ``ModelSpec.optimizers``), and one training step split into phases so the report can say
+    where the time goes."""
 
     name: str
     stage: int | None = None
@@ -146,9 +182,10 @@ class Runner:
     def __init__(self, model: nn.Module, spec: ModelSpec, wrap_options: dict[str, Any]) -> None:
         self.spec, self.wrap_options = spec, wrap_options  # options for shardpar.wrap
         self.device = next(model.parameters()).device  # the model arrives on the rank's device
-        self.model, self.opt = self.wrap(model)
+        self.model, self.optimizers = self.wrap(model)
 
-    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
+    def wrap(self, model: nn.Module) -> tuple[nn.Module, list[Any]]:
+        """The model as this configuration trains it, and its optimizers, stepped in order."""
         raise NotImplementedError
 
     def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -158,10 +195,12 @@ class Runner:
         return loss.detach()
 
     def step(self) -> None:
-        self.opt.step()
+        for optimizer in self.optimizers:
+            optimizer.step()
 
     def zero_grad(self) -> None:
-        self.opt.zero_grad()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
 
     def model_state(self) -> dict[str, int]:
         """Bytes of params, grads and optimizer state on this rank (after a step, before zero_grad)."""
@@ -173,8 +212,9 @@ class Runner:
         }
 
     def _optimizer_state(self):
-        for state in self.opt.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     def close(self) -> None:
         pass
@@ -185,15 +225,21 @@ class ShardparRunner(Runner):
         self.stage, self.library = stage, library  # shardpar, or a --candidate copy of it
         super().__init__(*args)
 
-    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
+    def wrap(self, model: nn.Module) -> tuple[nn.Module, list[Any]]:
         options = dict(self.wrap_options)
         if self.stage == 3:
             options["wrap_policy"] = [self.spec.unit_class]
         wrapped = self.library.wrap(model, stage=self.stage, **options)
         self.wait_clock = wrapped.engine.wait_clock  # not in API.md: see [Note: engine internals] in comm_alone.py
-        return wrapped, self.library.optimizer(wrapped, torch.optim.AdamW, lr=1e-3)
+
+        def sharded(optimizer_class: type[torch.optim.Optimizer], params: Any, **defaults: Any) -> Any:
+            return self.library.optimizer(wrapped, optimizer_class, params, **defaults)
+
+        # The parameters by the wrapped model's (ShardedModule forwards muon_params/adamw_params).
+        return wrapped, build_optimizers(self.spec.optimizers, wrapped, sharded)
 
     def model_state(self) -> dict[str, int]:
+        # optimizer_state: every ShardedOptimizer attached to the model (Muon's and AdamW's).
         stats = self.model.memory_stats()
         return {k: stats[k] for k in ("params", "grads", "optimizer_state", "workspace")}
 
@@ -206,34 +252,59 @@ def _ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataP
 
 
 class PlainRunner(Runner):
-    """The model and AdamW, nothing else: what a stage costs over plain torch at world size 1."""
+    """The model and its optimizers, nothing else: what a stage costs over plain torch at world size 1."""
 
     name = PLAIN
 
-    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    def wrap(self, model: nn.Module) -> tuple[nn.Module, list[Any]]:
+        return model, build_optimizers(self.spec.optimizers, model, torch_optimizer)
 
 
 class DDPRunner(Runner):
     name = "ddp"
 
-    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
+    def wrap(self, model: nn.Module) -> tuple[nn.Module, list[Any]]:
         ddp = _ddp(model, self.device)
-        return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        return ddp, build_optimizers(self.spec.optimizers, model, torch_optimizer)  # DDP's module's parameters
+
+
+class DistMuonRunner(Runner):
+    """Config ``distmuon``: the model unwrapped, :class:`DistMuonAdamW` as its optimizer (see
+    [Note: the DistMuon peer] in distmuon.py)."""
+
+    name = DISTMUON
+
+    def wrap(self, model: nn.Module) -> tuple[nn.Module, list[Any]]:
+        return model, [DistMuonAdamW(model)]
+
+    def _optimizer_state(self):
+        for optimizer in self.optimizers:
+            yield from optimizer.state_tensors()  # this rank's share only
+
+
+def _adamw_only(spec: ModelSpec, config: str) -> None:
+    """The guard of the peers that build AdamW themselves ([Note: Muon configurations]);
+    ``--configs`` refuses them first, with the same words."""
+    problem = optimizers_problem(config, spec.optimizers)
+    if problem is not None:
+        raise ValueError(f"{spec.name}: {problem}")
 
 
 class ZeroRunner(Runner):
     name = "ddp+zero"
 
-    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
+    def wrap(self, model: nn.Module) -> tuple[nn.Module, list[Any]]:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
+        _adamw_only(self.spec, self.name)
         ddp = _ddp(model, self.device)
-        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+        options = ADAMW_ONLY_OPTIONS
+        return ddp, [ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **options)]
 
     def _optimizer_state(self):
-        for state in self.opt.optim.state.values():  # the local, sharded optimizer
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        for optimizer in self.optimizers:
+            for state in optimizer.optim.state.values():  # the local, sharded optimizer
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
 class FSDPRunner(Runner):
@@ -244,15 +315,16 @@ class FSDPRunner(Runner):
 
         return init_device_mesh(self.device.type, (dist.get_world_size(),))
 
-    def wrap(self, model: nn.Module) -> tuple[nn.Module, Any]:
+    def wrap(self, model: nn.Module) -> tuple[nn.Module, list[Any]]:
         from shardpar.comm.compat import fully_shard
 
+        _adamw_only(self.spec, self.name)
         mesh = self.mesh()
         for module in model.modules():
             if isinstance(module, self.spec.unit_class):
                 fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model, [torch.optim.AdamW(model.parameters(), **ADAMW_ONLY_OPTIONS)]
 
 
 @functools.cache
@@ -294,7 +366,13 @@ def build_runner(config: str, model: nn.Module, spec: ModelSpec, args: argparse.
     if stage is None and shard_size is not None:
         return HSDPRunner(shard_size, model, spec, {})
     if stage is None:
-        runners = {"ddp": DDPRunner, "ddp+zero": ZeroRunner, "fsdp2": FSDPRunner, PLAIN: PlainRunner}
+        runners = {
+            "ddp": DDPRunner,
+            "ddp+zero": ZeroRunner,
+            "fsdp2": FSDPRunner,
+            PLAIN: PlainRunner,
+            DISTMUON: DistMuonRunner,
+        }
         return runners[config](model, spec, {})
     hybrid = {} if shard_size is None else {"shard_group_size": shard_size}
     if config.endswith(CANDIDATE):

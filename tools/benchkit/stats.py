@@ -11,6 +11,7 @@ import shardpar
 
 from .measure import WAIT_PHASES
 from .models import ModelSpec
+from .optimizers import optimizer_state_bytes
 from .runners import CANDIDATE, full_sharding_of, peer_of, shard_group_size_of, stage_of, zero_formula
 
 
@@ -58,6 +59,7 @@ def bytes_by_group(per_rank: list[dict[str, Any]], closed: dict[str, dict[str, d
 def summarize(spec: ModelSpec, psi: int, tensors: int, configs: list[str], ranks: list[dict], args) -> dict[str, Any]:
     """``tensors``: the model's parameter tensors, what the calls per tensor count by."""
     world = len(ranks)
+    state_bytes = optimizer_state_bytes(spec.optimizers, spec.build())  # k·Ψ of the ZeRO formula
     per_config: dict[str, Any] = {}
     for config in configs:
         per_rank = [r[config] for r in ranks]
@@ -80,7 +82,9 @@ def summarize(spec: ModelSpec, psi: int, tensors: int, configs: list[str], ranks
             "model_state": [
                 sum(m["state"].get(k, 0) for k in ("params", "grads", "optimizer_state")) for m in per_rank
             ],
-            "formula": zero_formula(config, psi, world),
+            # Optimizer state per rank: the ShardedOptimizers' (memory_stats()), the peers' tensors.
+            "optimizer_state": [m["state"].get("optimizer_state", 0) for m in per_rank],
+            "formula": zero_formula(config, psi, world, state_bytes),
             "rss_increase": [m["rss_increase"] for m in per_rank],
             "rss_peak": [m["rss_peak"] for m in per_rank],
             "rss_exact": all(m["rss_exact"] for m in per_rank),
@@ -126,6 +130,7 @@ def summarize(spec: ModelSpec, psi: int, tensors: int, configs: list[str], ranks
         "description": spec.describe(),
         "params": psi,
         "tensors": tensors,
+        "optimizers": spec.optimizers,
         "world": world,
         "configs": per_config,
     }

@@ -8,11 +8,15 @@ from typing import Any
 
 from .measure import WAIT_PHASES
 from .memory import MIB
-from .runners import CANDIDATE, PLAIN, full_sharding_of, shard_group_size_of, stage_of
+from .runners import CANDIDATE, DISTMUON, PLAIN, full_sharding_of, shard_group_size_of, stage_of
 
 TARGETS = {"stage0": 0.95, "stage1": 0.85, "stage2": 0.85, "stage3": 0.60}
 """Step time over the peer's (issue #16, "Communication that hides behind compute"; the first
 round's were 1.00 / 0.90 / 0.90 / 0.80). Not against plain torch, which does less."""
+MUON_TARGETS = {"stage1": 1.0, "stage2": 1.0}
+"""Step time and optimizer state per rank over the DistMuon-style peer's, on a model trained with
+Muon + AdamW (issue #43's benchmark); and stage 1's step over stage 0's, ``STAGE1_OVER_STAGE0``."""
+STAGE1_OVER_STAGE0 = 1.1
 
 
 def _mib(n: float) -> str:
@@ -200,10 +204,11 @@ def memory_table(result: dict[str, Any], peak: str = "RSS") -> list[str]:
     """``peak`` names what the peak columns measure: "RSS", or "CUDA allocated" on a GPU."""
     lines = [
         (
-            "| config | model state MiB (rank 0 / 1 …) | ZeRO formula MiB | measured / formula | workspace MiB "
+            "| config | model state MiB (rank 0 / 1 …) | ZeRO formula MiB | measured / formula "
+            "| optimizer state MiB (max over ranks) | workspace MiB "
             f"| peak {peak} increase MiB | peak {peak} MiB | sent MB/step | closed form MB | difference | padding MB |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for config, row in result["configs"].items():
         ratio = max(row["model_state"]) / row["formula"]
@@ -224,7 +229,8 @@ def memory_table(result: dict[str, Any], peak: str = "RSS") -> list[str]:
         rss_note = "" if row["rss_exact"] else " (not reset)"
         lines.append(
             f"| {config} | {_per_rank(row['model_state'], _mib)} | {_mib(row['formula'])} | {ratio:.3f}{mark} "
-            f"| {workspace} | {_per_rank(row['rss_increase'], _mib)}{rss_note} | {_per_rank(row['rss_peak'], _mib)} "
+            f"| {_mib(max(row['optimizer_state']))} | {workspace} | {_per_rank(row['rss_increase'], _mib)}{rss_note} "
+            f"| {_per_rank(row['rss_peak'], _mib)} "
             f"| {comm} |"
         )
     return lines
@@ -252,6 +258,34 @@ def targets_section(results: list[dict[str, Any]]) -> list[str]:
                 ratio = max(row["model_state"]) / row["formula"]
                 met = "yes" if abs(ratio - 1) <= 0.10 else "**no**"
                 lines.append(f"| {result['model']} | {config} model state = ZeRO formula ±10% | {ratio:.3f}× | {met} |")
+        lines += _muon_targets(result)
+    return lines
+
+
+def _target_row(model: str, target: str, ratio: float, limit: float) -> str:
+    return f"| {model} | {target} | {ratio:.2f}× | {'yes' if ratio <= limit else '**no**'} |"
+
+
+def _muon_targets(result: dict[str, Any]) -> list[str]:
+    """Issue #43's targets, where the DistMuon-style peer ran: stages 1-2's step time and
+    optimizer state per rank (the most of any rank) against the peer's, stage 1's step against
+    stage 0's."""
+    configs = result["configs"]
+    peer = configs.get(DISTMUON)
+    if peer is None:
+        return []
+    model, lines = result["model"], []
+    for config, limit in MUON_TARGETS.items():
+        row = configs.get(config)
+        if row is None:
+            continue
+        step = row["step_s"]["median"] / peer["step_s"]["median"]
+        state = max(row["optimizer_state"]) / max(peer["optimizer_state"])
+        lines.append(_target_row(model, f"{config} step ≤ {limit:.2f}× {DISTMUON}", step, limit))
+        lines.append(_target_row(model, f"{config} optimizer state/rank ≤ {limit:.2f}× {DISTMUON}'s", state, limit))
+    if "stage0" in configs and "stage1" in configs:
+        step = configs["stage1"]["step_s"]["median"] / configs["stage0"]["step_s"]["median"]
+        lines.append(_target_row(model, f"stage1 step ≤ {STAGE1_OVER_STAGE0:.2f}× stage0", step, STAGE1_OVER_STAGE0))
     return lines
 
 
