@@ -271,36 +271,36 @@ def _trust_ratio_optimizer(case: str, model: shardpar.ShardedModule) -> Any:
 TRUST_RATIO_CASES = ["Lamb", "Lars", "Lamb from a factory", "Lars from a factory"]
 
 
-def _build_trust_ratio_optimizers() -> dict[tuple[int, str], str | None]:
-    messages = {}
+def _build_coupled_optimizers() -> dict[int, str | None]:
+    messages: dict[int, str | None] = {}
     for stage in (1, 2, 3):
-        for case in TRUST_RATIO_CASES:
-            model = _wrap(_net(), stage)
-            try:
-                _trust_ratio_optimizer(case, model)
-                messages[stage, case] = None
-            except ValueError as error:
-                messages[stage, case] = str(error)
-            model.engine.close()
+        model = _wrap(_net(), stage)
+        try:
+            _trust_ratio_optimizer("Lamb", model)
+            messages[stage] = None
+        except ValueError as error:
+            messages[stage] = str(error)
+        model.engine.close()
     return messages
 
 
-def test_trust_ratio_optimizers_are_refused_at_stages_1_to_3_on_every_rank() -> None:
-    for rank, messages in enumerate(run_ranks(_build_trust_ratio_optimizers, 2, timeout=120)):
-        for (stage, case), message in messages.items():
-            where = f"rank {rank}, stage {stage}, {case}"
-            assert message is not None, f"{where}: built, and would take its norms over this rank's pieces"
-            name = f"{Lamb.__module__}.{'Lamb' if 'Lamb' in case else 'Lars'}"
+def test_an_optimizer_coupling_its_tensors_is_refused_at_stages_1_to_3_on_every_rank() -> None:
+    """timm's Lamb clips by the global norm of all its gradients before its per-tensor trust
+    ratio: no rank holds all of them at stages 1-3, whole or in slices, so it is refused."""
+    for rank, messages in enumerate(run_ranks(_build_coupled_optimizers, 2, timeout=120)):
+        for stage, message in messages.items():
+            where = f"rank {rank}, stage {stage}"
+            assert message is not None, f"{where}: built, and would clip by this rank's gradients only"
+            name = f"{Lamb.__module__}.Lamb"
             assert message.startswith(f"{name} does not update parameters element by element"), (where, message)
             assert "two halves" in message and "LAMB's or LARS's trust ratio" in message, (where, message)
-            assert f"at stage {stage} each rank updates 1-D slices" in message and "Use stage=0" in message
-            assert "torch.optim.AdamW, Adam, SGD" in message, (where, message)
-            if case == "Lars from a factory":  # only the weight-decay group takes norms
-                assert "with the options of param group 1 (" in message, (where, message)
+            assert "nor each tensor on its own" in message, (where, message)
+            assert "computes something over all the tensors it is given" in message, (where, message)
+            assert f"at stage {stage}" in message and "Use stage=0" in message, (where, message)
 
 
-def _trust_ratio_at_stage_0(case: str) -> dict[str, torch.Tensor]:
-    model = _wrap(_net(), 0)
+def _trust_ratio_at_stage(case: str, stage: int) -> dict[str, torch.Tensor]:
+    model = _wrap(_net(), stage)
     opt = _trust_ratio_optimizer(case, model)
     schedule = TimmLikeScheduler(opt).step if "factory" in case else None
     _train(model, opt, range(4), schedule)
@@ -320,10 +320,15 @@ def _trust_ratio_reference(case: str) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-@pytest.mark.parametrize("case", TRUST_RATIO_CASES)
-def test_trust_ratio_optimizers_at_stage_0_train_as_plain_torch(case: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "stage"),
+    [(case, stage) for case in TRUST_RATIO_CASES for stage in (0, 1, 2, 3) if stage == 0 or case.startswith("Lars")],
+)
+def test_trust_ratio_optimizers_train_as_plain_torch_at_every_stage(case: str, stage: int) -> None:
+    """LARS's per-tensor trust ratio: whole tensors on their owners at stages 1-3 ([Note:
+    whole-tensor ownership]); timm's LAMB, which also clips by the global norm, at stage 0 only."""
     expected = _trust_ratio_reference(case)
-    for rank, ours in enumerate(run_ranks(_trust_ratio_at_stage_0, 2, case, timeout=60)):
+    for rank, ours in enumerate(run_ranks(_trust_ratio_at_stage, 2, case, stage, timeout=60)):
         _assert_close(ours, expected, f"rank {rank}")
 
 
@@ -747,7 +752,9 @@ def test_lbfgs_is_refused_at_stages_1_to_3_on_every_rank_saying_why(stage: int) 
         assert message is not None, f"rank {rank}: built, and would take its dot products over this rank's pieces"
         assert message.startswith("torch.optim.lbfgs.LBFGS does not update parameters element by element"), message
         assert "LBFGS's history and step sizes over the vector of all parameters" in message, message
-        assert f"at stage {stage} each rank updates 1-D slices" in message and "Use stage=0" in message, message
+        assert "nor each tensor on its own" in message, message  # so owning tensors whole cannot help either
+        assert f"at stage {stage} each rank updates only the slices or whole tensors it owns" in message, message
+        assert "Use stage=0" in message, message
 
 
 # --------------------------------------------------------------------------- constructors that take tensors
@@ -839,8 +846,8 @@ def _muon_and_adamw(model: nn.Module, make: Callable[..., Any]) -> list[Any]:
     return [make(MuonLike, matrices, lr=0.02), make(torch.optim.AdamW, [{"params": rest}], lr=0.01)]
 
 
-def _muon_at_stage_0() -> dict[str, Any]:
-    model = _wrap(_net(), 0)
+def _muon_at_stage(stage: int) -> dict[str, Any]:
+    model = _wrap(_net(), stage)
     optimizers = _muon_and_adamw(model, _shardpar_optimizer(model))
     _train_two(model, optimizers, range(3))
     groups = [len(g["params"]) for g in optimizers[0].param_groups]
@@ -849,51 +856,47 @@ def _muon_at_stage_0() -> dict[str, Any]:
     return {"groups": groups, "state": state}
 
 
-def test_a_muon_like_optimizer_over_a_list_of_tensors_trains_as_plain_torch_at_stage_0() -> None:
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_muon_like_optimizer_over_a_list_of_tensors_trains_as_plain_torch_at_every_stage(stage: int) -> None:
+    """It regroups the list by shape: at stage 0 every rank groups all matrices, at stages 1-3
+    each rank the matrices it owns whole ([Note: whole-tensor ownership])."""
     module = _net()
     reference = _muon_and_adamw(module, lambda cls, params, **options: cls(params, **options))
     _train_two(module, reference, range(3))
     expected_groups = [len(g["params"]) for g in reference[0].param_groups]
     assert len(expected_groups) == 3  # fc1, fc2, head: three sizes, grouped by the class
-    for rank, out in enumerate(run_ranks(_muon_at_stage_0, 2, timeout=60)):
-        assert out["groups"] == expected_groups, (rank, out["groups"])
+    results = run_ranks(_muon_at_stage, 2, stage, timeout=60)
+    for rank, out in enumerate(results):
+        if stage == 0:
+            assert out["groups"] == expected_groups, (rank, out["groups"])
         _assert_close(out["state"], module.state_dict(), f"rank {rank}")
+    if stage:  # each matrix on one rank: the ranks' groups hold the matrices once between them
+        assert sum(sum(out["groups"]) for out in results) == sum(expected_groups), [r["groups"] for r in results]
 
 
-def _refusals_at_stages_1_to_3() -> dict[tuple[int, str], str | None]:
-    cases: dict[str, Callable[[shardpar.ShardedModule], Any]] = {
-        "MuonLike": lambda model: shardpar.optimizer(model, MuonLike, _matrices_and_rest(model)[0], lr=0.02),
-        "NeedsTwoTensors": lambda model: shardpar.optimizer(model, NeedsTwoTensors, list(model.parameters()), lr=0.1),
-    }
+def _unbuildable_at_stages_1_to_3() -> dict[int, str | None]:
     messages = {}
     for stage in (1, 2, 3):
-        for case, build in cases.items():
-            model = _wrap(_net(), stage)
-            try:
-                build(model)
-                messages[stage, case] = None
-            except ValueError as error:
-                messages[stage, case] = str(error)
-            model.engine.close()
+        model = _wrap(_net(), stage)
+        try:
+            shardpar.optimizer(model, NeedsTwoTensors, list(model.parameters()), lr=0.1)
+            messages[stage] = None
+        except ValueError as error:
+            messages[stage] = str(error)
+        model.engine.close()
     return messages
 
 
-def test_at_stages_1_to_3_a_muon_like_class_and_one_the_check_cannot_build_are_refused_on_every_rank() -> None:
-    for rank, messages in enumerate(run_ranks(_refusals_at_stages_1_to_3, 2, timeout=120)):
-        for stage in (1, 2, 3):
-            muon = messages[stage, "MuonLike"]
-            assert muon is not None and muon.startswith(
-                f"{MuonLike.__module__}.MuonLike does not update parameters element by element ("
-            ), (rank, muon)
-            assert f"at stage {stage} each rank updates 1-D slices" in muon and "Use stage=0" in muon, muon
-            unbuilt = messages[stage, "NeedsTwoTensors"]
+def test_at_stages_1_to_3_a_class_the_check_cannot_build_is_refused_on_every_rank() -> None:
+    for rank, messages in enumerate(run_ranks(_unbuildable_at_stages_1_to_3, 2, timeout=120)):
+        for stage, unbuilt in messages.items():
             assert unbuilt is not None, f"rank {rank}, stage {stage}: taken for elementwise without being checked"
             assert unbuilt.startswith(
-                f"{NeedsTwoTensors.__module__}.NeedsTwoTensors could not be checked for "
-                "updating parameters element by element"
+                f"{NeedsTwoTensors.__module__}.NeedsTwoTensors could not be checked for how it updates parameters"
             ), unbuilt
             assert "(ValueError: NeedsTwoTensors wants a weight and a bias)" in unbuilt, unbuilt
-            assert f"at stage {stage} it must" in unbuilt and "Use stage=0" in unbuilt, unbuilt
+            assert f"which at stage {stage} decides what each rank is handed" in unbuilt, unbuilt
+            assert "whole_tensors=True or False" in unbuilt and "or use stage=0" in unbuilt, unbuilt
 
 
 class SizeGroupedSGD(torch.optim.SGD):

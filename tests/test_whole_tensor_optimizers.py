@@ -133,10 +133,10 @@ def _state_bytes(optimizers: list[Any]) -> int:
     )
 
 
-def _against_ddp(case: str, micro_batches: int) -> dict[str, Any]:
+def _against_ddp(case: str, micro_batches: int, stage: int = 0) -> dict[str, Any]:
     out: dict[str, Any] = {}
     NanochatMuon.reset_count()
-    model = shardpar.wrap(_net(), stage=0, bucket_cap_mb=0.001)  # several buckets
+    model = shardpar.wrap(_net(), stage=stage, bucket_cap_mb=0.001, min_unit_params=1)  # several buckets
     optimizers = OPTIMIZERS[case](model, _shardpar_make(model))
     out["losses"] = _train(model, optimizers, micro_batches)
     out["params"] = model.full_state_dict()

@@ -147,12 +147,6 @@ class FlatParamGroup:
         self.label = label
         self.unit = unit
         self.params = dict(named)
-        self.layout = layout
-        self.full = full  # 1-D, compute dtype, numel = layout.numel (padded)
-        # Stage 3's full buffers have a gather tag's room in front in their storage (see
-        # tagged_gather.gather_target); the room is not counted in the byte figures.
-        # (an eager tensor's storage offset is an int; torch's stubs allow a SymInt for tracing)
-        self._storage_bytes = cast(int, (full.storage_offset() + full.numel()) * full.element_size())
         self.shard = shard  # 1-D, master dtype, numel = layout.shard_numel
         self.rank = rank
         self.frees_storage = frees_storage
@@ -163,14 +157,11 @@ class FlatParamGroup:
         """Stage 3: the shard's storage as bytes, with room for a gather tag in front."""
         self.waiter: GatherWaiter | None = None
         """Who completes the gather in flight (given to :meth:`begin_gather` with its handle)."""
-        self._views = {name: layout.view(full, name) for name in self.params}
-        self.full_bytes = layout.numel * full.element_size()
-        """Bytes of the full buffer while allocated (the tag's room in front not counted)."""
+        self._lay_out(layout, full)
         # Made once, in parameter order: a transition only walks these lists, switching each
         # parameter's class and guard and pointing its ``.data`` at a view or a placeholder
         # (no per-parameter call; see [Note: guarded parameters] in param_guard.py).
         self._param_list = list(self.params.values())
-        self._view_list = list(self._views.values())
         self._pending = _PendingGather(self)
         self._pending_list = [self._pending] * len(self._param_list)
         self._sharded = {name: _Sharded(self, name) for name in self.params}
@@ -184,6 +175,27 @@ class FlatParamGroup:
             else {}
         )
         self._placeholder_list = [self._placeholders[name] for name in self.params] if frees_storage else []
+
+    def _lay_out(self, layout: BufferLayout, full: torch.Tensor) -> None:
+        self.layout = layout
+        self.full = full  # 1-D, compute dtype, numel = layout.numel (padded)
+        # Stage 3's full buffers have a gather tag's room in front in their storage (see
+        # tagged_gather.gather_target); the room is not counted in the byte figures.
+        # (an eager tensor's storage offset is an int; torch's stubs allow a SymInt for tracing)
+        self._storage_bytes = cast(int, (full.storage_offset() + full.numel()) * full.element_size())
+        self._views = {name: layout.view(full, name) for name in self.params}
+        self._view_list = list(self._views.values())
+        self.full_bytes = layout.numel * full.element_size()
+        """Bytes of the full buffer while allocated (the tag's room in front not counted)."""
+
+    def move_to(self, layout: BufferLayout, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """Stage 3, sharded: lay the group out anew ([Note: whole-tensor ownership] in
+        layout.py), its full buffer ``full`` (storage freed) and its shard ``shard``
+        replacing the old ones; the parameters stay the same objects, placeholders."""
+        assert self.frees_storage and self.state is ShardState.SHARDED, f"'{self.label}' is in use"
+        assert len(layout.buckets) == 1, "a flat parameter group is one bucket"
+        self._lay_out(layout, full)
+        self.shard = shard
 
     # ------------------------------------------------------------------ sizes and spaces
 

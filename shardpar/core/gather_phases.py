@@ -55,6 +55,10 @@ class GatherPhases:
             for v in C.all_gather_objects(values, group=self.group, device=self.device, stats=self.comm, kind="control")
         ]
 
+    def follow_placement(self) -> None:
+        """Its groups were laid out anew (tensors owned whole: [Note: whole-tensor ownership]
+        in core/layout.py): forget what it prepared for their old sizes."""
+
     def memory_stats(self) -> dict[str, int]:
         """Bytes of its own to report beside ``memory_stats()``'s common kinds."""
         return {}

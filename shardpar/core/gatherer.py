@@ -246,6 +246,9 @@ class UnitGatherer(GatherPhases):
         for unit in self.order.leftovers:
             self.wait(unit)
 
+    def follow_placement(self) -> None:
+        self.order.follow_placement()
+
     def gathers_per_step(self) -> list[tuple[int, torch.dtype]]:
         """Every unit's groups before its forward, and again before its backward when
         ``reshard_after_forward``, except the units the last forward kept gathered into

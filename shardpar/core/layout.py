@@ -45,7 +45,7 @@ offsets as in the whole buffer.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -206,6 +206,9 @@ class BufferLayout:
         bucket_cap_numel: int | None = None,
         param_align: int = 1,
         bucket_multiple: int | None = None,
+        owners: Mapping[str, int] | None = None,
+        whole: Collection[str] = (),
+        loads: Sequence[int] | None = None,
     ) -> None:
         """``tensors`` in layout order, each with its shape (row-major) or its element order;
         ``bucket_cap_numel=None`` puts all in one bucket.
@@ -214,7 +217,11 @@ class BufferLayout:
         bounds a bucket's tensors and the gaps between them. Every tensor starts at a multiple
         of ``param_align`` (buffer space) and every bucket's size is a multiple of
         ``bucket_multiple`` (None: ``world_size``), which must be a multiple of ``world_size``
-        and of ``param_align`` (see [Note: alignment]).
+        and of ``param_align`` (see [Note: alignment]). The tensors named in ``owners`` are
+        each placed whole inside their owner's slice of their bucket, and those named in
+        ``whole`` (without an owner yet) inside the slice of the rank that updates the fewest
+        elements so far, counting ``loads`` (elements per rank in the engine's other layouts):
+        see [Note: whole-tensor ownership].
         """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -231,48 +238,214 @@ class BufferLayout:
         self.bucket_multiple = bucket_multiple
         self.slots: dict[str, ParamSlot] = {}
         self.buckets: list[Bucket] = []
-        cap = bucket_cap_numel if bucket_cap_numel is not None else float("inf")
-
-        offset = 0  # end of the last tensor laid out
-        bucket_start = 0
-        bucket_names: list[str] = []
-        gaps: list[Range] = []
-
-        def close_bucket() -> None:
-            nonlocal offset, bucket_start, bucket_names, gaps
-            end = bucket_start + padded_size(offset - bucket_start, bucket_multiple)
-            if end > offset:
-                gaps.append(Range(offset, end))
-            self.buckets.append(
-                Bucket(len(self.buckets), Range(bucket_start, end), tuple(gaps), tuple(bucket_names), world_size)
-            )
-            offset = bucket_start = end
-            bucket_names, gaps = [], []
-
-        for name, shape in tensors:
-            order = shape if isinstance(shape, ElementOrder) else ElementOrder(torch.Size(shape))
-            numel = order.numel
-            start = padded_size(offset, param_align)
-            if bucket_names and start - bucket_start + numel > cap:
-                close_bucket()
-                start = offset  # a bucket starts aligned
-            if start > offset:
-                gaps.append(Range(offset, start))
-            self.slots[name] = ParamSlot(
-                name,
-                order,
-                Range(start, start + numel),
-                len(self.buckets),
-                Range(start - bucket_start, start - bucket_start + numel),
-            )
-            bucket_names.append(name)
-            offset = start + numel
-        if bucket_names:
-            close_bucket()
+        self.owners: dict[str, int] = {}
+        """Tensors laid out whole in one rank's slice, and that rank ([Note: whole-tensor ownership])."""
+        orders = {
+            name: shape if isinstance(shape, ElementOrder) else ElementOrder(torch.Size(shape))
+            for name, shape in tensors
+        }
+        owners = {name: rank for name, rank in (owners or {}).items() if name in orders}
+        whole = set(owners) | {name for name in whole if name in orders}
+        running = list(loads) if loads is not None else [0] * world_size
+        """Elements each rank updates so far: the other layouts' and this one's buckets so far."""
+        offset = 0
+        for members in self._bucket_members(list(orders.items()), bucket_cap_numel):
+            if any(name in whole for name, _ in members):
+                offset = self._place_owned(offset, members, whole, owners, running)
+            else:
+                offset = self._place_dense(offset, members, running)
+        self.slots = {name: self.slots[name] for name in orders}  # the caller's order, whatever the placement
         self.numel = offset
         """Total buffer size in elements, padding included."""
         self.shard_numel = self.numel // world_size
         """Size of one rank's shard (identical on every rank)."""
+
+    # ------------------------------------------------------------------ placement
+
+    def _bucket_members(
+        self, tensors: list[tuple[str, ElementOrder]], bucket_cap_numel: int | None
+    ) -> list[list[tuple[str, ElementOrder]]]:
+        """Which tensors share a bucket: consecutive ones, as long as they fit the cap laid out
+        densely (aligned, in the given order). Decided before anything is placed, so that owning
+        tensors whole changes where they lie in their bucket, never which bucket they are in."""
+        cap = bucket_cap_numel if bucket_cap_numel is not None else float("inf")
+        buckets: list[list[tuple[str, ElementOrder]]] = []
+        current: list[tuple[str, ElementOrder]] = []
+        offset = bucket_start = 0
+        for name, order in tensors:
+            start = padded_size(offset, self.param_align)
+            if current and start - bucket_start + order.numel > cap:
+                buckets.append(current)
+                current = []
+                offset = bucket_start = start = bucket_start + padded_size(offset - bucket_start, self.bucket_multiple)
+            current.append((name, order))
+            offset = start + order.numel
+        if current:
+            buckets.append(current)
+        return buckets
+
+    def _add_slot(self, name: str, order: ElementOrder, start: int, bucket_start: int) -> ParamSlot:
+        slot = self.slots[name] = ParamSlot(
+            name,
+            order,
+            Range(start, start + order.numel),
+            len(self.buckets),
+            Range(start - bucket_start, start - bucket_start + order.numel),
+        )
+        return slot
+
+    def _close_bucket(self, bucket_start: int, end: int, slots: list[ParamSlot]) -> int:
+        """The bucket ``[bucket_start, end)`` of the tensors just placed: its names in buffer
+        order, its gaps the parts no tensor covers. Returns its end."""
+        index = len(self.buckets)
+        placed = sorted(slots, key=lambda slot: slot.range.start)
+        gaps, position = [], bucket_start
+        for slot in placed:
+            if slot.range.start > position:
+                gaps.append(Range(position, slot.range.start))
+            position = slot.range.end
+        if end > position:
+            gaps.append(Range(position, end))
+        self.buckets.append(
+            Bucket(index, Range(bucket_start, end), tuple(gaps), tuple(s.name for s in placed), self.world_size)
+        )
+        return end
+
+    def _place_dense(self, bucket_start: int, members: list[tuple[str, ElementOrder]], loads: list[int]) -> int:
+        """Back to back, each tensor aligned, the bucket padded to ``bucket_multiple``."""
+        offset, slots = bucket_start, []
+        for name, order in members:
+            start = padded_size(offset, self.param_align)
+            slots.append(self._add_slot(name, order, start, bucket_start))
+            offset = start + order.numel
+        end = bucket_start + padded_size(offset - bucket_start, self.bucket_multiple)
+        self._count_elementwise(bucket_start, offset, (end - bucket_start) // self.world_size, loads)
+        return self._close_bucket(bucket_start, end, slots)
+
+    def _count_elementwise(self, bucket_start: int, end: int, slice_size: int, loads: list[int]) -> None:
+        """Add to ``loads`` the elements of ``[bucket_start, end)`` in each rank's slice (gaps
+        between aligned tensors included: they are few, and the count only balances owners)."""
+        for rank in range(self.world_size):
+            slice_start = bucket_start + rank * slice_size
+            loads[rank] += max(0, min(end, slice_start + slice_size) - slice_start)
+
+    def _place_owned(
+        self,
+        bucket_start: int,
+        members: list[tuple[str, ElementOrder]],
+        whole: set[str],
+        owners: Mapping[str, int],
+        loads: list[int],
+    ) -> int:
+        """The elementwise tensors back to back from the bucket's start (cut across slices as
+        always), then each whole tensor in one rank's slice: the smallest slice size that fits
+        them (see [Note: whole-tensor ownership])."""
+        offset, slots = bucket_start, []
+        for name, order in members:
+            if name not in whole:
+                start = padded_size(offset, self.param_align)
+                slots.append(self._add_slot(name, order, start, bucket_start))
+                offset = start + order.numel
+        elementwise_end = offset
+        world, align = self.world_size, self.param_align
+        granule = self.bucket_multiple // world  # a slice size that keeps the bucket a multiple of bucket_multiple
+        owned = [(name, order) for name, order in members if name in whole]
+        fixed = [(name, order) for name, order in owned if name in owners]
+        longest_first = sorted((item for item in owned if item[0] not in owners), key=lambda item: -item[1].numel)
+        heaviest_fixed = max(
+            (sum(o.numel + align - 1 for n, o in fixed if owners[n] == rank) for rank in range(world)), default=0
+        )
+        needed = elementwise_end - bucket_start + sum(order.numel + align - 1 for _, order in owned)
+        largest = max(order.numel for _, order in owned)
+        # Where every tensor fits into any slice, each goes to the least loaded rank: the balance
+        # the smaller slice sizes are held to (within one tensor of it, and of the average).
+        roomy = padded_size(needed + heaviest_fixed, granule)
+        unconstrained = self._pack(bucket_start, elementwise_end, roomy, fixed, longest_first, owners, loads)
+        assert unconstrained is not None  # every slice holds all of them
+        bound = max(max(unconstrained[1]), sum(unconstrained[1]) / world + largest)
+        slice_size = padded_size(max(-(-needed // world), heaviest_fixed, largest), granule)
+        while slice_size < roomy:
+            placed = self._pack(bucket_start, elementwise_end, slice_size, fixed, longest_first, owners, loads)
+            if placed is not None and max(placed[1]) <= bound:
+                break
+            slice_size = padded_size(slice_size + max(granule, slice_size // 16), granule)
+        else:
+            slice_size, placed = roomy, unconstrained
+        assert placed is not None
+        starts, loads[:] = placed
+        for name, order in owned:
+            start, rank = starts[name]
+            slots.append(self._add_slot(name, order, start, bucket_start))
+            self.owners[name] = rank
+        return self._close_bucket(bucket_start, bucket_start + world * slice_size, slots)
+
+    def _pack(
+        self,
+        bucket_start: int,
+        elementwise_end: int,
+        slice_size: int,
+        fixed: list[tuple[str, ElementOrder]],
+        longest_first: list[tuple[str, ElementOrder]],
+        owners: Mapping[str, int],
+        loads: list[int],
+    ) -> tuple[dict[str, tuple[int, int]], list[int]] | None:
+        """Whole tensors into slices of ``slice_size`` behind the elementwise tensors that reach
+        into them: those with an owner into its slice, then the others longest first, each into
+        the slice of the least loaded rank with room. ``(name -> (start, rank), the loads
+        after)``, or None where they do not fit."""
+        loads = list(loads)
+        self._count_elementwise(bucket_start, elementwise_end, slice_size, loads)
+        cursors = [max(bucket_start + rank * slice_size, elementwise_end) for rank in range(self.world_size)]
+        starts: dict[str, tuple[int, int]] = {}
+
+        def put(name: str, order: ElementOrder, rank: int) -> bool:
+            start = padded_size(cursors[rank], self.param_align)
+            if start + order.numel > bucket_start + (rank + 1) * slice_size:
+                return False
+            starts[name] = (start, rank)
+            cursors[rank] = start + order.numel
+            loads[rank] += order.numel
+            return True
+
+        for name, order in fixed:
+            if not put(name, order, owners[name]):
+                return None
+        for name, order in longest_first:
+            ranks = sorted(range(self.world_size), key=lambda r: (loads[r], r))
+            if not any(put(name, order, rank) for rank in ranks):
+                return None
+        return starts, loads
+
+    def rank_loads(self) -> list[int]:
+        """Elements of tensors each rank updates in this layout (what ``loads`` counts)."""
+        return [sum(piece.param_range.size for piece in self.pieces(rank)) for rank in range(self.world_size)]
+
+    def bucket_alone(self, index: int) -> BufferLayout:
+        """Bucket ``index`` as a layout of its own (a flat group's): the same tensors at the same
+        offsets from the bucket's start, the same slices and owners."""
+        bucket = self.buckets[index]
+        alone = object.__new__(BufferLayout)
+        alone.world_size, alone.param_align, alone.bucket_multiple = (
+            self.world_size,
+            self.param_align,
+            self.bucket_multiple,
+        )
+        shift = -bucket.range.start
+        alone.slots = {
+            name: ParamSlot(
+                name, self.slots[name].order, self.slots[name].range.shift(shift), 0, self.slots[name].in_bucket
+            )
+            for name in bucket.names
+        }
+        alone.buckets = [
+            Bucket(
+                0, bucket.range.shift(shift), tuple(g.shift(shift) for g in bucket.gaps), bucket.names, self.world_size
+            )
+        ]
+        alone.owners = {name: self.owners[name] for name in bucket.names if name in self.owners}
+        alone.numel = bucket.range.size
+        alone.shard_numel = alone.numel // self.world_size
+        return alone
 
     # ------------------------------------------------------------------ queries
 
@@ -289,6 +462,13 @@ class BufferLayout:
         """Tensor ``name`` as a view of the full flat buffer ``flat``, in its own shape and strides."""
         slot = self.slots[name]
         return slot.shaped(slot.range.of(flat))
+
+    def optimizer_view(self, piece: ShardPiece, values: torch.Tensor) -> torch.Tensor:
+        """What the optimizer is handed for ``piece`` (``values``: its 1-D elements): an owned
+        tensor in its own shape ([Note: whole-tensor ownership]), any other piece 1-D."""
+        if piece.name in self.owners:
+            return self.slots[piece.name].shaped(values)
+        return values
 
     def orders(self) -> dict[str, ElementOrder]:
         return {name: slot.order for name, slot in self.slots.items()}

@@ -27,7 +27,7 @@ import torch
 
 from .flat_param import FlatParamGroup
 from .gather_phases import PostStepGatherer
-from .layout import BufferLayout, ShardPiece
+from .layout import ShardPiece
 from .pieces import FullValues, TensorPiece
 from .rebuild import Relayout
 from .reduce_strategies import PieceGradients, WholeGradients
@@ -138,10 +138,7 @@ def bucket_groups(buf: ParamBuffer, shard_of: torch.Tensor | None, rank: int) ->
     groups = []
     for bucket in buf.layout.buckets:
         named = [(name, buf.params[name]) for name in bucket.names]
-        sub = BufferLayout([(n, buf.orders[n]) for n, _ in named], buf.layout.world_size, **buf.alignment._asdict())
-        assert sub.numel == bucket.range.size and all(  # a bucket starts aligned: same offsets
-            sub.slots[n].range.shift(bucket.range.start) == buf.layout.slots[n].range for n, _ in named
-        )
+        sub = buf.layout.bucket_alone(bucket.index)
         if shard_of is not None:
             shard = buf.layout.shard_of(bucket, shard_of)
         else:
@@ -243,9 +240,9 @@ class ShardedMaster:
                 if piece.name in wanted:
                     found[piece.name] = TensorPiece(
                         piece.name,
-                        self.piece_values(buf, piece),
+                        buf.layout.optimizer_view(piece, self.piece_values(buf, piece)),
                         (piece.param_range.start, piece.param_range.end),
-                        strategy.piece_grad(buf, piece),
+                        buf.layout.optimizer_view(piece, strategy.piece_grad(buf, piece)),
                     )
         return [found[name] for name in names if name in found]
 

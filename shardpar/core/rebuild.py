@@ -77,6 +77,13 @@ def same_buckets(old: BufferLayout, new: BufferLayout) -> bool:
     return [set(b.names) for b in old.buckets] == [set(b.names) for b in new.buckets]
 
 
+def same_placement(old: BufferLayout, new: BufferLayout) -> bool:
+    """Whether ``new`` puts every tensor where ``old`` does, in buckets of the same ranges."""
+    return [b.range for b in old.buckets] == [b.range for b in new.buckets] and all(
+        old.slots[name].range == slot.range for name, slot in new.slots.items()
+    )
+
+
 class Relayout:
     """One bucketed parameter set's move from layout ``old`` to ``new`` on this rank (step 3 of
     [Note: bucket rebuild]). Every method returns new tensors; the old ones are untouched."""

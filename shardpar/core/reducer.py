@@ -205,7 +205,14 @@ class GradientReducer:
         """After the buckets were rebuilt (the spaces carry their new layouts; see [Note:
         bucket rebuild]): new buckets and maps, used-flags moved by name, and the launch order
         in which the buckets complete when gradients become ready in ``ready``."""
-        assert not self._in_flight and self._cursor == 0, "rebuilding buckets while collectives are in flight"
+        self.follow_placement()
+        self.orders.follow_rebuilt_buckets([bucket.names for bucket in self.buckets], ready)
+
+    def follow_placement(self) -> None:
+        """The spaces' tensors moved within their buckets (tensors owned whole: [Note:
+        whole-tensor ownership] in layout.py), the buckets kept their members: new bucket
+        objects and maps, used-flags moved by name; the launch order stays."""
+        assert not self._in_flight and self._cursor == 0, "laying out anew while collectives are in flight"
         reduced = {bucket.reduced for bucket in self.buckets}
         assert len(reduced) == 1, "some buckets hold reduced gradients and some do not"
         self.settle(block=True)  # the flags vector is in the old order
@@ -214,7 +221,6 @@ class GradientReducer:
             bucket.reduced = next(iter(reduced))
         self.ledger.reorder(self.names)
         self._arrived = bytearray(len(self.names))
-        self.orders.follow_rebuilt_buckets([bucket.names for bucket in self.buckets], ready)
 
     # ------------------------------------------------------------------ during backward
 

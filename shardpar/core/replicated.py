@@ -35,7 +35,7 @@ from .inventory import ParamInventory, group_by_dtype
 from .layout import Alignment, BufferLayout, alignment_for
 from .masters import FullMaster, ShardedMaster
 from .pieces import FullValues, TensorPiece
-from .rebuild import Relayout, same_buckets
+from .rebuild import Relayout, same_buckets, same_placement
 
 if TYPE_CHECKING:
     from ..config import ShardConfig
@@ -68,6 +68,9 @@ class ParamBuffer:
         self.alignment = alignment
         self.world_size = world_size
         self.bucket_cap_numel = bucket_cap_numel
+        self.owners: dict[str, int] = {}
+        """Its tensors owned whole by one rank each, and that rank: chosen once, kept by every
+        later layout ([Note: whole-tensor ownership] in layout.py)."""
         # Reverse registration order: see [Note: layout order] in layout.py.
         self.layout = self.layout_in([name for name, _ in reversed(named)])
         self.data = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=self.device)  # 1-D, padded
@@ -81,14 +84,21 @@ class ParamBuffer:
                 view.copy_(param.data)
                 param.data = view
 
-    def layout_in(self, order: Sequence[str]) -> BufferLayout:
-        """This buffer's tensors laid out in ``order`` and cut into buckets: the one place its
-        layouts are built, at wrap and again when the buckets are rebuilt."""
+    def layout_in(
+        self, order: Sequence[str], whole: frozenset[str] = frozenset(), loads: Sequence[int] | None = None
+    ) -> BufferLayout:
+        """This buffer's tensors laid out in ``order`` and cut into buckets, those it owns whole
+        each in its owner's slice and those in ``whole`` in the slice of a rank chosen by
+        ``loads`` (see :class:`BufferLayout`): the one place its layouts are built, at wrap,
+        when tensors become owned whole and when the buckets are rebuilt."""
         return BufferLayout(
             [(name, self.orders[name]) for name in order],
             self.world_size,
             self.bucket_cap_numel,
             **self.alignment._asdict(),
+            owners=self.owners,
+            whole=whole,
+            loads=loads,
         )
 
     def relayout(self, move: Relayout) -> None:
@@ -118,6 +128,7 @@ class ReplicatedStorage:
         self.module = module
         self.inventory = inventory
         self.rank = rank
+        self.world_size = world_size
         self.master = master
         mp = config.mixed_precision
         param_dtype = mp.param_dtype if mp is not None else None
@@ -187,6 +198,20 @@ class ReplicatedStorage:
         for buf in self.buffers:
             layout = buf.layout_in([name for name in order if name in buf.params])
             if not same_buckets(buf.layout, layout):
+                layouts[buf] = layout
+        return layouts
+
+    def whole_layouts(self, names: frozenset[str]) -> dict[ParamBuffer, BufferLayout]:
+        """Each buffer's layout in its order with ``names`` owned whole besides those owned
+        before (owners given to the new ones only), for the buffers where that moves anything
+        ([Note: whole-tensor ownership] in layout.py). The buffers own them from now on."""
+        layouts = {}
+        loads = [0] * self.world_size
+        for buf in self.buffers:
+            layout = buf.layout_in(list(buf.layout.slots), names & buf.params.keys(), loads)
+            loads = [sum(pair) for pair in zip(loads, layout.rank_loads())]
+            buf.owners = dict(layout.owners)
+            if not same_placement(buf.layout, layout):
                 layouts[buf] = layout
         return layouts
 

@@ -22,6 +22,7 @@ from .flat_param import FlatParamGroup
 from .inventory import ParamInventory, group_by_dtype
 from .layout import BufferLayout, alignment_for
 from .pieces import FullValues, TensorPiece
+from .rebuild import Relayout, same_placement
 from .reduce_strategies import PieceGradients
 from .units import Unit, UnitPlan, plan_units
 
@@ -195,6 +196,42 @@ class ShardedStorage:
     def layouts(self) -> list[BufferLayout]:
         return [f.layout for f in self.groups]
 
+    # ------------------------------------------------------------------ whole-tensor ownership
+
+    def whole_layouts(self, names: frozenset[str]) -> dict[FlatParamGroup, BufferLayout]:
+        """Each trainable group's layout with ``names`` owned whole besides those owned before
+        (owners given to the new ones only), for the groups where that moves anything ([Note:
+        whole-tensor ownership] in layout.py)."""
+        layouts = {}
+        loads = [0] * self.world_size
+        for flat in self.trainable_groups:
+            layout = BufferLayout(
+                [(name, slot.order) for name, slot in flat.layout.slots.items()],
+                self.world_size,
+                None,
+                **self.alignment._asdict(),
+                owners=flat.layout.owners,
+                whole=names & flat.params.keys(),
+                loads=loads,
+            )
+            loads = [sum(pair) for pair in zip(loads, layout.rank_loads())]
+            if not same_placement(flat.layout, layout):
+                layouts[flat] = layout
+        return layouts
+
+    def relayout(self, moves: dict[FlatParamGroup, Relayout]) -> None:
+        """Each moved group gets a full buffer and a shard of its new layout, the shard's values
+        moved across ranks (one all-gather of the old shards per group); every group is sharded
+        between steps, so no parameter points into the old buffers."""
+        with torch.no_grad():
+            for flat, move in moves.items():
+                full = C.gather_target(move.new.numel, flat.dtype, flat.device)  # views are made while allocated
+                tagged, shard = C.tagged_buffer(move.new.shard_numel, flat.master_dtype, flat.device)
+                shard.copy_(move.local(flat.shard))
+                flat.move_to(move.new, full, shard)
+                flat.tagged_shard = tagged
+                full.untyped_storage().resize_(0)
+
     # ------------------------------------------------------------------ optimizer
 
     def optimizer_pieces(self, names: Sequence[str], strategy: ReduceStrategy) -> list[TensorPiece]:
@@ -206,9 +243,9 @@ class ShardedStorage:
                 if piece.name in wanted:
                     found[piece.name] = TensorPiece(
                         piece.name,
-                        piece.local_range.of(flat.shard),
+                        flat.layout.optimizer_view(piece, piece.local_range.of(flat.shard)),
                         (piece.param_range.start, piece.param_range.end),
-                        strategy.piece_grad(flat, piece),
+                        flat.layout.optimizer_view(piece, strategy.piece_grad(flat, piece)),
                     )
         return [found[name] for name in names if name in found]
 

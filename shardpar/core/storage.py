@@ -12,6 +12,7 @@ from .element_order import ElementOrder
 from .flat_param import FlatParamGroup
 from .layout import BufferLayout
 from .pieces import FullValues, TensorPiece
+from .rebuild import Relayout
 from .reducer import BucketedParams
 
 if TYPE_CHECKING:
@@ -44,6 +45,13 @@ class Storage(Protocol):
     def element_orders(self) -> dict[str, ElementOrder]: ...
     def layouts(self) -> list[BufferLayout]: ...
     def layout_summary(self) -> dict[str, Any]: ...
+
+    def whole_layouts(self, names: frozenset[str]) -> dict[Any, BufferLayout]:
+        """The layouts, by bucketed parameter set, in which ``names`` are owned whole too, where
+        that moves anything ([Note: whole-tensor ownership] in layout.py)."""
+
+    def relayout(self, moves: dict[Any, Relayout]) -> None:
+        """Move to new layouts (a bucket rebuild, or tensors owned whole)."""
 
     def optimizer_pieces(self, names: Sequence[str], strategy: ReduceStrategy) -> list[TensorPiece]:
         """The tensors the wrapped optimizer updates for ``names`` on this rank, with their

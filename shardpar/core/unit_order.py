@@ -139,6 +139,12 @@ class UnitOrder:
 
     # ------------------------------------------------------------------ passes
 
+    def follow_placement(self) -> None:
+        """The groups were laid out anew (their shards and full buffers replaced): the gathers
+        prepared for them are made again, for their new sizes."""
+        self.max_shard_bytes = max(f.layout.shard_numel * f.full.element_size() for f in self.flats)
+        self._plans.clear()
+
     def begin_pass(self) -> None:
         """The root's forward starts (not a recompute): the gathers from here on are a new pass."""
         self._history[self._pass_key] = self._pass

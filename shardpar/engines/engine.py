@@ -47,7 +47,7 @@ from ..core.inventory import (
 )
 from ..core.layout import BufferLayout
 from ..core.pieces import TensorPiece
-from ..core.rebuild import BucketRebuild, carry_state
+from ..core.rebuild import BucketRebuild, Relayout, carry_state
 from ..core.reduce_strategies import ReduceStrategy
 from ..core.reducer import GradientReducer
 from ..core.sharded import ShardedStorage
@@ -350,6 +350,28 @@ class Engine:
         self._relayouts = rebuild.moves
         self.layout_generation += 1
         if self.storage.groups:
+            self.use_hooks.reinstall_gathers()
+
+    def own_whole(self, names: Iterable[str]) -> None:
+        """Lay ``names`` out whole, each in one rank's slice (stages 1-3), for an optimizer
+        whose update reads whole tensors: see [Note: whole-tensor ownership] in
+        core/layout.py. Collective (every rank builds the same optimizer); the optimizers
+        built before follow the new layout on their next use, as after a bucket rebuild."""
+        assert self.stage > 0, "at stage 0 every rank updates whole parameters"
+        layouts = self.storage.whole_layouts(frozenset(names))
+        if not layouts:
+            return
+        self.settle_gradients()
+        moves = {
+            space: Relayout(space.layout, layout, self.rank, self.group, self.comm) for space, layout in layouts.items()
+        }
+        self.storage.relayout(moves)
+        self.strategy.relayout(moves)
+        self.reducer.follow_placement()
+        self.gatherer.follow_placement()
+        self._relayouts = moves
+        self.layout_generation += 1
+        if self.storage.groups and self.storage.relayouts:
             self.use_hooks.reinstall_gathers()
 
     def carry_optimizer_state(

@@ -52,7 +52,8 @@ class ShardedModule(nn.Module):
         self.module = module
         self.engine = engine
         self._surface = ModuleSurface(engine)
-        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._optimizers: list[weakref.ref[Any]] = []
+        """The optimizers attached, in the order they were built, not kept alive by the model."""
         """Every shardpar optimizer built over this model and still alive (``memory_stats``
         counts their state; one the script dropped holds none). The engine holds none of them."""
 
@@ -284,14 +285,20 @@ class ShardedModule(nn.Module):
     def attach_optimizer(self, optimizer: Any) -> None:
         """``shardpar.optimizer`` built ``optimizer`` over this model (one of several, maybe:
         one for the matrices and one for the rest, as nanochat trains)."""
-        self._optimizers.add(optimizer)
+        self._optimizers = [ref for ref in self._optimizers if ref() is not None] + [weakref.ref(optimizer)]
+
+    def attached_optimizers(self) -> list[Any]:
+        """The optimizers ``shardpar.optimizer`` built over this model that are alive, in the
+        order they were built (the same on every rank: following a layout is collective)."""
+        alive = [ref() for ref in self._optimizers]
+        return [optimizer for optimizer in alive if optimizer is not None]
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes of model state this rank holds now: ``params``, ``grads``,
         ``optimizer_state`` (the state of every optimizer attached, once there is one),
         ``workspace`` and ``total``."""
         stats = dict(self.engine.memory_stats())
-        optimizers = list(self._optimizers)
+        optimizers = self.attached_optimizers()
         if optimizers:
             stats["optimizer_state"] = sum(optimizer.state_bytes() for optimizer in optimizers)
         stats["total"] = sum(v for k, v in stats.items() if not k.startswith("peak_"))

@@ -110,15 +110,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         request: ParamRequest,
         defaults: dict[str, Any],
+        whole_tensors: bool | None = None,
     ) -> None:
         self.engine = engine
         self.optimizer_class = optimizer_class
         self._names = frozenset(name for group in request.groups for name in group["names"])
         """The trainable parameters this optimizer updates (what its ``zero_grad`` clears)."""
         self._as_tensors = request.as_tensors
-        self._stand_in = torch.empty(0, device=engine.device)
+        # The check first, so that a class that needs whole tensors gets them before it is built
+        # (and is refused as such where that cannot help); then the real build, so that bad
+        # arguments raise the class's own error, as in torch, also where they kept the check from
+        # building it.
+        whole, unchecked = (
+            _whole_tensor_names(optimizer_class, request, defaults, engine, whole_tensors)
+            if engine.stage
+            else (frozenset(), None)
+        )
+        self.whole_tensors = bool(whole)
+        """Whether it updates whole tensors, each on the rank that owns it ([Note: whole-tensor
+        ownership] in core/layout.py); always so at stage 0, where every rank holds them all."""
+        if whole:
+            engine.own_whole(whole)
+        self._stand_in = torch.empty((0, 0) if whole else (0,), device=engine.device)
         """What a list of tensors holds where this rank has no piece of them: torch refuses an
-        empty list, and an empty tensor is one no optimizer steps (its ``.grad`` stays None)."""
+        empty list, and an empty tensor is one no optimizer steps (its ``.grad`` stays None);
+        a matrix of none where the class takes matrices only (Muon)."""
         requested = [engine.storage.optimizer_pieces(group["names"], engine.strategy) for group in request.groups]
         if request.as_tensors:
             handed: list[Any] = self._tensors_of(requested[0])
@@ -127,10 +143,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 {**{k: v for k, v in group.items() if k != "names"}, "params": [t.tensor for t in tensors]}
                 for group, tensors in zip(request.groups, requested)
             ]
-        # The check first, so that a class that needs whole tensors is refused as such (Muon's own
-        # error over a 1-D piece says less); then the real build, so that bad arguments raise the
-        # class's own error, as in torch, also where they kept the check from building it.
-        unchecked = _refuse_if_not_elementwise(optimizer_class, request, defaults, engine) if engine.stage else None
         self.inner = optimizer_class(handed, **defaults)
         if unchecked is not None:
             raise ValueError(unchecked)
@@ -174,8 +186,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         class may group them as it likes and each group keeps its own. At stages 1-3 a rank's
         pieces are 1-D slices that another rank, or a rebuild, cuts otherwise: a grouping made
         from them (by shape, by size) would differ between ranks and from the grouping of the
-        whole parameters, so the class must keep the groups it was given."""
-        if self.engine.stage == 0:
+        whole parameters, so the class must keep the groups it was given -- unless it is handed
+        whole tensors, each on the rank that owns it for good ([Note: whole-tensor ownership]
+        in core/layout.py): then a class grouping a list by shape, as nanochat's Muon does,
+        groups each rank's own matrices as it would group them all."""
+        if self.engine.stage == 0 or (self.whole_tensors and request.as_tensors):
             return [[piece.name for piece in pieces] for pieces in self.group_tensors]
         given = [[piece.name for piece in pieces] for pieces in requested]
         if [[piece.name for piece in pieces] for pieces in self.group_tensors] != given:
@@ -648,44 +663,148 @@ def _not_elementwise(
     return None
 
 
-def _refuse_if_not_elementwise(
-    optimizer_class: type[torch.optim.Optimizer], request: ParamRequest, defaults: dict[str, Any], engine: Engine
-) -> str | None:
-    """Stages 1-3: a ValueError naming the class unless it updates element by element with the
-    options of every param group (one probe per distinct set of options: an optimizer may only
-    take whole-parameter norms where weight decay is on, as timm's LARS), handed what the user
-    handed it (a list of tensors, or param groups). Where the check cannot build the class, the
-    refusal to raise once building it for real has not failed with the class's own error."""
-    probed = set()
+WHOLE_TENSORS_ATTRIBUTE = "shardpar_whole_tensors"
+"""A class attribute by which an optimizer class says how it updates (True: it reads whole
+tensors, each on its own; False: element by element), so that the check need not run it."""
+
+
+def _whole_tensor_names(
+    optimizer_class: type[torch.optim.Optimizer],
+    request: ParamRequest,
+    defaults: dict[str, Any],
+    engine: Engine,
+    whole_tensors: bool | None,
+) -> tuple[frozenset[str], str | None]:
+    """Stages 1-3: the parameters the class must update whole ([Note: whole-tensor ownership]
+    in core/layout.py), and the refusal to raise once building it for real has not failed with
+    the class's own error (where the check could not build it).
+
+    ``whole_tensors`` (else the class's ``shardpar_whole_tensors``) says it; None runs the
+    check per distinct set of group options (an optimizer may take whole-parameter norms only
+    where weight decay is on, as timm's LARS): a class that updates element by element gets
+    1-D slices, one that reads whole tensors gets them whole, and one whose update couples
+    tensors (LBFGS's history over all of them) is refused by name."""
+    declared = whole_tensors if whole_tensors is not None else getattr(optimizer_class, WHOLE_TENSORS_ATTRIBUTE, None)
+    if declared is not None:
+        return (frozenset(n for g in request.groups for n in g["names"]) if declared else frozenset()), None
+    name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+    verdicts: dict[str, str | None] = {}
+    whole: set[str] = set()
     for index, group in enumerate(request.groups):
         options = (
             None if request.as_tensors else {k: v for k, v in group.items() if k not in ("names", "param_names")}
         )  # labels, not options
         key = repr(None if options is None else sorted(options.items(), key=lambda item: item[0]))
-        if key in probed:
-            continue
-        probed.add(key)
-        name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
         which = f" with the options of param group {index}" if len(request.groups) > 1 else ""
-        try:
-            reason = _not_elementwise(optimizer_class, defaults, engine.device, options)
-        except _CannotProbe as error:
-            return (
-                f"{name}{which} could not be checked for updating parameters element by element ({error}), "
-                f"which at stage {engine.stage} it must: each rank updates 1-D slices of the parameters, and an "
-                "optimizer that computes anything over a whole parameter would compute it over a slice. Use "
-                "stage=0, where every rank updates whole parameters"
-            )
-        if reason is not None:
-            raise ValueError(
-                f"{name} does not update parameters element by element{which} ({reason}): its update reads whole "
-                f"tensors, but at stage {engine.stage} each rank updates 1-D slices of the parameters, where it would "
-                "compute something else than on the whole parameters. Optimizers whose update reads whole tensors "
-                "(Muon, Adafactor, LAMB, LARS, Shampoo, LBFGS) run at stage 0 today, where every rank updates whole "
-                "parameters. Use stage=0, or an optimizer that updates element by element (torch.optim.AdamW, Adam, "
-                "SGD, Adagrad, RMSprop, NAdam, RAdam, Adamax, ...)"
-            )
-    return None
+        if key not in verdicts:
+            try:
+                verdicts[key] = _not_elementwise(optimizer_class, defaults, engine.device, options)
+            except _CannotProbe as error:
+                return frozenset(), (
+                    f"{name}{which} could not be checked for how it updates parameters ({error}), which at stage "
+                    f"{engine.stage} decides what each rank is handed: 1-D slices of the parameters where it updates "
+                    "element by element, whole tensors where it reads them. Say which: shardpar.optimizer(..., "
+                    f"whole_tensors=True or False), or set {WHOLE_TENSORS_ATTRIBUTE} on the class; or use stage=0"
+                )
+            if verdicts[key] is not None:
+                coupling = _couples_tensors(optimizer_class, defaults, engine.device, options)
+                if coupling is not None:
+                    raise ValueError(
+                        f"{name}{which} does not update parameters element by element ({verdicts[key]}), nor each "
+                        f"tensor on its own ({coupling}): at stage {engine.stage} each rank updates only the slices "
+                        "or whole tensors it owns, where it would compute something else than over all of them. "
+                        "LBFGS is such an optimizer. Use stage=0, where every rank updates every parameter"
+                    )
+        if verdicts[key] is not None:
+            whole.update(group["names"])
+    return frozenset(whole), None
+
+
+def _couples_tensors(
+    optimizer_class: type[torch.optim.Optimizer],
+    defaults: dict[str, Any],
+    device: torch.device,
+    options: dict[str, Any] | None,
+) -> str | None:
+    """Why the class's update of a tensor depends on the other tensors it is given, or None
+    where each tensor's update is its own (Muon, Adafactor, LAMB): two tensors stepped by one
+    instance against each by an instance of its own, as two ranks owning one each step them.
+    Within rounding: a class batching same-shaped matrices (nanochat's Muon) may round one
+    batch otherwise than two; what this looks for changes the result by percents."""
+    needs_closure = _step_needs_closure(optimizer_class)
+    generator = torch.Generator().manual_seed(1)
+    numel = math.prod(_PROBE_SHAPE)
+    values = (
+        torch.randn(2 * numel, generator=generator) * torch.repeat_interleave(torch.tensor([1.0, 8.0]), numel)
+    ).to(device)
+    grads = [
+        (torch.randn(2 * numel, generator=generator) * torch.repeat_interleave(torch.tensor([8.0, 1.0]), numel)).to(
+            device
+        )
+        for _ in range(2)
+    ]
+    try:
+        together = _probe_together(optimizer_class, defaults, options, values, grads, needs_closure)
+        alone = torch.cat(
+            [
+                _probe_together(
+                    optimizer_class,
+                    defaults,
+                    options,
+                    values[i * numel : (i + 1) * numel],
+                    [grad[i * numel : (i + 1) * numel] for grad in grads],
+                    needs_closure,
+                )
+                for i in range(2)
+            ]
+        )
+    except Exception as error:
+        return f"stepping two {'x'.join(map(str, _PROBE_SHAPE))} tensors failed ({_error_text(error)})"
+    if torch.allclose(together, alone, rtol=1e-4, atol=0.0):
+        return None
+    return (
+        "its update of two tensors stepped together differs from that of each stepped by an instance of its own: it "
+        "computes something over all the tensors it is given"
+    )
+
+
+def _probe_together(
+    optimizer_class: type[torch.optim.Optimizer],
+    defaults: dict[str, Any],
+    options: dict[str, Any] | None,
+    values: torch.Tensor,
+    grads: list[torch.Tensor],
+    needs_closure: bool,
+) -> torch.Tensor:
+    """``values`` cut into tensors of ``_PROBE_SHAPE``, all given to one instance, stepped once
+    per gradient of ``grads``; their values after, concatenated."""
+    numel = math.prod(_PROBE_SHAPE)
+    params = [
+        nn.Parameter(values[i : i + numel].clone().reshape(_PROBE_SHAPE)) for i in range(0, values.numel(), numel)
+    ]
+    handed: list[Any] = list(params) if options is None else [{**options, "params": list(params)}]
+    probe = optimizer_class(handed, **defaults)
+    for group in probe.param_groups:
+        lr = group.get("lr")
+        if isinstance(lr, torch.Tensor):
+            group["lr"] = torch.full_like(lr, _PROBE_LR)
+        elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
+            group["lr"] = _PROBE_LR
+    for grad in grads:
+        pieces = [grad[i * numel : (i + 1) * numel].clone().reshape(_PROBE_SHAPE) for i in range(len(params))]
+        if needs_closure:
+
+            def closure(pieces: list[torch.Tensor] = pieces) -> torch.Tensor:
+                for param, piece in zip(params, pieces):
+                    param.grad = piece.clone()
+                return sum(torch.dot(p.detach().reshape(-1), g.reshape(-1)) for p, g in zip(params, pieces))  # type: ignore[return-value]
+
+            probe.step(closure)  # type: ignore[arg-type]  # torch types closures as returning float
+        else:
+            for param, piece in zip(params, pieces):
+                param.grad = piece
+            probe.step()
+    return torch.cat([param.detach().reshape(-1) for param in params])
 
 
 def _on_every_rank(engine: Engine, build: Callable[[], ShardedOptimizer]) -> ShardedOptimizer:
@@ -713,6 +832,8 @@ def optimizer(
     model: ShardedModule,
     optimizer_class: type[torch.optim.Optimizer],
     params: Iterable[Any] | None = None,
+    *,
+    whole_tensors: bool | None = None,
     **defaults: Any,
 ) -> ShardedOptimizer:
     """Build ``optimizer_class`` over the wrapped model, sharded as the model's stage says.
@@ -721,6 +842,12 @@ def optimizer(
     and the class is handed the same kind: a list of tensors (whole parameters at stage 0, this
     rank's pieces of them at stages 1-3), or one dict per group with its options. None means
     every trainable parameter, as a list of tensors (what ``model.parameters()`` gives torch).
+
+    At stages 1-3 a class that updates element by element (AdamW, SGD, ...) gets this rank's
+    1-D slices; one whose update reads whole tensors (Muon, Adafactor, LAMB, Shampoo) gets
+    whole tensors, each owned by one rank ([Note: whole-tensor ownership] in core/layout.py).
+    A check that runs the class decides; ``whole_tensors`` (True or False) says it instead, as
+    a ``shardpar_whole_tensors`` attribute on the class does.
     """
     model = sharded_module_of(model, "shardpar.optimizer")  # or a torch.compile wrapper of it
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -732,7 +859,13 @@ def optimizer(
     request = _resolve_param_groups(engine, params)
 
     def build() -> ShardedOptimizer:
-        return ShardedOptimizer(engine, optimizer_class, request, defaults)
+        return ShardedOptimizer(engine, optimizer_class, request, defaults, whole_tensors)
+
+    # A class that reads whole tensors may move tensors to their owners: the optimizers built
+    # before follow the layout they know first, so each is one layout behind at most ([Note:
+    # optimizers follow the layout]).
+    for built_before in model.attached_optimizers():
+        built_before.pieces()
 
     # At stage 0 the class gets whole parameters, alike on every rank: it builds or fails alike everywhere.
     built = build() if engine.stage == 0 else _on_every_rank(engine, build)
