@@ -357,31 +357,42 @@ def test_elementwise_torch_optimizers_are_accepted_at_every_stage(optimizer_clas
         model.engine.close()
 
 
-@pytest.mark.parametrize(
-    "optimizer_class, why",
-    [
-        (torch.optim.Adafactor, "differs from its update of the same 128 values as a 1-D tensor"),
-        (torch.optim.Muon, "it refuses a 1-D tensor"),
-        (torch.optim.LBFGS, "LBFGS's history and step sizes over the vector of all parameters"),
-    ],
-)
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_optimizers_that_need_whole_parameters_are_refused_at_stages_1_to_3(
-    optimizer_class: type, why: str, stage: int
-) -> None:
-    """Stages 1-3 give the optimizer 1-D slices of parameters: Adafactor's factored moments,
-    Muon's whole-matrix update and LBFGS's history over all parameters (its step run with a
-    closure, as it needs one) cannot work on them, and Adafactor would run
-    and silently compute something else than torch. Refused at construction, naming the class
-    and the stage; at stage 0 (whole parameters) Adafactor trains exactly as torch's."""
+def test_lbfgs_is_refused_at_stages_1_to_3_naming_why(stage: int) -> None:
+    """LBFGS keeps its history over the vector of all its parameters (its step run with a
+    closure, as it needs one): neither 1-D slices nor whole tensors owned by different ranks
+    give it that. Refused at construction, naming the class and the stage."""
     model = shardpar.wrap(nn.Linear(4, 3, bias=False), stage=stage)
-    name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+    name = "torch.optim.lbfgs.LBFGS"
     with pytest.raises(
         ValueError,
         match=rf"{re.escape(name)} does not update parameters element by element "
-        rf"\(.*{re.escape(why)}.*at stage {stage} each rank updates 1-D slices",
+        rf"\(.*LBFGS's history and step sizes over the vector of all parameters.*nor each tensor on its own"
+        rf".*at stage {stage} each rank updates only the slices or whole tensors it owns",
     ):
-        shardpar.optimizer(model, optimizer_class, lr=1e-2)
+        shardpar.optimizer(model, torch.optim.LBFGS, lr=1e-2)
+    model.engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("optimizer_class", [torch.optim.Adafactor, torch.optim.Muon])
+def test_whole_tensor_optimizers_train_as_torch_at_every_stage_in_one_process(
+    optimizer_class: type, stage: int
+) -> None:
+    """Adafactor's factored moments and Muon's whole-matrix update get the matrix whole, in its
+    shape ([Note: whole-tensor ownership]); one process, so bit for bit as torch's."""
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 3, bias=False)
+    model = shardpar.wrap(nn.Linear(4, 3, bias=False), stage=stage)
+    model.load_state_dict(plain.state_dict())
+    opts = [optimizer_class(plain.parameters(), lr=1e-2), shardpar.optimizer(model, optimizer_class, lr=1e-2)]
+    for step in range(3):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        for net, opt in zip((plain, model), opts):
+            net(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert torch.equal(model.full_state_dict()["weight"], plain.weight.detach())
     model.engine.close()
 
 

@@ -250,10 +250,12 @@ class BufferLayout:
         """Elements each rank updates so far: the other layouts' and this one's buckets so far."""
         offset = 0
         for members in self._bucket_members(list(orders.items()), bucket_cap_numel):
-            if any(name in whole for name, _ in members):
+            if world_size > 1 and any(name in whole for name, _ in members):
                 offset = self._place_owned(offset, members, whole, owners, running)
             else:
                 offset = self._place_dense(offset, members, running)
+        if world_size == 1:  # one slice: every tensor lies whole in it, as densely laid out
+            self.owners = {name: 0 for name in orders if name in whole}
         self.slots = {name: self.slots[name] for name in orders}  # the caller's order, whatever the placement
         self.numel = offset
         """Total buffer size in elements, padding included."""

@@ -213,6 +213,8 @@ class ReplicatedStorage:
             buf.owners = dict(layout.owners)
             if not same_placement(buf.layout, layout):
                 layouts[buf] = layout
+            else:  # nothing moves (one rank, or a layout that had room): the owners are all that is new
+                buf.layout = layout
         return layouts
 
     def relayout(self, moves: dict[ParamBuffer, Relayout]) -> None:

@@ -217,6 +217,8 @@ class ShardedStorage:
             loads = [sum(pair) for pair in zip(loads, layout.rank_loads())]
             if not same_placement(flat.layout, layout):
                 layouts[flat] = layout
+            else:  # nothing moves (one rank, or a layout that had room): the owners are all that is new
+                flat.layout = layout
         return layouts
 
     def relayout(self, moves: dict[FlatParamGroup, Relayout]) -> None:

@@ -362,8 +362,10 @@ class Engine:
         if not layouts:
             return
         self.settle_gradients()
+        shards = self.shards  # owners are ranks of the shard group: the layouts are its
         moves = {
-            space: Relayout(space.layout, layout, self.rank, self.group, self.comm) for space, layout in layouts.items()
+            space: Relayout(space.layout, layout, shards.shard_rank, shards.shard_group, self.shard_comm)
+            for space, layout in layouts.items()
         }
         self.storage.relayout(moves)
         self.strategy.relayout(moves)

@@ -405,23 +405,45 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}"
 
     def pieces(self) -> list[list[TensorPiece]]:
-        """Per param group, the pieces of parameters this rank's optimizer updates."""
+        """Per param group, the pieces of parameters this rank's optimizer updates: as one
+        group where the class regrouped the list of tensors it was given with the same options
+        (nanochat's Muon, by shape): that grouping depends on which tensors a rank owns, so a
+        checkpoint keeps the list as the user gave it."""
         self._follow_layout()
+        if self._regrouped_list():
+            return [[piece for pieces in self.group_tensors for piece in pieces]]
         return self.group_tensors
+
+    def _regrouped_list(self) -> bool:
+        """Whether the class split the one list of tensors it was given into groups of the same options."""
+        if not self._as_tensors or len(self.inner.param_groups) < 2:
+            return False
+        first, *others = self.group_options_of_inner()
+        return all(_same_options(first, other) for other in others)
+
+    def group_options_of_inner(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.inner.param_groups]
 
     def state_of(self, piece: TensorPiece) -> dict[str, Any]:
         """The inner optimizer's state of one piece (empty before its first step)."""
         return dict(self.inner.state.get(piece.tensor, {}))
 
     def group_options(self) -> list[dict[str, Any]]:
-        """Every param group's options but ``params`` (lr, betas, weight_decay, ...)."""
-        return [{k: v for k, v in group.items() if k != "params"} for group in self.inner.param_groups]
+        """Every param group's options but ``params`` (lr, betas, weight_decay, ...), per group
+        of :meth:`pieces`."""
+        options = self.group_options_of_inner()
+        return options[:1] if self._regrouped_list() else options
 
     def load_state_pieces(self, states: list[list[dict[str, Any]]], options: list[dict[str, Any]]) -> None:
         """Replace the state: ``states[g][i]`` is for ``pieces()[g][i]`` (empty: no state),
         ``options[g]`` the options of group ``g``. Tensor-valued options are filled in place
         (a scheduler may hold them), tuples stay tuples."""
         self._follow_layout()
+        if self._regrouped_list():  # one group in the checkpoint: see pieces()
+            sizes = [len(pieces) for pieces in self.group_tensors]
+            flat_states = iter(states[0])
+            states = [[next(flat_states) for _ in range(size)] for size in sizes]
+            options = options * len(sizes)
         new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         for tensors, group_states in zip(self.group_tensors, states):
             for piece, state in zip(tensors, group_states):
@@ -661,6 +683,22 @@ def _not_elementwise(
             "would cover only that rank's pieces"
         )
     return None
+
+
+def _same_options(first: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether two param groups' options are equal (tensor-valued ones by value)."""
+    if first.keys() != other.keys():
+        return False
+    for key, value in first.items():
+        theirs = other[key]
+        if isinstance(value, torch.Tensor) or isinstance(theirs, torch.Tensor):
+            if not (
+                isinstance(value, torch.Tensor) and isinstance(theirs, torch.Tensor) and torch.equal(value, theirs)
+            ):
+                return False
+        elif value != theirs:
+            return False
+    return True
 
 
 WHOLE_TENSORS_ATTRIBUTE = "shardpar_whole_tensors"
