@@ -332,6 +332,10 @@ def _train_steps(model: Any, optimizers: list[Any], steps: range) -> None:
         ("LAMB", (2, 2), (4, 3)),
         ("LAMB", (2, 3), (2, 0)),
         ("nanochat Muon + AdamW", (2, 2), (2, 1)),
+        ("Adafactor", (2, 2), (4, 3)),
+        ("Adafactor", (2, 3), (2, 0)),
+        ("Adafactor", (2, 0), (2, 1)),
+        ("Shampoo toy", (2, 1), (2, 3)),
     ],
 )
 def test_a_checkpoint_resumes_at_another_stage_and_world_size_as_training_straight_through(
@@ -340,9 +344,9 @@ def test_a_checkpoint_resumes_at_another_stage_and_world_size_as_training_straig
     """(world size, stage) saved and resumed. An owned tensor's state is written once, by its
     owner, as a whole piece, and read back by whichever rank owns it (or a slice of it) in the
     new layout; at the same world size the result is bit for bit, at another it is as close as
-    the two worlds' gradient averages are (four quarters summed against two halves). Not yet
-    Adafactor's factored or Shampoo's preconditioner state, whose tensors are shaped otherwise
-    than the parameter: a checkpoint refuses them by name at every stage, as before #43."""
+    the two worlds' gradient averages are (four quarters summed against two halves). Adafactor's
+    factored moments and Shampoo's preconditioners, shaped otherwise than their parameter, are
+    stored whole (the manifest's ``whole_state``), once."""
     through = run_ranks(_save_then_continue, saved[0], case, saved[1], str(tmp_path), timeout=180)
     back = run_ranks(_resume, resumed[0], case, resumed[1], str(tmp_path), timeout=180)
     for name, value in through[0]["params"].items():
@@ -355,3 +359,63 @@ def test_a_checkpoint_resumes_at_another_stage_and_world_size_as_training_straig
                     name,
                     (out["params"][name] - value).abs().max().item(),
                 )
+
+
+def _adafactor_saved(directory: str) -> None:
+    model = shardpar.wrap(_net(), stage=2, bucket_cap_mb=0.001)
+    opt = shardpar.optimizer(model, torch.optim.Adafactor, lr=0.01)
+    _train_steps(model, [opt], range(2))
+    shardpar.save_checkpoint(directory, model, opt)
+    model.engine.close()
+
+
+def _adafactor_state(directory: str, stage: int) -> dict[str, Any]:
+    model = shardpar.wrap(_net(), stage=stage, bucket_cap_mb=0.001)
+    opt = shardpar.optimizer(model, torch.optim.Adafactor, lr=0.01)
+    shardpar.load_checkpoint(directory, model, opt)
+    state = {
+        (piece.name, key): value.clone()
+        for pieces in opt.pieces()
+        for piece in pieces
+        for key, value in opt.state_of(piece).items()
+        if isinstance(value, torch.Tensor) and value.dim()
+    }
+    model.engine.close()
+    return state
+
+
+def test_factored_state_is_stored_whole_once_and_resharded_offline(tmp_path: Any) -> None:
+    """Adafactor's ``row_var``/``col_var`` of each matrix: one safetensors entry each, written by
+    the matrix's owner, in the manifest's ``whole_state`` with their own shape; ``reshard``
+    carries them, and a load at stage 0 (every rank) and stage 3 (the new owners) reads them back
+    equal."""
+    from shardpar.checkpoint.format import read_manifest
+    from shardpar.checkpoint.offline import reshard
+
+    saved = str(tmp_path / "saved")
+    run_ranks(_adafactor_saved, 2, saved, timeout=120)
+    manifest = read_manifest(saved)
+    assert manifest.optimizer is not None
+    matrices = {name: p.shape for name, p in _net().named_parameters() if p.ndim == 2}
+    whole = manifest.optimizer.whole_state
+    assert set(whole) == set(matrices)
+    for name, shape in matrices.items():
+        assert {key: entry.shape for key, entry in whole[name].items()} == {
+            "row_var": (shape[0], 1),
+            "col_var": (1, shape[1]),
+        }, name
+        assert all(len(entry.pieces) == 1 for entry in whole[name].values()), name  # once, by its owner
+        assert name not in manifest.optimizer.state  # nothing of the parameter's shape besides
+    resharded = reshard(saved, tmp_path / "resharded", world_size=3, progress=False)
+    assert read_manifest(resharded).optimizer.whole_state.keys() == whole.keys()
+    every_rank = run_ranks(_adafactor_state, 2, saved, 0, timeout=120)
+    for rank, state in enumerate(every_rank):
+        for name in matrices:
+            for key in ("row_var", "col_var"):
+                assert (name, key) in state, (rank, name, key)
+    owners = run_ranks(_adafactor_state, 2, str(resharded), 3, timeout=120)
+    for name in matrices:
+        for key in ("row_var", "col_var"):
+            held = [state[name, key] for state in owners if (name, key) in state]
+            assert len(held) == 1, (name, key)  # on its owner only
+            assert torch.equal(held[0], every_rank[0][name, key]), (name, key)

@@ -201,6 +201,11 @@ class OptimizerRecord:
     """Elementwise state: parameter name -> state key -> entry (the parameter's shape)."""
     scalar_state: dict[str, dict[str, Any]]
     """Per-parameter scalar state: parameter name -> state key -> encoded value."""
+    whole_state: dict[str, dict[str, TensorEntry]] = field(default_factory=dict)
+    """State tensors of other shapes than the parameter's (Adafactor's factored moments,
+    Shampoo's preconditioners), kept whole: parameter name -> state key -> entry (its own
+    shape). Written once, by the rank that updates the parameter whole ([Note: whole-tensor
+    ownership] in core/layout.py); read back whole by the rank that does in the new layout."""
 
 
 @dataclass
@@ -227,8 +232,9 @@ class Manifest:
         """Every stored tensor: the model's, then the optimizer's."""
         yield from self.tensors.values()
         if self.optimizer is not None:
-            for per_key in self.optimizer.state.values():
-                yield from per_key.values()
+            for section in (self.optimizer.state, self.optimizer.whole_state):
+                for per_key in section.values():
+                    yield from per_key.values()
 
 
 def parse_manifest(raw: Any, directory: Path) -> Manifest:
@@ -318,7 +324,18 @@ def parse_manifest(raw: Any, directory: Path) -> Manifest:
         for param, per_key in scalar.items():
             for key, value in per_key.items():
                 decode_value(value, where=f"{where}: optimizer scalar state '{key}' of '{param}'")
-        optimizer = OptimizerRecord(opt_raw["class"], opt_raw["param_groups"], state, scalar)
+        whole: dict[str, dict[str, TensorEntry]] = {}
+        whole_raw = opt_raw.get("whole_state") or {}
+        _expect(isinstance(whole_raw, dict), f"{where}: optimizer 'whole_state' must be an object")
+        for param, per_key in whole_raw.items():
+            _expect(
+                param in tensors and isinstance(per_key, dict),
+                f"{where}: optimizer whole state for unknown tensor '{param}'",
+            )
+            whole[param] = {
+                key: _parse_entry(f"{param} {key}", entry, "", files, where) for key, entry in per_key.items()
+            }
+        optimizer = OptimizerRecord(opt_raw["class"], opt_raw["param_groups"], state, scalar, whole)
 
     hf_config = raw.get("hf_config")
     _expect(
@@ -487,18 +504,27 @@ def assemble_manifest(
     """The manifest JSON object from what every file holds; validated before it is returned.
 
     ``model``: ``(name, kind, dtype, shape)`` in state-dict order (dtype is used when a tensor
-    has no pieces); ``optimizer``: ``{"class", "param_groups", "scalar_state"}`` (the
-    elementwise state entries are built here from ``items``).
+    has no pieces); ``optimizer``: ``{"class", "param_groups", "scalar_state"}`` and, where
+    whole state was written, ``"whole_state_shapes"`` (name -> key -> shape); the elementwise
+    and whole state entries are built here from ``items``.
     """
     tensors: dict[str, dict[str, Any]] = {
         name: {"kind": kind, "dtype": dtype, "shape": list(shape), "pieces": []} for name, kind, dtype, shape in model
     }
     shapes = {name: list(shape) for name, _, _, shape in model}
     state: dict[str, dict[str, dict[str, Any]]] = {}
+    whole: dict[str, dict[str, dict[str, Any]]] = {}
+    optimizer = None if optimizer is None else dict(optimizer)
+    whole_shapes = {} if optimizer is None else optimizer.pop("whole_state_shapes", {})
     for record in files:
         for item in items.get(record.name, []):
             if item.ref[0] == "model":
                 entry = tensors[item.ref[1]]
+            elif item.ref[0] == "whole_state":
+                _, name, key = item.ref
+                entry = whole.setdefault(name, {}).setdefault(
+                    key, {"dtype": item.dtype, "shape": whole_shapes[name][key], "pieces": []}
+                )
             else:
                 _, name, key = item.ref
                 entry = state.setdefault(name, {}).setdefault(
@@ -510,7 +536,8 @@ def assemble_manifest(
                 )
             entry["dtype"] = item.dtype
             entry["pieces"].append({"file": record.name, "key": item.key, "start": item.start, "end": item.end})
-    for entry in list(tensors.values()) + [e for per in state.values() for e in per.values()]:
+    stored_state = [e for section in (state, whole) for per in section.values() for e in per.values()]
+    for entry in list(tensors.values()) + stored_state:
         entry["pieces"].sort(key=lambda p: p["start"])
     manifest: dict[str, Any] = {
         "format": FORMAT_NAME,
@@ -527,7 +554,9 @@ def assemble_manifest(
         "tensors": tensors,
         "aliases": aliases,
         "layout": layout,
-        "optimizer": None if optimizer is None else {**optimizer, "state": state},
+        "optimizer": None
+        if optimizer is None
+        else {**optimizer, "state": state, **({"whole_state": whole} if whole else {})},
         "extra": extra,
         "hf_config": hf_config,
     }

@@ -128,6 +128,20 @@ def _plan_optimizer(
                     order, start, end, in_param_space(tensor, order), functools.partial(reader.plan, entry)
                 )
                 state[key] = tensor
+            for key, entry in record.whole_state.get(owner.name, {}).items():
+                if (start, end) != (0, owner.tensor.numel()):
+                    raise CheckpointError(
+                        f"optimizer state '{key}' of parameter '{owner.name}' in checkpoint {manifest.directory} is a "
+                        f"tensor of shape {list(entry.shape)} kept for the whole parameter, but this rank's optimizer "
+                        f"updates elements [{start}, {end}) of it: load it with an optimizer that updates whole tensors "
+                        "(at stages 1-3, shardpar.optimizer(..., whole_tensors=True) or a class the check finds so)"
+                    )
+                floating = entry.dtype.is_floating_point and owner.tensor.is_floating_point()
+                tensor = torch.empty(
+                    entry.shape, dtype=owner.tensor.dtype if floating else entry.dtype, device=owner.tensor.device
+                )
+                reads += reader.plan(entry, 0, entry.numel, tensor.view(-1))
+                state[key] = tensor
             states[-1].append(state)
     return states, reads
 

@@ -140,6 +140,10 @@ def reshard(
             plan[0].append((("model", entry.name), entry, 0, entry.numel))
             for key, state_entry in state.get(entry.name, {}).items():
                 plan[0].append((("state", entry.name, key), state_entry, 0, entry.numel))
+    whole = manifest.optimizer.whole_state if manifest.optimizer is not None else {}
+    for name, per_key in whole.items():  # kept whole: one rank's, as its owner wrote it
+        for key, state_entry in per_key.items():
+            plan[0].append((("whole_state", name, key), state_entry, 0, state_entry.numel))
 
     remove_stale_temps(target)
     tmp = make_temp_dir(target)
@@ -194,6 +198,11 @@ def _write_resharded(
             "param_groups": record.param_groups,
             "scalar_state": record.scalar_state,
         }
+        if record.whole_state:
+            optimizer["whole_state_shapes"] = {
+                name: {key: list(entry.shape) for key, entry in per_key.items()}
+                for name, per_key in record.whole_state.items()
+            }
     manifest_json = assemble_manifest(
         stage=stage,
         world_size=world_size,
@@ -252,9 +261,13 @@ def summary(manifest: Manifest) -> list[tuple[str, str]]:
         rows.append(("optimizer", "none"))
     else:
         keys = sorted(
-            {k for per in record.state.values() for k in per} | {k for per in record.scalar_state.values() for k in per}
+            {k for per in record.state.values() for k in per}
+            | {k for per in record.scalar_state.values() for k in per}
+            | {k for per in record.whole_state.values() for k in per}
         )
-        state_bytes = sum(e.nbytes for per in record.state.values() for e in per.values())
+        state_bytes = sum(
+            e.nbytes for section in (record.state, record.whole_state) for per in section.values() for e in per.values()
+        )
         rows.append(("optimizer", f"{record.class_name}; state {', '.join(keys) or 'none'} ({state_bytes:,} bytes)"))
         for index, group in enumerate(record.param_groups):
             hyper = ", ".join(f"{k}={json.dumps(v)}" for k, v in group["hyperparameters"].items())

@@ -71,11 +71,12 @@ def _stored_item(ref: tuple[str, ...], start: int, end: int, dtype: torch.dtype)
 
 def _items_to_write(
     engine: Engine, optimizer: ShardedOptimizer | None
-) -> tuple[list[Written], list[MemoryPiece], dict[str, dict[str, Any]], list[list[str]]]:
+) -> tuple[list[Written], list[MemoryPiece], dict[str, dict[str, Any]], list[list[str]], WholeShapes]:
     """What this rank writes: ``(item, 1-D tensor)`` pairs; the pieces of tensors kept in
     another element order, which :func:`_row_major_items` turns into items (ranges in memory
     order, see [Note: reordered pieces] in reorder.py); the scalar optimizer state it knows;
-    the parameter names of each param group it holds."""
+    the parameter names of each param group it holds; the shapes of the whole state it writes
+    (see ``OptimizerRecord.whole_state``)."""
     items: list[Written] = []
     reordered: list[MemoryPiece] = []
     orders = engine.element_orders()
@@ -97,12 +98,19 @@ def _items_to_write(
 
     scalar: dict[str, dict[str, Any]] = {}
     group_names: list[list[str]] = []
+    whole_shapes: WholeShapes = {}
     if optimizer is not None:
         for tensors in optimizer.pieces():
             group_names.append([t.name for t in tensors])
             for owner in tensors:
                 for key, value in optimizer.state_of(owner).items():
                     where = f"optimizer state '{key}' of parameter '{owner.name}'"
+                    if _kept_whole(key, value, owner, engine, optimizer):
+                        if engine.stage > 0 or engine.rank == 0:  # its owner; at stage 0 every rank holds it
+                            ref = ("whole_state", owner.name, key)
+                            items.append((_stored_item(ref, 0, value.numel(), value.dtype), flat(value.contiguous())))
+                            whole_shapes.setdefault(owner.name, {})[key] = list(value.shape)
+                        continue
                     if not is_elementwise(key, value, owner.tensor):
                         scalar.setdefault(owner.name, {})[key] = encode_value(value, where)
                         continue
@@ -112,7 +120,22 @@ def _items_to_write(
                         start, end = max(piece.param_range[0], offset), min(piece.param_range[1], owner_end)
                         if start < end:
                             add(("state", owner.name, key), values[start - offset : end - offset], start, end)
-    return items, reordered, scalar, group_names
+    return items, reordered, scalar, group_names, whole_shapes
+
+
+WholeShapes = dict[str, dict[str, list[int]]]
+"""Parameter name -> state key -> shape of a state tensor kept whole."""
+
+
+def _kept_whole(key: str, value: Any, owner: TensorPiece, engine: Engine, optimizer: ShardedOptimizer) -> bool:
+    """Whether a state value is a tensor of another shape than its parameter's (Adafactor's
+    ``row_var``, Shampoo's preconditioners) held for the whole parameter, where the whole
+    parameter is updated on one rank (stages 1-3, whole-tensor ownership) or on every rank
+    (stage 0): stored whole, as it is ([Note: optimizer state in pieces])."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or is_elementwise(key, value, owner.tensor):
+        return False
+    whole_piece = owner.param_range == (0, owner.tensor.numel())
+    return whole_piece and (engine.stage == 0 or optimizer.whole_tensors)
 
 
 def _held(pieces: list[MemoryPiece]) -> list[tuple[tuple[str, ...], int, int]]:
@@ -205,13 +228,17 @@ class _ManifestInputs:
             names = sorted({n for report in reports for n in report.group_names[index]}, key=position.__getitem__)
             groups.append({"params": names, "hyperparameters": hyper})
         scalar: dict[str, dict[str, Any]] = {}
+        whole_shapes: WholeShapes = {}
         for report in reports:  # lowest rank first; equal on every rank holding a piece
             for name, values in report.scalar_state.items():
                 scalar.setdefault(name, values)
+            for name, shapes in report.whole_shapes.items():
+                whole_shapes.setdefault(name, shapes)
         return {
             "class": self.optimizer_class,
             "param_groups": groups,
             "scalar_state": {n: scalar[n] for n in sorted(scalar, key=position.__getitem__)},
+            **({"whole_state_shapes": whole_shapes} if whole_shapes else {}),
         }
 
 
@@ -224,6 +251,7 @@ class _RankReport:
     items: list[StoredItem]
     scalar_state: dict[str, dict[str, Any]]
     group_names: list[list[str]]
+    whole_shapes: WholeShapes
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -231,7 +259,7 @@ class _RankReport:
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> _RankReport:
         items = [StoredItem(**{**item, "ref": tuple(item["ref"])}) for item in raw["items"]]
-        return cls(FileRecord(**raw["file"]), items, raw["scalar_state"], raw["group_names"])
+        return cls(FileRecord(**raw["file"]), items, raw["scalar_state"], raw["group_names"], raw["whole_shapes"])
 
 
 @dataclass
@@ -245,6 +273,7 @@ class _SavePlan:
     items: list[Written]
     scalar_state: dict[str, dict[str, Any]]
     group_names: list[list[str]]
+    whole_shapes: WholeShapes
     manifest: _ManifestInputs | None
     """Rank 0's (None elsewhere): rank 0 also owns the temporary directory."""
 
@@ -330,13 +359,14 @@ def _prepare(target: Path, model: ShardedModule, optimizer: ShardedOptimizer | N
     reordered: list[MemoryPiece] = []
     scalar: dict[str, dict[str, Any]] = {}
     group_names: list[list[str]] = []
+    whole_shapes: WholeShapes = {}
     try:
         check_optimizer(optimizer, engine)
         extra = json.loads(to_json_text(extra, "extra"))  # a copy: the script may change its own
         hyperparameters = None if optimizer is None else _hyperparameters(optimizer)
         engine.storage.wait_for_params()
         with torch.no_grad():
-            items, reordered, scalar, group_names = _items_to_write(engine, optimizer)
+            items, reordered, scalar, group_names, whole_shapes = _items_to_write(engine, optimizer)
         if rank == 0:
             inputs = _ManifestInputs.of(model, optimizer, hyperparameters, extra)
             check_replaceable(target)
@@ -352,7 +382,9 @@ def _prepare(target: Path, model: ShardedModule, optimizer: ShardedOptimizer | N
         if tmp_name is not None:  # rank 0: a failed save leaves nothing behind
             shutil.rmtree(target.parent / tmp_name, ignore_errors=True)
         raise
-    return _SavePlan(target, target.parent / agreed[0][0], rank, world_size, items, scalar, group_names, inputs)
+    return _SavePlan(
+        target, target.parent / agreed[0][0], rank, world_size, items, scalar, group_names, whole_shapes, inputs
+    )
 
 
 def _write_and_commit(plan: _SavePlan, agree_: Agree) -> None:
@@ -366,7 +398,9 @@ def _write_and_commit(plan: _SavePlan, agree_: Agree) -> None:
             record = _write_rank_file(
                 plan.tmp / rank_file_name(rank, plan.world_size), plan.items, rank, plan.world_size
             )
-            report = _RankReport(record, [item for item, _ in plan.items], plan.scalar_state, plan.group_names)
+            report = _RankReport(
+                record, [item for item, _ in plan.items], plan.scalar_state, plan.group_names, plan.whole_shapes
+            )
         except Exception as error:
             problem, report = error, None
         reports = [
