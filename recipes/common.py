@@ -14,7 +14,7 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -31,6 +31,7 @@ __all__ = [
     "DistEnv",
     "RecipeError",
     "all_reduce_mean",
+    "checkpoint_paths",
     "config_errors",
     "dist_env",
     "init_distributed",
@@ -195,33 +196,56 @@ def remove_old_checkpoints(ckpt_dir: Path, keep_last: int, keep: Path | None = N
     return removed
 
 
+def checkpoint_paths(checkpoint: Path, optimizers: Mapping[str, Any]) -> list[Path]:
+    """Where each optimizer's state is saved with the checkpoint ``DIR/step-N``, in order.
+
+    A shardpar checkpoint holds the model and one optimizer's state. The first optimizer's
+    goes into ``DIR/step-N`` itself, the one ``--resume`` finds; each other's into a checkpoint
+    of its own, ``DIR/<its name>/step-N`` (``--optimizer muon``: Muon's in ``step-N``, AdamW's
+    in ``adamw/step-N``; the model's weights are in both).
+    """
+    return [checkpoint if i == 0 else checkpoint.parent / name / checkpoint.name for i, name in enumerate(optimizers)]
+
+
 class Checkpoints:
-    """Saves ``step-NNNNNNNN`` checkpoints into ``ckpt_dir``: in the background with
-    ``async_save`` (training goes on while one is written; the next save, or :meth:`finish`,
-    waits for it), keeping the newest ``keep_last`` (0: all) once each is complete."""
+    """Saves ``step-NNNNNNNN`` checkpoints into ``ckpt_dir`` (one per optimizer:
+    :func:`checkpoint_paths`): in the background with ``async_save`` (training goes on while
+    one is written; the next save, or :meth:`finish`, waits for it), keeping the newest
+    ``keep_last`` (0: all) once each is complete."""
 
     def __init__(self, ckpt_dir: Path, async_save: bool, keep_last: int, env: DistEnv) -> None:
         self.ckpt_dir, self.async_save, self.keep_last, self.env = ckpt_dir, async_save, keep_last, env
-        self._pending: Any = None
+        self._pending: list[Any] = []
 
-    def save(self, model: shardpar.ShardedModule, opt: Any, step: int, extra: dict[str, Any]) -> None:
-        """Every rank calls it. A synchronous save returns with the checkpoint complete."""
+    def save(
+        self, model: shardpar.ShardedModule, optimizers: Mapping[str, Any], step: int, extra: dict[str, Any]
+    ) -> None:
+        """Every rank calls it. A synchronous save returns with the checkpoints complete.
+
+        The other optimizers' checkpoints are saved first: ``step-N`` (what ``--resume``
+        finds) is complete only once theirs are. shardpar writes one background save of a
+        process at a time, so with ``async_save`` each of them waits for the one before.
+        """
         self.finish()
-        path = self.ckpt_dir / f"step-{step:08d}"
-        self._pending = shardpar.save_checkpoint(str(path), model, opt, extra=extra, async_save=self.async_save)
+        paths = checkpoint_paths(self.ckpt_dir / f"step-{step:08d}", optimizers)
+        order = list(zip(paths, optimizers.values()))
+        for path, opt in order[1:] + order[:1]:
+            self._pending.append(
+                shardpar.save_checkpoint(str(path), model, opt, extra=extra, async_save=self.async_save)
+            )
         if not self.async_save:
             self.finish()
 
     def finish(self) -> None:
-        """Wait for the save in progress (its error raised on every rank), then rotate."""
-        if self._pending is None:
-            return
-        handle, self._pending = self._pending, None
-        handle.wait()
-        log.info("saved %s", handle.path)
+        """Wait for the saves in progress (an error raised on every rank), then rotate."""
+        pending, self._pending = self._pending, []
+        for handle in pending:
+            handle.wait()
+            log.info("saved %s", handle.path)
         if self.keep_last and self.env.is_main:
-            for path in remove_old_checkpoints(self.ckpt_dir, self.keep_last, keep=handle.path):
-                log.info("removed %s (--keep-last %d)", path, self.keep_last)
+            for handle in pending:
+                for path in remove_old_checkpoints(handle.path.parent, self.keep_last, keep=handle.path):
+                    log.info("removed %s (--keep-last %d)", path, self.keep_last)
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.1) -> Callable[[int], float]:

@@ -7,6 +7,7 @@ module can be trained single-process as a reference and wrapped at any ZeRO stag
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-__all__ = ["GPTConfig", "GPT", "Block", "small_gpt", "tiny_gpt", "param_groups"]
+__all__ = ["GPTConfig", "GPT", "Block", "small_gpt", "tiny_gpt", "param_groups", "muon_and_adamw_params"]
 
 
 @dataclass
@@ -210,12 +211,33 @@ def param_groups(model: nn.Module, weight_decay: float | None = None) -> list[di
     keeps the original names (possibly with a prefix) and shapes. With ``weight_decay=None`` the
     decay group takes the optimizer's default.
     """
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    decay_group: dict[str, Any] = {"params": decay}
+    return _decay_groups([p for _, p in model.named_parameters() if p.requires_grad], weight_decay)
+
+
+def _decay_groups(params: list[nn.Parameter], weight_decay: float | None) -> list[dict[str, Any]]:
+    decay_group: dict[str, Any] = {"params": [p for p in params if p.ndim >= 2]}
     if weight_decay is not None:
         decay_group["weight_decay"] = weight_decay
-    return [decay_group, {"params": no_decay, "weight_decay": 0.0}]
+    return [decay_group, {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+BLOCK_PARAMETER = re.compile(r"(^|\.)(blocks|layers)\.\d+\.")
+"""A parameter inside a transformer block: ``blocks.N.`` in :class:`GPT`, ``layers.N.`` in
+Llama (after any prefix a wrapper adds)."""
+
+
+def muon_and_adamw_params(
+    model: nn.Module, weight_decay: float | None = None
+) -> tuple[list[nn.Parameter], list[dict[str, Any]]]:
+    """nanochat's split of one model between two optimizers: the 2-D weight matrices inside the
+    transformer blocks for Muon (it orthogonalises a matrix's update); everything else for
+    AdamW (the embeddings and the head tied to one, the norms, the biases), as
+    :func:`param_groups`' two groups.
+
+    Works on a ``shardpar.ShardedModule`` as on the plain module (the names are kept).
+    """
+    matrices, rest = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (matrices if p.ndim == 2 and BLOCK_PARAMETER.search(name) else rest).append(p)
+    return matrices, _decay_groups(rest, weight_decay)

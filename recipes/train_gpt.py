@@ -31,6 +31,9 @@ from recipes.cli import ArgumentParser, DistEnv, add_device_flag, dist_env, pin_
 MODELS = ("tiny", "small", "hf-llama")
 """--model choices; recipes/trainer.py maps them to factories."""
 PRECISIONS = ("none", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "muon")
+"""--optimizer choices: AdamW over every parameter, or torch.optim.Muon over the blocks' weight
+matrices and AdamW over the rest (recipes/trainer.py's build_optimizers)."""
 
 
 def _stage(text: str) -> int | str:
@@ -58,7 +61,14 @@ def parse_args(argv: list[str] | None, env: DistEnv) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64, help="global sequences per optimizer step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--block-size", type=int, default=64, help="context length in characters")
-    p.add_argument("--lr", type=float, default=6e-3, help="peak learning rate")
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="adamw: AdamW over every parameter; muon: torch.optim.Muon over the blocks' 2-D weight matrices "
+        "and AdamW over the embeddings, norms and biases (two optimizers, as nanochat trains), at any --stage",
+    )
+    p.add_argument("--lr", type=float, default=6e-3, help="peak learning rate (Muon's too, scaled to match AdamW)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0 = off)")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine")

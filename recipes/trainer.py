@@ -25,6 +25,7 @@ from recipes.common import (
     DistEnv,
     RecipeError,
     all_reduce_mean,
+    checkpoint_paths,
     config_errors,
     init_distributed,
     report_and_exit,
@@ -34,7 +35,7 @@ from recipes.common import (
     warmup_cosine,
 )
 from recipes.data import CharDataset, load_dataset
-from recipes.gpt import param_groups, small_gpt, tiny_gpt
+from recipes.gpt import muon_and_adamw_params, param_groups, small_gpt, tiny_gpt
 
 log = logging.getLogger("train_gpt")
 
@@ -56,10 +57,33 @@ class Run:
     """Everything `train` needs, built once."""
 
     model: shardpar.ShardedModule
-    opt: Any  # shardpar's optimizer wrapper
-    sched: torch.optim.lr_scheduler.LambdaLR
+    optimizers: dict[str, Any]
+    """shardpar's optimizer wrappers, by name, in the order they step (see build_optimizers)."""
+    schedules: list[torch.optim.lr_scheduler.LambdaLR]
+    """One per optimizer, all the same function of the step."""
     data: CharDataset
     start_step: int
+
+
+def build_optimizers(args: argparse.Namespace, model: shardpar.ShardedModule) -> dict[str, Any]:
+    """The optimizers ``--optimizer`` names, by the name their checkpoints go under.
+
+    ``muon``: ``torch.optim.Muon`` over the blocks' weight matrices and AdamW over the rest,
+    two ``shardpar.optimizer`` calls over one model as nanochat trains. Muon's update reads a
+    whole matrix, so at stages 1-3 each matrix is owned whole by one rank, which alone holds
+    its momentum and runs its Newton-Schulz (docs/user-guide.md, "Which optimizers run at which
+    stage"); AdamW's parameters are sliced as usual. Muon's ``match_rms_adamw`` scaling lets
+    both take ``--lr`` and ``--weight-decay`` (Moonlight's recipe).
+    """
+    adamw = {"lr": args.lr, "weight_decay": args.weight_decay, "betas": (0.9, 0.95)}
+    if args.optimizer == "adamw":
+        return {"adamw": shardpar.optimizer(model, torch.optim.AdamW, param_groups(model), **adamw)}
+    matrices, rest = muon_and_adamw_params(model)
+    muon = {"lr": args.lr, "weight_decay": args.weight_decay, "adjust_lr_fn": "match_rms_adamw"}
+    return {
+        "muon": shardpar.optimizer(model, torch.optim.Muon, matrices, **muon),
+        "adamw": shardpar.optimizer(model, torch.optim.AdamW, rest, **adamw),
+    }
 
 
 def build(args: argparse.Namespace, env: DistEnv, device: torch.device) -> Run:
@@ -91,14 +115,13 @@ def build(args: argparse.Namespace, env: DistEnv, device: torch.device) -> Run:
         model.stage,
         f" (--stage auto: the lowest that fits {args.memory_budget} per rank)" if context else "",
     )
-    opt = shardpar.optimizer(
-        model, torch.optim.AdamW, param_groups(model), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95)
-    )
+    optimizers = build_optimizers(args, model)
 
     start_step = 0
     if resume is not None:
-        with config_errors(shardpar.CheckpointError):  # corrupt, or another model's checkpoint
-            extra = shardpar.load_checkpoint(str(resume), model, opt)
+        with config_errors(shardpar.CheckpointError):  # corrupt, or another model's or optimizer's checkpoint
+            for path, opt in zip(checkpoint_paths(resume, optimizers), optimizers.values()):
+                extra = shardpar.load_checkpoint(str(path), model, opt)
         start_step = int(extra["step"])
         log.info("resumed from %s at step %d", resume, start_step)
         if start_step >= args.steps:
@@ -109,11 +132,13 @@ def build(args: argparse.Namespace, env: DistEnv, device: torch.device) -> Run:
     # The schedule is a pure function of the step, so resuming needs no scheduler state: offset
     # it by start_step, and pin the base lr to --lr rather than whatever lr a checkpoint's
     # param_groups carried (LambdaLR would otherwise take the already-decayed lr as its base).
-    for group in opt.param_groups:
-        group["initial_lr"] = args.lr
     factor = warmup_cosine(args.warmup, args.steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: factor(s + start_step))
-    return Run(model, opt, sched, load_dataset(), start_step)
+    schedules = []
+    for opt in optimizers.values():
+        for group in opt.param_groups:
+            group["initial_lr"] = args.lr
+        schedules.append(torch.optim.lr_scheduler.LambdaLR(opt, lambda s: factor(s + start_step)))
+    return Run(model, optimizers, schedules, load_dataset(), start_step)
 
 
 def evaluate(run: Run, args: argparse.Namespace, env: DistEnv, device: torch.device) -> float:
@@ -132,7 +157,7 @@ def evaluate(run: Run, args: argparse.Namespace, env: DistEnv, device: torch.dev
 
 def train(run: Run, args: argparse.Namespace, env: DistEnv, device: torch.device) -> dict[str, float]:
     """The optimizer-step loop; returns the numbers for the summary line."""
-    model, opt = run.model, run.opt
+    model = run.model
     tokens_per_step = args.batch_size * args.block_size  # global
     first_loss = last_loss = float("nan")
     # Throughput counts only the step itself, not logging reductions, evals or checkpoints.
@@ -160,9 +185,11 @@ def train(run: Run, args: argparse.Namespace, env: DistEnv, device: torch.device
             step_loss += loss.detach() / args.grad_accum
         if args.clip > 0:
             model.clip_grad_norm_(args.clip)
-        opt.step()
-        opt.zero_grad()
-        run.sched.step()
+        for opt in run.optimizers.values():
+            opt.step()
+            opt.zero_grad()
+        for schedule in run.schedules:
+            schedule.step()
         elapsed = time.perf_counter() - t0
         train_time += elapsed
         interval_time += elapsed
@@ -176,7 +203,7 @@ def train(run: Run, args: argparse.Namespace, env: DistEnv, device: torch.device
             bar.set_postfix(
                 {
                     "loss": f"{last_loss:.3f}",
-                    "lr": f"{run.sched.get_last_lr()[0]:.2e}",
+                    "lr": f"{run.schedules[0].get_last_lr()[0]:.2e}",
                     "tok/s": f"{interval_steps * tokens_per_step / interval_time:,.0f}",
                 }
             )
@@ -184,7 +211,7 @@ def train(run: Run, args: argparse.Namespace, env: DistEnv, device: torch.device
         # Save before evaluating, so that a failure during the eval loses no training. The last
         # step always saves, so the final parameters are on disk for comparing runs.
         if checkpoints is not None and (done % args.save_every == 0 or done == args.steps):
-            checkpoints.save(model, opt, done, extra={"step": done})
+            checkpoints.save(model, run.optimizers, done, extra={"step": done})
         if args.eval_every and done % args.eval_every == 0 and done != args.steps:
             log.info("step %d: val loss %.4f", done, evaluate(run, args, env, device))
     bar.close()
