@@ -2,11 +2,13 @@
 
 - Trust-ratio optimizers (LAMB, LARS; timm's ``Lamb`` and ``Lars``, written out below since
   timm is not a dependency) scale each parameter's update by norms of the whole parameter.
-  A norm does not change under reshape, so they passed the reshape check; at stages 1-3 they
-  would then take their norms over each rank's piece and silently train differently. They
-  are refused at construction on every rank, naming the class, the param group and stage 0,
-  also when only one group turns the trust ratio on (timm's LARS: weight decay on) and when
-  the groups come at lr 0 from a warmup scheduler. At stage 0 they train as plain torch.
+  A norm does not change under reshape, so they passed the reshape check; on 1-D slices they
+  would take their norms over each rank's piece and silently train differently. LARS (the
+  trust ratio only where weight decay is on) is handed its decayed tensors whole, each on its
+  owner ([Note: whole-tensor ownership]), and trains as plain torch at every stage, also
+  ported from a factory with its groups at lr 0 from a warmup scheduler. timm's LAMB also
+  clips by the global norm of all its gradients, which no rank holds at stages 1-3: it is
+  refused there on every rank, naming the class and why; at stage 0 it trains as plain torch.
 - DDP's resume idiom at stage 0: rank 0 saves ``opt.state_dict()`` with ``torch.save``, every
   rank loads that file with ``torch.load(f, map_location=...)``. Training then matches torch
   DDP doing the same and the uninterrupted run, also in a job of another size. A rank's
@@ -25,9 +27,9 @@
   1-3, naming why.
 - Constructors that take plain tensors (nanochat's ``Muon`` regroups the list it is given by
   shape): the class gets what the script passed. A Muon-like class over the matrices plus
-  AdamW over the rest train as plain torch at stage 0; at stages 1-3 it is refused as not
-  elementwise, and a class the elementwise check cannot build is refused with its own error;
-  an elementwise class given a list of tensors trains as plain torch at stages 0-3.
+  AdamW over the rest train as plain torch at every stage (at stages 1-3 each rank groups the
+  matrices it owns); a class the check cannot build is refused with its own error; an
+  elementwise class given a list of tensors trains as plain torch at stages 0-3.
 - Two optimizers over parts of one model: ``memory_stats()["optimizer_state"]`` counts both,
   to the byte, at stages 0-3; one checkpoint per optimizer resumes both at another stage.
 """

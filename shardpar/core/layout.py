@@ -40,6 +40,40 @@ copies, shards, staging) and in every collective over a bucket, where ``comm_sta
 counts them as padding. A bucket size that is a multiple of ``param_align`` keeps every
 bucket's start aligned, so a bucket laid out alone (a flat parameter group) has the same
 offsets as in the whole buffer.
+
+[Note: whole-tensor ownership]
+Stages 1-3 hand an elementwise optimizer (AdamW, SGD, ...) this rank's 1-D slices. An optimizer
+whose update reads a whole tensor, each tensor on its own (Muon's Newton-Schulz, Adafactor's
+factored moments, LARS's trust ratio, Shampoo's preconditioners: ``shardpar.optimizer``'s check
+decides, optim/sharded.py), gets each of its tensors whole on one rank, its *owner*, by the
+layout alone: such a tensor is placed whole inside its owner's slice of its bucket.
+
+- Which tensors share a bucket does not change (the cap decides, laid out densely in the given
+  order: :meth:`BufferLayout._bucket_members`). Within a bucket, its elementwise tensors come
+  first, back to back from the bucket's start (cut across slices as always); the owned ones
+  follow in the room left in the slices, each whole in one. The slice size is the smallest
+  multiple of ``bucket_multiple / N`` for which they fit and the ranks stay balanced: each
+  owned tensor, longest first, goes to the rank that updates the fewest elements so far (over
+  every layout of the engine, elementwise pieces counted too) among those whose slice has room,
+  and the size grows until the heaviest rank updates no more than the larger of what it would
+  with unbounded room and the average plus the bucket's largest tensor.
+- Owners are chosen once, when an optimizer asks for them (``engine.own_whole``: one
+  all-gather per moved bucket, kind ``rebuild``) and kept by every later layout (the bucket
+  rebuild keeps them, :class:`BufferLayout`'s ``owners``), so an owned tensor's state never
+  crosses ranks again, and a class that groups its tensors (nanochat's Muon, by shape) groups
+  the same ones for good.
+- Then nothing else changes: a bucket's reduce-scatter delivers each owned tensor's averaged
+  gradient whole to its owner, once per optimizer step (after accumulation); only the owner
+  holds its state and runs its update (one Newton-Schulz per matrix per step in the job); the
+  post-step all-gather (stages 1-2) or the unit gathers (stage 3) bring the updated tensor to
+  every rank, as for slices. No collective is added per step; the price is padding (each slice
+  padded to the fullest), in every buffer laid out by the layout and in every collective over
+  those buckets, where ``comm_stats()`` counts it as padding. Under hybrid sharding the owners
+  are ranks of the shard group; at world size 1 every tensor is whole already.
+- The owner is handed the tensor in its own shape (:meth:`BufferLayout.optimizer_view`), and so
+  is its gradient. Checkpoints address pieces in param space: an owned tensor is one piece
+  ``[0, numel)``, and state shaped otherwise than it is stored whole (the manifest's
+  ``whole_state``).
 """
 
 from __future__ import annotations
