@@ -419,3 +419,56 @@ def test_factored_state_is_stored_whole_once_and_resharded_offline(tmp_path: Any
             held = [state[name, key] for state in owners if (name, key) in state]
             assert len(held) == 1, (name, key)  # on its owner only
             assert torch.equal(held[0], every_rank[0][name, key]), (name, key)
+
+
+# --------------------------------------------------------------------------- tied and frozen weights
+
+
+class TiedNet(nn.Module):
+    """A projection tied to the output head by registration (one parameter, used twice), a
+    frozen matrix between, and trainable ones: Muon over the trainable matrices, AdamW over
+    the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.proj = nn.Linear(16, 16, bias=False)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 16, bias=False)
+        self.head.weight = self.proj.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.frozen(self.proj(F.gelu(self.inp(x)))))
+        return self.head(self.norm(h))
+
+
+def _tied(stage: int | None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = TiedNet()
+    if stage is None:
+        model: Any = DistributedDataParallel(net)
+        make: Make = lambda cls, params, **kw: cls(params, **kw)  # noqa: E731
+        module = model.module
+    else:
+        model = shardpar.wrap(net, stage=stage, bucket_cap_mb=0.001, min_unit_params=1)
+        make = _shardpar_make(model)
+        module = model
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    optimizers = [
+        make(torch.optim.Muon, [p for p in trainable if p.ndim == 2], lr=0.02),
+        make(torch.optim.AdamW, [p for p in trainable if p.ndim != 2], lr=0.01),
+    ]
+    losses = _train(model, optimizers, 2)
+    params = model.module.state_dict() if stage is None else model.full_state_dict()
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in params.items()}}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_tied_and_frozen_weights_train_as_torch_ddp(stage: int) -> None:
+    expected = run_ranks(_tied, 2, None, timeout=120)
+    for rank, out in enumerate(run_ranks(_tied, 2, stage, timeout=120)):
+        assert out["losses"] == expected[rank]["losses"], (rank, out["losses"])
+        for name, value in expected[rank]["params"].items():
+            assert torch.equal(out["params"][name], value), (rank, name)
