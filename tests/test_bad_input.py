@@ -396,25 +396,6 @@ def test_whole_tensor_optimizers_train_as_torch_at_every_stage_in_one_process(
     model.engine.close()
 
 
-def test_adafactor_at_stage_0_trains_as_torch() -> None:
-    torch.manual_seed(0)
-    plain = nn.Linear(4, 3, bias=False)
-    model = shardpar.wrap(nn.Linear(4, 3, bias=False), stage=0)
-    model.load_state_dict(plain.state_dict())
-    opts = [
-        torch.optim.Adafactor(plain.parameters(), lr=1e-2),
-        shardpar.optimizer(model, torch.optim.Adafactor, lr=1e-2),
-    ]
-    for step in range(3):
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
-        for net, opt in zip((plain, model), opts):
-            net(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-    assert torch.allclose(model.full_state_dict()["weight"], plain.weight.detach(), rtol=1e-6, atol=1e-7)
-    model.engine.close()
-
-
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_lazy_module_not_run_yet_is_named_at_wrap(stage: int) -> None:
     """nn.LazyLinear has no shape before its first forward; after one it wraps and trains."""

@@ -84,6 +84,28 @@ def same_placement(old: BufferLayout, new: BufferLayout) -> bool:
     )
 
 
+def whole_layouts(
+    spaces: Sequence[Any],
+    names: frozenset[str],
+    world_size: int,
+    lay_out: Callable[[Any, frozenset[str], list[int]], BufferLayout],
+) -> dict[Any, BufferLayout]:
+    """Each bucketed parameter set laid out again by ``lay_out(space, its names to own whole,
+    the elements each rank updates in the sets before)``, in order; the new layouts where they
+    move anything ([Note: whole-tensor ownership] in layout.py). Where nothing moves, the set
+    takes the new layout at once: only its owners are new."""
+    layouts = {}
+    loads = [0] * world_size
+    for space in spaces:
+        layout = lay_out(space, names & space.params.keys(), loads)
+        loads = [sum(pair) for pair in zip(loads, layout.rank_loads())]
+        if same_placement(space.layout, layout):
+            space.layout = layout
+        else:
+            layouts[space] = layout
+    return layouts
+
+
 class Relayout:
     """One bucketed parameter set's move from layout ``old`` to ``new`` on this rank (step 3 of
     [Note: bucket rebuild]). Every method returns new tensors; the old ones are untouched."""

@@ -35,7 +35,7 @@ from .inventory import ParamInventory, group_by_dtype
 from .layout import Alignment, BufferLayout, alignment_for
 from .masters import FullMaster, ShardedMaster
 from .pieces import FullValues, TensorPiece
-from .rebuild import Relayout, same_buckets, same_placement
+from .rebuild import Relayout, same_buckets, whole_layouts
 
 if TYPE_CHECKING:
     from ..config import ShardConfig
@@ -205,17 +205,13 @@ class ReplicatedStorage:
         """Each buffer's layout in its order with ``names`` owned whole besides those owned
         before (owners given to the new ones only), for the buffers where that moves anything
         ([Note: whole-tensor ownership] in layout.py). The buffers own them from now on."""
-        layouts = {}
-        loads = [0] * self.world_size
-        for buf in self.buffers:
-            layout = buf.layout_in(list(buf.layout.slots), names & buf.params.keys(), loads)
-            loads = [sum(pair) for pair in zip(loads, layout.rank_loads())]
+
+        def lay_out(buf: ParamBuffer, whole: frozenset[str], loads: list[int]) -> BufferLayout:
+            layout = buf.layout_in(list(buf.layout.slots), whole, loads)
             buf.owners = dict(layout.owners)
-            if not same_placement(buf.layout, layout):
-                layouts[buf] = layout
-            else:  # nothing moves (one rank, or a layout that had room): the owners are all that is new
-                buf.layout = layout
-        return layouts
+            return layout
+
+        return whole_layouts(self.buffers, names, self.world_size, lay_out)
 
     def relayout(self, moves: dict[ParamBuffer, Relayout]) -> None:
         """Move the buffers to their new layouts; stages 1-2 track the new buckets."""

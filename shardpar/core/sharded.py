@@ -22,7 +22,7 @@ from .flat_param import FlatParamGroup
 from .inventory import ParamInventory, group_by_dtype
 from .layout import BufferLayout, alignment_for
 from .pieces import FullValues, TensorPiece
-from .rebuild import Relayout, same_placement
+from .rebuild import Relayout, whole_layouts
 from .reduce_strategies import PieceGradients
 from .units import Unit, UnitPlan, plan_units
 
@@ -202,24 +202,19 @@ class ShardedStorage:
         """Each trainable group's layout with ``names`` owned whole besides those owned before
         (owners given to the new ones only), for the groups where that moves anything ([Note:
         whole-tensor ownership] in layout.py)."""
-        layouts = {}
-        loads = [0] * self.world_size
-        for flat in self.trainable_groups:
-            layout = BufferLayout(
+
+        def lay_out(flat: FlatParamGroup, whole: frozenset[str], loads: list[int]) -> BufferLayout:
+            return BufferLayout(
                 [(name, slot.order) for name, slot in flat.layout.slots.items()],
                 self.world_size,
                 None,
                 **self.alignment._asdict(),
                 owners=flat.layout.owners,
-                whole=names & flat.params.keys(),
+                whole=whole,
                 loads=loads,
             )
-            loads = [sum(pair) for pair in zip(loads, layout.rank_loads())]
-            if not same_placement(flat.layout, layout):
-                layouts[flat] = layout
-            else:  # nothing moves (one rank, or a layout that had room): the owners are all that is new
-                flat.layout = layout
-        return layouts
+
+        return whole_layouts(self.trainable_groups, names, self.world_size, lay_out)
 
     def relayout(self, moves: dict[FlatParamGroup, Relayout]) -> None:
         """Each moved group gets a full buffer and a shard of its new layout, the shard's values
