@@ -3,7 +3,8 @@
 Closed forms first (DESIGN.md's four formulas, other optimizers, bf16), then the model
 against what the engines measure on 2 gloo ranks: per-rank memory by kind within 10% at
 every stage, and bytes sent per step exactly. Then ``choose_stage`` around its boundaries
-and the command-line tool end to end.
+and the command-line tool end to end. Last, tensors owned whole (``whole_tensors``: Muon's
+matrices, LAMB's tensors) against the engines on 2 and 4 ranks and hybrid 2x2, to the byte.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 import shardpar
 from shardpar.comm import collectives as C
 from shardpar.comm import process_group
+from shardpar.comm.comm_stats import merge_snapshots
 from shardpar.planner import (
     OPTIMIZER_STATE_BYTES,
     choose_stage,
@@ -167,7 +169,7 @@ def test_padding_of_a_count_aligned_and_dense() -> None:
 
 
 def test_optimizer_table_covers_the_documented_names() -> None:
-    assert {"adamw": 8, "adam": 8, "sgd": 0, "sgd_momentum": 4, "adagrad": 4, "rmsprop": 4}.items() <= (
+    assert {"adamw": 8, "adam": 8, "sgd": 0, "sgd_momentum": 4, "adagrad": 4, "rmsprop": 4, "muon": 4}.items() <= (
         OPTIMIZER_STATE_BYTES.items()
     )
 
@@ -181,11 +183,13 @@ def test_optimizer_table_covers_the_documented_names() -> None:
         ("rmsprop", 4),
         ("rmsprop_momentum", 8),
         ("adam", 8),
+        ("muon", 4),
         (torch.optim.SGD, 0),
         (torch.optim.Adam, 8),
         (torch.optim.AdamW, 8),
         (torch.optim.Adagrad, 4),
         (torch.optim.RMSprop, 4),
+        (torch.optim.Muon, 4),
     ],
 )
 def test_optimizer_state_bytes(optimizer: Any, k: int) -> None:
@@ -689,3 +693,244 @@ def test_start_up_peak_closed_form() -> None:
     for stage in (0, 1, 2):
         e = estimate_memory(psi, n, stage)
         assert e.startup_built == e.startup_meta == e.params + e.grads
+
+
+# --------------------------------------------------------------------------- whole-tensor ownership
+
+OWNED_CAP_MB = 300 * 4 / MiB
+"""300 fp32 elements: MatrixNet (788 parameters) in four buckets, two of them with two matrices."""
+OWNED_OPTIONS = {"bucket_cap_mb": OWNED_CAP_MB, "min_unit_params": 100}
+"""Four buckets (stages 1-2) and four units (stage 3): owners balanced across layouts."""
+OWNED_CASES: dict[int, dict[str, tuple[str, int, dict[str, Any]]]] = {
+    2: {
+        **{f"{opt} stage{s}": (opt, s, OWNED_OPTIONS) for opt in ("muon", "lamb") for s in (1, 2, 3)},
+        **{f"muon stage{s} aligned": ("muon", s, {**OWNED_OPTIONS, "align_for_bandwidth": True}) for s in (1, 2, 3)},
+    },
+    4: {
+        **{f"{opt} stage{s}": (opt, s, OWNED_OPTIONS) for opt in ("muon", "lamb") for s in (1, 2, 3)},
+        **{
+            f"{opt} stage{s} hybrid": (opt, s, {**OWNED_OPTIONS, "shard_group_size": 2})
+            for opt in ("muon", "lamb")
+            for s in (1, 2, 3)
+        },
+    },
+}
+"""Per world size: (optimizers, stage, wrap options). ``muon``: torch's Muon over the matrices
+(owned whole) and SGD with momentum over the rest (slices), both 4 bytes of state per element
+(momentum_buffer); ``lamb``: the tests' LAMB over everything (every tensor owned whole), 8 bytes
+per element plus a 0-dim ``step`` per tensor."""
+OWNED_K = {"muon": 4, "lamb": 8}
+
+
+def _matrix_net() -> nn.Module:
+    from tests.test_whole_tensor_optimizers import MatrixNet
+
+    torch.manual_seed(0)
+    return MatrixNet()
+
+
+def _owned_optimizers(model: shardpar.ShardedModule, recipe: str) -> tuple[list[Any], list[str]]:
+    """The recipe's shardpar optimizers over ``model``, and the parameters they own whole."""
+    from tests.support.whole_tensor_optimizers import Lamb
+
+    params = dict(model.named_parameters())
+    if recipe == "lamb":
+        return [shardpar.optimizer(model, Lamb, list(params.values()), lr=0.01)], list(params)
+    matrices = [name for name, param in params.items() if param.ndim == 2]
+    vectors = [param for name, param in params.items() if name not in matrices]
+    return [
+        shardpar.optimizer(model, torch.optim.Muon, [params[name] for name in matrices], lr=0.02),
+        shardpar.optimizer(model, torch.optim.SGD, vectors, lr=0.01, momentum=0.9),
+    ], matrices
+
+
+def _measure_owned(cases: dict[str, tuple[str, int, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """On every rank: wrap MatrixNet, build the case's optimizers, reset the comm stats (moving
+    the buckets to their owned layout, kind "rebuild", is a one-off of construction), then two
+    steps: bytes sent by each step; memory after the first (see the test for why) and the bytes
+    of 0-dim state tensors (LAMB's ``step``), which the planner leaves out."""
+    results = {}
+    for case, (recipe, stage, options) in cases.items():
+        model = shardpar.wrap(_matrix_net(), stage=stage, **options)
+        optimizers, _ = _owned_optimizers(model, recipe)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(C.get_rank()))
+        comm, memory = [], []
+        for _ in range(2):
+            model.reset_comm_stats()
+            model(x).square().mean().backward()
+            for opt in optimizers:
+                opt.step()
+            comm.append(model.comm_stats())
+            memory.append(model.memory_stats())
+            for opt in optimizers:
+                opt.zero_grad()
+        scalars = sum(
+            value.nbytes
+            for opt in optimizers
+            for state in opt.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor) and value.dim() == 0
+        )
+        model.engine.close()
+        results[case] = {"memory": memory[0], "comm": comm, "scalar_bytes": scalars}
+    return results
+
+
+@functools.cache
+def measured_owned(world_size: int) -> list[dict[str, dict[str, Any]]]:
+    """Every rank's measurements for the world size's cases (one harness call for all)."""
+    return run_ranks(_measure_owned, world_size, OWNED_CASES[world_size], timeout=180)
+
+
+def _without_control(snapshot: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """A comm snapshot less the first step's agreements between ranks (kind ``control``)."""
+    snapshot = dict(snapshot)
+    control = snapshot.pop("control", None)
+    if control is not None:
+        snapshot["total"] = {key: value - control[key] for key, value in snapshot["total"].items()}
+    return snapshot
+
+
+def _assert_same_snapshot(measured: dict[str, dict[str, float]], expected: dict[str, dict[str, float]]) -> None:
+    """Every kind's calls, payload and padding equal (bytes sent are those times (N-1)/N)."""
+    assert measured.keys() == expected.keys()
+    for op, stats in expected.items():
+        assert measured[op] == pytest.approx(stats, rel=1e-12), op
+
+
+def _gathers_per_optimizer(
+    expected: dict[str, dict[str, float]], optimizers: int, stage: int
+) -> dict[str, dict[str, float]]:
+    """``expected`` with the stage 1-2 all-gather of every bucket once per optimizer: each
+    shardpar optimizer's ``step()`` gathers every bucket after it (``ShardedMaster.
+    after_optimizer_step``), so a second optimizer over the same model gathers them all again;
+    the planner counts one gather per step."""
+    if stage == 3 or optimizers == 1 or "all_gather" not in expected:
+        return expected
+    expected = dict(expected)
+    gather = {key: value * optimizers for key, value in expected["all_gather"].items()}
+    extra = {key: gather[key] - expected["all_gather"][key] for key in ("sent_bytes", "padding_sent_bytes")}
+    expected["all_gather"] = gather
+    expected["total"] = {key: value + extra[key] for key, value in expected["total"].items()}
+    return expected
+
+
+@pytest.mark.parametrize("world_size, case", [(world, case) for world, cases in OWNED_CASES.items() for case in cases])
+def test_owned_tensors_memory_and_bytes_equal_the_engines(world_size: int, case: str) -> None:
+    """Tensors owned whole ([Note: planned ownership] in shardpar/planner/shapes.py): given the
+    names ``shardpar.optimizer`` owns, the planner lays MatrixNet out as the engine does after
+    owning them, so params and grads (the padding of the grown slices included) equal
+    ``memory_stats()`` to the byte on every rank, the optimizer state (less LAMB's 0-dim
+    ``step``) equals the heaviest rank's, k bytes per element it updates (its slice pieces and
+    the tensors it owns), and every collective of a step, payload and padding, equals
+    ``comm_stats()`` to the byte on every rank. Under hybrid sharding the replica all-reduce of
+    each rank's slice is compared as the mean over its shard group (slices hold different shares
+    of the padding). Memory is read after the first step: from the second on, stage 1 with two
+    optimizers (each ``zero_grad`` clearing its own parameters, not the whole buffer) finds its
+    buckets still marked reduced and adds a carry shard, which the planner does not model (as
+    [Note: storage model] says). With two optimizers (``muon``) stages 1-2 gather every bucket
+    once per optimizer step (see ``_gathers_per_optimizer``). Owning costs padding only: the
+    payload and the calls are those without ``whole_tensors``, the padding is more."""
+    recipe, stage, options = OWNED_CASES[world_size][case]
+    module = _matrix_net()
+    whole = (
+        [name for name, _ in module.named_parameters()]
+        if recipe == "lamb"
+        else [name for name, param in module.named_parameters() if param.ndim == 2]
+    )
+    planned = {
+        k: options[k]
+        for k in ("bucket_cap_mb", "min_unit_params", "align_for_bandwidth", "shard_group_size")
+        if k in options
+    }
+    k = OWNED_K[recipe]
+    estimate = estimate_memory(
+        module, world_size, stage, optimizer="muon" if k == 4 else "adamw", whole_tensors=whole, **planned
+    )
+    comm = estimate_communication(module, world_size, stage, whole_tensors=whole, **planned)
+    ranks = [rank[case] for rank in measured_owned(world_size)]
+    for rank, result in enumerate(ranks):
+        memory = result["memory"]
+        assert (memory["params"], memory["grads"]) == (estimate.params, estimate.grads), f"rank {rank}"
+    state = [result["memory"]["optimizer_state"] - result["scalar_bytes"] for result in ranks]
+    assert max(state) == estimate.optimizer_state
+    psi = sum(p.numel() for p in module.parameters())
+    assert sum(state) == k * psi * (world_size // estimate.shard_group_size)  # each tensor's state once per replica
+    optimizers = 2 if recipe == "muon" else 1
+    hybrid = "shard_group_size" in options
+    for rank, result in enumerate(ranks):
+        for step, snapshot in enumerate(result["comm"]):
+            assert ("control" in snapshot) == (step == 0) and "rebuild" not in snapshot, (rank, step)
+            if not hybrid:
+                expected = _gathers_per_optimizer(merge_snapshots(list(comm.by_group.values())), optimizers, stage)
+                _assert_same_snapshot(_without_control(snapshot), expected)
+                continue
+            for group in ("shard_group", "all_ranks"):
+                expected = _gathers_per_optimizer(comm.by_group[group], optimizers, stage)
+                _assert_same_snapshot(_without_control(snapshot["by_group"][group]), expected)
+    if hybrid:
+        replicas = comm.by_group["replica_group"]["all_reduce"]
+        for step in range(2):
+            for shard_group in ([0, 1], [2, 3]):
+                measured = [
+                    _without_control(ranks[r]["comm"][step]["by_group"]["replica_group"])["all_reduce"]
+                    for r in shard_group
+                ]
+                for key, value in replicas.items():
+                    assert sum(m[key] for m in measured) / 2 == pytest.approx(value, rel=1e-12), (step, key)
+    unowned = estimate_communication(module, world_size, stage, **planned)
+    assert (comm.sent_bytes, comm.calls) == (unowned.sent_bytes, unowned.calls)
+    assert comm.padding_sent_bytes > unowned.padding_sent_bytes
+
+
+class ThreeMatrices(nn.Module):
+    """Three 16x16 weights: one bucket (stages 1-2) and one unit (stage 3) of 768 elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(3))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_owned_matrices_closed_form(stage: int) -> None:
+    """Three equal matrices owned whole on 2 ranks: one rank owns two, so its slice holds at
+    least 512 elements and the heaviest rank holds 4·512 bytes of Muon state (not 4·768/2); the
+    bucket is 2S elements, 2S - 768 of them padding, which params, grads and every collective
+    over the bucket carry; the payload is unchanged."""
+    model = ThreeMatrices()
+    names = [name for name, _ in model.named_parameters()]
+    owned = estimate_memory(model, 2, stage, optimizer="muon", whole_tensors=names)
+    plain = estimate_memory(model, 2, stage, optimizer="muon")
+    assert (owned.optimizer_state, plain.optimizer_state) == (4 * 512, 4 * 768 // 2)
+    bucket = owned.params // 4 * (2 if stage == 3 else 1)  # 2S: params hold the bucket (stage 3: a slice)
+    assert bucket >= 2 * 512 and bucket % 2 == 0
+    comm = estimate_communication(model, 2, stage, whole_tensors=names)
+    padding = {"reduce_scatter": 4 * (bucket - 768) / 2, "all_gather": 4 * (bucket - 768) / 2}
+    if stage == 3:  # the root's unit: gathered once (kept into backward), with a tag per rank
+        padding["all_gather"] += 2 * 16 / 2
+    assert comm.padding_as_dict() == pytest.approx(padding)
+    assert comm.as_dict() == estimate_communication(model, 2, stage).as_dict()
+
+
+def test_whole_tensors_ignored_at_stage_0_and_for_a_count_checked_and_passed_to_the_stage_choice() -> None:
+    model = ThreeMatrices()
+    names = [name for name, _ in model.named_parameters()]
+    assert estimate_memory(model, 2, 0, whole_tensors=names) == estimate_memory(model, 2, 0)
+    assert estimate_communication(model, 2, 0, whole_tensors=names) == estimate_communication(model, 2, 0)
+    assert estimate_memory(768, 2, 1, whole_tensors=["w"]) == estimate_memory(768, 2, 1)
+    # Owned, stage 1 holds 2 slices of S = 518 (params 4·1036, grads as many, state 4·512 =
+    # 10,336 bytes): a byte under stage 0's 9,216 only stage 1 unowned fits, owned none does.
+    assert shardpar.planner.choose_plan(model, 2, 9215, node_size=2, optimizer="muon").stage == 1
+    assert choose_stage(model, 2, 9215, optimizer="muon") == 1
+    assert estimate_memory(model, 2, 1, optimizer="muon", whole_tensors=names).total == 10_336
+    with pytest.raises(ValueError, match="no stage fits"):
+        shardpar.planner.choose_plan(model, 2, 9215, node_size=2, optimizer="muon", whole_tensors=names)
+    with pytest.raises(ValueError, match="no stage fits"):
+        choose_stage(model, 2, 9215, optimizer="muon", whole_tensors=names)
+    # A frozen parameter is no optimizer's: named or not, the estimate is the same.
+    model.layers[0].weight.requires_grad_(False)
+    assert estimate_memory(model, 2, 1, whole_tensors=names) == estimate_memory(model, 2, 1, whole_tensors=names[1:])
+    with pytest.raises(ValueError, match="whole_tensors names no parameter of the module: layers.9.weight"):
+        estimate_memory(model, 2, 1, whole_tensors=["layers.9.weight"])
+    with pytest.raises(ValueError, match="collection of parameter names"):
+        estimate_communication(model, 2, 1, whole_tensors="layers.1.weight")

@@ -263,3 +263,27 @@ def test_the_docs_example_prints_what_it_shows() -> None:
     with contextlib.redirect_stdout(out):
         exec(compile(code, "docs/planner.md", "exec"), {})
     assert out.getvalue() == printed
+
+
+# --------------------------------------------------------------------------- whole-tensor ownership
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_owners_are_ranks_of_the_shard_group(stage: int) -> None:
+    """Tensors owned whole ([Note: planned ownership] in shardpar/planner/shapes.py) are owned
+    within the shard group: on N = 4 in groups of G = 2 a rank holds what it holds on 2 ranks
+    with the same tensors owned, and the shard group's collectives are those of 2 ranks."""
+    from tests.test_planner import ThreeMatrices
+
+    model = ThreeMatrices()
+    names = [name for name, _ in model.named_parameters()]
+    hybrid = estimate_memory(model, 4, stage, optimizer="muon", shard_group_size=2, whole_tensors=names)
+    assert hybrid.as_dict() == estimate_memory(model, 2, stage, optimizer="muon", whole_tensors=names).as_dict()
+    assert hybrid.optimizer_state == 4 * 512  # one rank of the group owns two of the three
+    comm = estimate_communication(model, 4, stage, shard_group_size=2, whole_tensors=names)
+    alone = estimate_communication(model, 2, stage, whole_tensors=names)
+    assert comm.by_group["shard_group"] == alone.by_group["shard_group"]
+    assert (
+        comm.by_group["shard_group"]
+        != estimate_communication(model, 4, stage, shard_group_size=2).by_group["shard_group"]
+    )

@@ -27,7 +27,12 @@ of [Note: storage model] in memory.py, in the dtype of each collective, plus the
 as ``comm_stats()`` reports it: ``padding_sent_bytes``. Buckets are counted as laid out at
 wrap; the first backward may rebuild them ([Note: bucket rebuild] in core/rebuild.py: other
 calls, the same payload bytes, with alignment other padding, and a one-off all-gather of what
-is sharded in the old layout, not modelled here). Time follows the α-β model:
+is sharded in the old layout, not modelled here). Tensors owned whole (``whole_tensors``, [Note:
+planned ownership] in shapes.py) add no collective and no payload: their buckets' slices grow to
+hold them, and the collectives over those buckets send that padding (stages 1-2 per bucket:
+reduce-scatter and all-gather of N·S elements, of which N·S less the tensors' elements
+padding); the one-off all-gathers that move a bucket to its owned layout when the optimizer
+is built (kind "rebuild") are not per step and not modelled. Time follows the α-β model:
 ``calls·latency + bytes/bandwidth`` (bytes with padding: it is sent too), one call per
 bucket or unit and collective. It is the communication time if nothing overlapped; the
 engines overlap gradient collectives with backward and stage 3 prefetches gathers, so the
@@ -55,6 +60,7 @@ are the ones above.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -163,6 +169,7 @@ def estimate_communication(
     buffer_dtype: torch.dtype | None = None,
     align_for_bandwidth: bool | None = None,
     shard_group_size: int | str | None = None,
+    whole_tensors: Collection[str] | None = None,
 ) -> CommEstimate:
     """Bytes each rank sends per step (one forward, one backward, one optimizer step) by
     the ring model, and the α-β time: a model, see [Note: communication model].
@@ -179,6 +186,10 @@ def estimate_communication(
     ``align_for_bandwidth``: as ``wrap`` takes it; it changes the padding only.
     ``shard_group_size``: G, as ``wrap`` takes it (None: G = N, full sharding; ``"node"``:
     ``LOCAL_WORLD_SIZE``); ignored at stage 0. ``by_group`` splits the bytes by group.
+    ``whole_tensors``: names of the trainable parameters an optimizer updates whole, as
+    :func:`estimate_memory` takes them: the buckets and units are then laid out as the engine
+    lays them out after owning them, whose extra padding every collective over them sends
+    (ignored at stage 0 and for a parameter count).
     """
     check_world_and_stage(world_size, stage)
     for option, value in (
@@ -201,6 +212,7 @@ def estimate_communication(
         wrap_policy,
         min_unit_params,
         align_for_bandwidth,
+        whole_tensors if stage else None,
     )
     g = reduce_bytes if gather_bytes is None else gather_bytes
     if stage == 0:

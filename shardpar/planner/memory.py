@@ -27,6 +27,17 @@ state covers the parameters only (padding is part of no piece). Not modelled: ac
 the stage-1 carry shard that exists only while accumulating across reduced backwards (see
 core/reduce_strategies.py), allocator caching and fragmentation.
 
+Whole-tensor ownership ([Note: whole-tensor ownership] in core/layout.py; ``whole_tensors``):
+a tensor an optimizer updates whole lies in one rank's slice of its bucket, so a bucket with
+owned tensors has slices of S elements, the smallest multiple of its granule that holds them
+balanced (``BufferLayout._place_owned``), and padding N·S less its tensors' elements, which
+counts in P above like any padding. The rank r updating L_r elements (its elementwise slice
+pieces plus the tensors it owns, over every layout) holds k·L_r of state; the ranks differ by
+up to one tensor, so the estimate is the heaviest rank's, k·max_r L_r, where k·Ψ/N is the
+average (it is what ``memory_stats()`` reports on that rank: take the max over ranks). The
+planner builds the engine's layouts for this ([Note: planned ownership] in shapes.py); without
+``whole_tensors`` it gives the average k·Ψ/N.
+
 Stage 3 workspace: units are gathered around each use ([Note: units] in core/units.py), so
 besides the parameters the wrapped module registers itself (gathered for its whole forward
 and backward: the *held* unit) at most the unit computing and the one being prefetched are
@@ -40,6 +51,7 @@ buckets. Given only a parameter count the units are unknown: we assume units of
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +71,7 @@ OPTIMIZER_STATE_BYTES: dict[str, int] = {
     "adagrad": 4,  # sum
     "rmsprop": 4,  # square_avg
     "rmsprop_momentum": 8,  # square_avg + momentum_buffer
+    "muon": 4,  # momentum_buffer (torch.optim.Muon; the matrices' optimizer, owned whole at stages 1-3)
 }
 """Optimizer-state bytes per fp32 parameter element (per-tensor scalars such as Adam's
 ``step`` are ignored)."""
@@ -69,6 +82,7 @@ _OPTIMIZER_CLASS_NAMES: dict[type, str] = {
     torch.optim.SGD: "sgd",  # the class alone cannot say whether momentum is on
     torch.optim.Adagrad: "adagrad",
     torch.optim.RMSprop: "rmsprop",
+    **({torch.optim.Muon: "muon"} if hasattr(torch.optim, "Muon") else {}),  # torch >= 2.9
 }
 
 STAGING_BUCKETS = 3
@@ -176,6 +190,7 @@ def estimate_memory(
     min_unit_params: int = 100_000,
     align_for_bandwidth: bool | None = None,
     shard_group_size: int | str | None = None,
+    whole_tensors: Collection[str] | None = None,
 ) -> MemoryEstimate:
     """Bytes of model state one rank holds at ``stage`` on ``world_size`` ranks.
 
@@ -191,6 +206,12 @@ def estimate_memory(
     ``align_for_bandwidth``: as ``wrap`` takes it (None: on when the default process group
     runs NCCL, else off). ``shard_group_size``: G, as ``wrap`` takes it (None: G = N; ``"node"``:
     ``LOCAL_WORLD_SIZE``): sharded state divides by G, not N; ignored at stage 0.
+    ``whole_tensors``: names of the trainable parameters an optimizer updates whole (Muon's
+    matrices, Adafactor's tensors: what ``shardpar.optimizer`` owns whole at stages 1-3); the
+    layouts are then the engine's after it owns them, and ``optimizer_state`` is the heaviest
+    rank's, k times the elements it updates ([Note: planned ownership] in shapes.py). Ignored
+    at stage 0, for a parameter count, and for stage 3's units where ``largest_unit_params``
+    assumes them.
 
     The model is [Note: storage model]: padding counts where the engines store it, and
     activations are not model state.
@@ -210,6 +231,7 @@ def estimate_memory(
         wrap_policy,
         min_unit_params,
         align_for_bandwidth,
+        whole_tensors if stage else None,
     )
     psi, d = shape.trainable, shape.stored_bytes
     p = mp.param_dtype.itemsize if mp is not None and mp.param_dtype is not None else d
@@ -217,6 +239,9 @@ def estimate_memory(
     master = mp is not None and p != d  # a separate fp32 copy for the optimizer to update
 
     optimizer_state = k * (d / 4) * psi / n  # the state has the master's dtype
+    loads = shape.unit_loads if stage == 3 else shape.bucket_loads
+    if whole_tensors is not None and stage and loads:  # the heaviest rank's: owners make them uneven
+        optimizer_state = k * (d / 4) * max(loads)
     if stage == 3:
         held = [u for u in shape.units if u.held]
         others = [u for u in shape.units if not u.held]

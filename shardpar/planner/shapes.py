@@ -2,11 +2,25 @@
 (trainable and frozen counts, dtypes, gradient buckets, stage-3 units) laid out as the
 engines would lay it out (see [Note: storage model] in memory.py), or assumed from a bare
 parameter count.
+
+[Note: planned ownership]
+Given ``whole_tensors`` (the trainable parameters an optimizer updates whole: [Note:
+whole-tensor ownership] in core/layout.py), the planner lays the model out as the engine ends
+up after ``shardpar.optimizer`` owns them (``Engine.own_whole``): every stage 0-2 buffer
+(one per dtype, in dtype order) again in its order with those names owned whole, and at stage
+3 every trainable flat group (units last first, each group one bucket), the elements each rank
+updates (``BufferLayout.rank_loads``) running across the layouts in that order, as the
+storages' ``whole_layouts`` run them. So the buckets' members, owners, slice sizes and padding
+are the engine's, and so are the elements each rank updates, which the optimizer state of
+the heaviest rank is read from. One call owning every name is modelled: several
+``shardpar.optimizer`` calls that each own some names place the later ones around the earlier
+ones' owners, which may differ by a slice granule.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Union
 
@@ -94,6 +108,11 @@ class ModelShape:
     buffer_count: int = 0
     measured: bool = False
     """True when read from a module, False when assumed from a count."""
+    bucket_loads: tuple[int, ...] = ()
+    """Elements of parameters each rank updates at stages 1-2, over all buffers; from a module
+    only (``BufferLayout.rank_loads``, [Note: planned ownership])."""
+    unit_loads: tuple[int, ...] = ()
+    """The same at stage 3, over all trainable flat groups; from a module's own units only."""
 
 
 def _bucket_cap_numel(bucket_cap_mb: float, element_size: float) -> int:
@@ -106,6 +125,27 @@ def _layout(
 ) -> BufferLayout:
     """The layout an engine would build for these tensors (see [Note: storage model] in memory.py)."""
     return BufferLayout(shapes, world_size, cap, **alignment._asdict())
+
+
+class _OwnedLayouts:
+    """Layouts built one after another with ``whole`` owned whole, the elements each rank
+    updates running across them in the order they are built ([Note: planned ownership])."""
+
+    def __init__(self, world_size: int, alignment: Alignment, whole: frozenset[str]) -> None:
+        self.world_size = world_size
+        self.alignment = alignment
+        self.whole = whole
+        self.loads = [0] * world_size
+
+    def next(self, shapes: list[tuple[str, torch.Size]], cap: int | None) -> BufferLayout:
+        """The next layout, as ``whole_layouts`` builds it: owners where its tensors are in
+        ``whole`` (none yet, so each goes by the loads so far)."""
+        names = {name for name, _ in shapes}
+        layout = BufferLayout(
+            shapes, self.world_size, cap, **self.alignment._asdict(), whole=self.whole & names, loads=self.loads
+        )
+        self.loads = [sum(pair) for pair in zip(self.loads, layout.rank_loads())]
+        return layout
 
 
 def _last_hook_module(module: nn.Module, plans: list[UnitPlan]) -> str:
@@ -167,6 +207,34 @@ def _flat_paddings(
     ]
 
 
+def _owned_unit_paddings(plans: list[UnitPlan], params: dict[str, nn.Parameter], owned: _OwnedLayouts) -> list[int]:
+    """Padding elements of each unit's trainable flat groups laid out with ``owned.whole``
+    owned whole: ``ShardedStorage.whole_layouts`` over its trainable groups, units last first
+    and each unit's groups in dtype order, each one bucket ([Note: planned ownership])."""
+    paddings = [0] * len(plans)
+    for index in reversed(range(len(plans))):
+        train = [(n, params[n]) for n in plans[index].params if params[n].requires_grad]
+        for group in group_by_dtype(train) if train else []:
+            paddings[index] += owned.next([(n, p.shape) for n, p in reversed(group)], None).padding
+    return paddings
+
+
+def _whole_names(whole_tensors: Collection[str] | None, named: list[tuple[str, nn.Parameter]]) -> frozenset[str]:
+    """``whole_tensors`` checked against the module's parameters; the trainable ones."""
+    if whole_tensors is None:
+        return frozenset()
+    if isinstance(whole_tensors, str):
+        raise ValueError(f"whole_tensors must be a collection of parameter names, got the string {whole_tensors!r}")
+    names = dict(named)
+    unknown = sorted(set(whole_tensors) - names.keys())
+    if unknown:
+        raise ValueError(
+            f"whole_tensors names no parameter of the module: {', '.join(unknown)} (use the names of "
+            "module.named_parameters(), each tied parameter under its first name)"
+        )
+    return frozenset(name for name in whole_tensors if names[name].requires_grad)
+
+
 def _shape_of_module(
     module: nn.Module,
     bucket_cap_mb: float,
@@ -175,25 +243,26 @@ def _shape_of_module(
     min_unit_params: int,
     world_size: int,
     alignment: Alignment,
+    whole_tensors: Collection[str] | None,
 ) -> ModelShape:
     named = list(module.named_parameters())  # each tied parameter once, as the engines see it
     trainable = [(n, p) for n, p in named if p.requires_grad]
     if not trainable:
         raise ValueError("the module has no parameter with requires_grad=True; nothing to plan for")
+    whole = _whole_names(whole_tensors, named)
     psi = sum(p.numel() for _, p in trainable)
     stored = sum(p.numel() * p.element_size() for _, p in trainable) / psi
     buckets: list[int] = []
     bucket_padding = 0
+    owned_buffers = _OwnedLayouts(world_size, alignment, whole)
     for group in group_by_dtype(trainable):  # one flat buffer per dtype, as the engines build
-        layout = _layout(
-            [(n, p.shape) for n, p in reversed(group)],
-            world_size,
-            _bucket_cap_numel(bucket_cap_mb, group[0][1].element_size()),
-            alignment,
+        layout = owned_buffers.next(
+            [(n, p.shape) for n, p in reversed(group)], _bucket_cap_numel(bucket_cap_mb, group[0][1].element_size())
         )
         buckets += [b.range.size for b in layout.buckets]
         bucket_padding += layout.padding
     buffers = list(module.buffers())
+    unit_loads: tuple[int, ...] = ()
     if largest_unit_params is not None:
         units = _shape_of_count(psi, bucket_cap_mb, largest_unit_params, world_size, alignment).units
     else:
@@ -201,7 +270,10 @@ def _shape_of_module(
         shapes = []
         plans = plan_units(module, wrap_policy, min_unit_params)
         last = _last_hook_module(module, plans)
-        for plan in plans:
+        owned_units = _OwnedLayouts(world_size, alignment, whole)
+        owned_paddings = _owned_unit_paddings(plans, params, owned_units)
+        unit_loads = tuple(owned_units.loads)
+        for plan, owned_padding in zip(plans, owned_paddings):
             mine = [(n, params[n]) for n in plan.params]
             train = [x for x in mine if x[1].requires_grad]
             frozen = [x for x in mine if not x[1].requires_grad]
@@ -216,7 +288,7 @@ def _shape_of_module(
                     uses=len(plan.hook_modules),
                     held=ROOT in plan.hook_modules,
                     kept=any(encloses(m, last) for m in plan.hook_modules),
-                    trainable_padding=sum(pad for pad, _ in _flat_paddings(train, world_size, alignment)),
+                    trainable_padding=owned_padding,
                     frozen_padding_bytes=sum(pad * size for pad, size in _flat_paddings(frozen, world_size, alignment)),
                 )
             )
@@ -235,6 +307,8 @@ def _shape_of_module(
         float_buffer_bytes=sum(b.numel() * b.element_size() for b in buffers if b.is_floating_point()),
         buffer_count=len(buffers),
         measured=True,
+        bucket_loads=tuple(owned_buffers.loads),
+        unit_loads=unit_loads,
     )
 
 
@@ -246,7 +320,10 @@ def model_shape(
     wrap_policy: WrapPolicy = None,
     min_unit_params: int = 100_000,
     align_for_bandwidth: bool | None = None,
+    whole_tensors: Collection[str] | None = None,
 ) -> ModelShape:
+    """The model laid out on ``world_size`` ranks; ``whole_tensors`` (a module only) owned
+    whole, see [Note: planned ownership]."""
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
     if largest_unit_params is not None and (isinstance(largest_unit_params, bool) or largest_unit_params < 1):
@@ -257,6 +334,13 @@ def model_shape(
     alignment = alignment_for(align_for_bandwidth, None, world_size)
     if isinstance(model_or_count, nn.Module):
         return _shape_of_module(
-            model_or_count, bucket_cap_mb, largest_unit_params, wrap_policy, min_unit_params, world_size, alignment
+            model_or_count,
+            bucket_cap_mb,
+            largest_unit_params,
+            wrap_policy,
+            min_unit_params,
+            world_size,
+            alignment,
+            whole_tensors,
         )
     return _shape_of_count(model_or_count, bucket_cap_mb, largest_unit_params, world_size, alignment)

@@ -62,7 +62,7 @@ def choose_stage(model_or_param_count: ModelOrCount, world_size: int, memory_bud
 
 # --------------------------------------------------------------------------- stage and shard group size
 
-_COMM_OPTIONS = ("bucket_cap_mb", "wrap_policy", "min_unit_params", "align_for_bandwidth")
+_COMM_OPTIONS = ("bucket_cap_mb", "wrap_policy", "min_unit_params", "align_for_bandwidth", "whole_tensors")
 """Options of :func:`estimate_memory` that :func:`estimate_communication` takes too."""
 
 
