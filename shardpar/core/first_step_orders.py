@@ -90,6 +90,23 @@ class LaunchOrder:
         self.order = list(order)
         self.agreed = True
 
+    def recut(self, bucket_names: Sequence[Sequence[str]]) -> LaunchOrder:
+        """The same tensors cut into other buckets (some owned whole, in buckets of their own:
+        [Note: whole-tensor ownership] in layout.py): what was learnt carries over. Agreed, the
+        new buckets launch in the order their tensors' old buckets did (the earliest first, the
+        layout order between equals); else the first uses seen so far go on being recorded."""
+        recut = LaunchOrder(bucket_names)
+        recut._first_use = dict(self._first_use)
+        recut._recording = self._recording
+        if self.agreed:
+            launched = {name: i for i, position in enumerate(self.order) for name in self.bucket_names[position]}
+            recut.adopt(
+                sorted(
+                    range(len(recut.bucket_names)), key=lambda p: (min(launched[n] for n in recut.bucket_names[p]), p)
+                )
+            )
+        return recut
+
 
 class ReadyOrder:
     """The order gradients became final in the first synchronising backward (see [Note: ready
@@ -201,6 +218,11 @@ class FirstStepOrders:
         self._update_records_uses()
         assert record is not None  # the engine rebuilds only while a ready order is recorded
         return record
+
+    def follow_recut_buckets(self, bucket_names: Sequence[Sequence[str]]) -> None:
+        """The buckets were cut anew, the tensors unchanged (see :meth:`LaunchOrder.recut`)."""
+        self.launch = self.launch.recut(bucket_names)
+        self._update_records_uses()
 
     def follow_rebuilt_buckets(self, bucket_names: Sequence[Sequence[str]], ready: Sequence[str]) -> None:
         """The buckets were rebuilt from the agreed ready order ``ready``: they launch in the

@@ -92,10 +92,10 @@ class PostStepGatherer(GatherPhases):
         """Gather ``groups`` from now on (at wrap, and again when the buckets are rebuilt)."""
         self.groups = groups
 
-    def start_all(self) -> None:
-        """Launch every bucket's all-gather of its updated slices (returns at once)."""
+    def start(self, groups: Sequence[FlatParamGroup]) -> None:
+        """Launch the all-gather of ``groups``' updated slices (returns at once)."""
         with torch.no_grad():
-            for flat in self.groups:
+            for flat in groups:
                 assert flat.state is not ShardState.GATHERING, f"'{flat.label}' is already gathering"
                 own = flat.own_slice()
                 if own.data_ptr() != flat.shard.data_ptr():  # gathered in the (narrower) compute dtype

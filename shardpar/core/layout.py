@@ -243,6 +243,7 @@ class BufferLayout:
         owners: Mapping[str, int] | None = None,
         whole: Collection[str] = (),
         loads: Sequence[int] | None = None,
+        owned_apart: bool = False,
     ) -> None:
         """``tensors`` in layout order, each with its shape (row-major) or its element order;
         ``bucket_cap_numel=None`` puts all in one bucket.
@@ -255,7 +256,9 @@ class BufferLayout:
         each placed whole inside their owner's slice of their bucket, and those named in
         ``whole`` (without an owner yet) inside the slice of the rank that updates the fewest
         elements so far, counting ``loads`` (elements per rank in the engine's other layouts):
-        see [Note: whole-tensor ownership].
+        see [Note: whole-tensor ownership]. ``owned_apart``: the whole tensors of a bucket's
+        members get a bucket of their own, behind one of the others (a layout of many buckets;
+        a flat group's single bucket mixes them).
         """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -284,10 +287,14 @@ class BufferLayout:
         """Elements each rank updates so far: the other layouts' and this one's buckets so far."""
         offset = 0
         for members in self._bucket_members(list(orders.items()), bucket_cap_numel):
-            if world_size > 1 and any(name in whole for name, _ in members):
-                offset = self._place_owned(offset, members, whole, owners, running)
-            else:
+            owned = [(name, order) for name, order in members if name in whole]
+            if world_size == 1 or not owned:
                 offset = self._place_dense(offset, members, running)
+            elif owned_apart and len(owned) < len(members):
+                offset = self._place_dense(offset, [item for item in members if item[0] not in whole], running)
+                offset = self._place_owned(offset, owned, whole, owners, running)
+            else:
+                offset = self._place_owned(offset, members, whole, owners, running)
         if world_size == 1:  # one slice: every tensor lies whole in it, as densely laid out
             self.owners = {name: 0 for name in orders if name in whole}
         self.slots = {name: self.slots[name] for name in orders}  # the caller's order, whatever the placement

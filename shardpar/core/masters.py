@@ -87,10 +87,10 @@ class FullMaster:
                 if buf in self.copies:
                     self.copies[buf] = move.full(self.copies[buf])
 
-    def before_optimizer_step(self) -> None:
+    def before_optimizer_step(self, names: frozenset[str] | None) -> None:
         """Nothing is in flight."""
 
-    def after_optimizer_step(self, buffers: Sequence[ParamBuffer]) -> None:
+    def after_optimizer_step(self, buffers: Sequence[ParamBuffer], names: frozenset[str] | None) -> None:
         """Under mixed precision the updated full-precision copies become the compute values."""
         for buf, full in self.copies.items():
             buf.data.copy_(full)
@@ -209,14 +209,23 @@ class ShardedMaster:
                     self.shards[buf] = move.local(self.shards[buf])
         self._track(buffers)
 
-    def before_optimizer_step(self) -> None:
-        """The step overwrites the slices a pending gather sends."""
-        self.gatherer.wait_all()
+    def before_optimizer_step(self, names: frozenset[str] | None) -> None:
+        """The step overwrites the slices a pending gather of their buckets sends."""
+        self.gatherer.wait(self._updating(names))
 
-    def after_optimizer_step(self, buffers: Sequence[ParamBuffer]) -> None:
-        """Launch the all-gather of every bucket's updated slices (completed lazily: [Note: lazy
-        parameter gather] in replicated.py)."""
-        self.gatherer.start_all()
+    def after_optimizer_step(self, buffers: Sequence[ParamBuffer], names: frozenset[str] | None) -> None:
+        """Launch the all-gather of the updated slices of every bucket holding a parameter of
+        ``names`` (completed lazily: [Note: lazy parameter gather] in replicated.py). Two
+        optimizers over parts of the model (Muon's matrices, AdamW's rest) each gather their
+        own buckets, once: a bucket holding parameters of both is gathered after each."""
+        self.gatherer.start(self._updating(names))
+
+    def _updating(self, names: frozenset[str] | None) -> list[FlatParamGroup]:
+        """The flat groups (buckets) holding a parameter of ``names`` (None: all); the same on
+        every rank, as the gathers are collective."""
+        if names is None:
+            return self.groups
+        return [group for group in self.groups if not names.isdisjoint(group.params)]
 
     def wait_for_params(self) -> None:
         self.gatherer.wait_all()

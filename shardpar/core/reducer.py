@@ -47,7 +47,9 @@ full buffer, the owned slices, the gradient shards, a stage-1 carry, a no_sync a
 and the reducer's ledger (gradient_ledger.py) marks them *cleared*: they have no gradient
 for the optimizer until a synchronising backward's used-flags say again who has one. Every
 other parameter keeps its gradient, and its bucket stays in "add" mode, so the next backward
-accumulates on top as torch does. A ``zero_grad`` that covers every parameter is the plain clear.
+accumulates on top as torch does -- until every parameter of the bucket is cleared, by one
+``zero_grad`` or by several (Muon's and AdamW's over one model), when the next backward writes
+it anew, as after the plain clear. A ``zero_grad`` that covers every parameter is the plain clear.
 
 [Note: zero_grad(set_to_none=False)]
 torch's ``zero_grad(set_to_none=False)`` zeroes each ``.grad`` that exists and keeps it; one
@@ -210,8 +212,8 @@ class GradientReducer:
 
     def follow_placement(self) -> None:
         """The spaces' tensors moved within their buckets (tensors owned whole: [Note:
-        whole-tensor ownership] in layout.py), the buckets kept their members: new bucket
-        objects and maps, used-flags moved by name; the launch order stays."""
+        whole-tensor ownership] in layout.py; their own buckets at stages 1-2): new bucket
+        objects and maps, used-flags moved by name, the launch order learnt so far carried over."""
         assert not self._in_flight and self._cursor == 0, "laying out anew while collectives are in flight"
         reduced = {bucket.reduced for bucket in self.buckets}
         assert len(reduced) == 1, "some buckets hold reduced gradients and some do not"
@@ -221,6 +223,7 @@ class GradientReducer:
             bucket.reduced = next(iter(reduced))
         self.ledger.reorder(self.names)
         self._arrived = bytearray(len(self.names))
+        self.orders.follow_recut_buckets([bucket.names for bucket in self.buckets])
 
     # ------------------------------------------------------------------ during backward
 
@@ -386,3 +389,9 @@ class GradientReducer:
                 bucket.reduced = False
             return
         self.strategy.clear_params(some)
+        # A bucket whose every gradient is cleared now, by this zero_grad or by several (one per
+        # optimizer over part of the model): the next backward writes it anew.
+        cleared = self.ledger.cleared
+        for bucket in self.buckets:
+            if bucket.reduced and cleared.issuperset(bucket.names):
+                bucket.reduced = False

@@ -99,6 +99,7 @@ class ParamBuffer:
             owners=self.owners,
             whole=whole,
             loads=loads,
+            owned_apart=True,
         )
 
     def relayout(self, move: Relayout) -> None:
@@ -237,13 +238,13 @@ class ReplicatedStorage:
         """Stage 0: whole parameters; stages 1-2: this rank's pieces (see TensorPiece)."""
         return self.master.optimizer_pieces(self.buffers, names, strategy)
 
-    def before_optimizer_step(self) -> None:
-        self.master.before_optimizer_step()
+    def before_optimizer_step(self, names: frozenset[str] | None = None) -> None:
+        self.master.before_optimizer_step(names)
 
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_step(self, names: frozenset[str] | None = None) -> None:
         """Make the updated values the ones forward computes with (see the master part)."""
         with torch.no_grad():
-            self.master.after_optimizer_step(self.buffers)
+            self.master.after_optimizer_step(self.buffers, names)
 
     def wait_for_params(self) -> None:
         self.master.wait_for_params()

@@ -246,10 +246,10 @@ class ShardedStorage:
                     )
         return [found[name] for name in names if name in found]
 
-    def before_optimizer_step(self) -> None:
+    def before_optimizer_step(self, names: frozenset[str] | None = None) -> None:
         """Nothing is gathered between steps at stage 3."""
 
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_step(self, names: frozenset[str] | None = None) -> None:
         """The shards were updated in place; the next forward gathers them."""
 
     def wait_for_params(self) -> None:

@@ -57,8 +57,12 @@ class Storage(Protocol):
         """The tensors the wrapped optimizer updates for ``names`` on this rank, with their
         reduced gradients (read from ``strategy``)."""
 
-    def before_optimizer_step(self) -> None: ...
-    def after_optimizer_step(self) -> None: ...
+    def before_optimizer_step(self, names: frozenset[str] | None = None) -> None:
+        """An optimizer over ``names`` (None: every parameter) is about to change their values."""
+
+    def after_optimizer_step(self, names: frozenset[str] | None = None) -> None:
+        """It changed them: make them the ones forward computes with."""
+
     def wait_for_params(self) -> None:
         """Block until the parameters are complete and current."""
 

@@ -259,10 +259,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # None, the step changes nothing (no weight decay, no moment update). Gradients that
             # zero_grad(set_to_none=False) kept are zeros torch would step with.
             if self.engine.reducer.ledger.any_gradient:
-                self.engine.storage.before_optimizer_step()
+                self.engine.storage.before_optimizer_step(self._names)
                 self._attach_grads()
                 self.inner.step()
-                self.engine.storage.after_optimizer_step()
+                self.engine.storage.after_optimizer_step(self._names)
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
@@ -290,7 +290,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
         """See [Note: closures]."""
-        self.engine.storage.before_optimizer_step()  # the inner step may change values before it calls the closure
+        self.engine.storage.before_optimizer_step(self._names)  # the inner step may change values before the closure
         if self.engine.reducer.ledger.any_gradient:  # an optimizer may read gradients of a backward before the step
             self._attach_grads()
         calls = 0
@@ -298,11 +298,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         def reduced_closure() -> Any:
             nonlocal calls
             if calls:
-                self.engine.storage.after_optimizer_step()
+                self.engine.storage.after_optimizer_step(self._names)
             calls += 1
             with torch.enable_grad():
                 loss = closure()
-            self.engine.storage.before_optimizer_step()
+            self.engine.storage.before_optimizer_step(self._names)
             if self.engine.reducer.ledger.any_gradient:
                 self._attach_grads()
             else:
@@ -310,7 +310,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return self._mean_over_ranks(loss)
 
         loss = self.inner.step(reduced_closure)
-        self.engine.storage.after_optimizer_step()
+        self.engine.storage.after_optimizer_step(self._names)
         return loss
 
     def _mean_over_ranks(self, loss: Any) -> Any:

@@ -137,12 +137,18 @@ class _OwnedLayouts:
         self.whole = whole
         self.loads = [0] * world_size
 
-    def next(self, shapes: list[tuple[str, torch.Size]], cap: int | None) -> BufferLayout:
+    def next(self, shapes: list[tuple[str, torch.Size]], cap: int | None, owned_apart: bool) -> BufferLayout:
         """The next layout, as ``whole_layouts`` builds it: owners where its tensors are in
         ``whole`` (none yet, so each goes by the loads so far)."""
         names = {name for name, _ in shapes}
         layout = BufferLayout(
-            shapes, self.world_size, cap, **self.alignment._asdict(), whole=self.whole & names, loads=self.loads
+            shapes,
+            self.world_size,
+            cap,
+            **self.alignment._asdict(),
+            whole=self.whole & names,
+            loads=self.loads,
+            owned_apart=owned_apart,
         )
         self.loads = [sum(pair) for pair in zip(self.loads, layout.rank_loads())]
         return layout
@@ -215,7 +221,7 @@ def _owned_unit_paddings(plans: list[UnitPlan], params: dict[str, nn.Parameter],
     for index in reversed(range(len(plans))):
         train = [(n, params[n]) for n in plans[index].params if params[n].requires_grad]
         for group in group_by_dtype(train) if train else []:
-            paddings[index] += owned.next([(n, p.shape) for n, p in reversed(group)], None).padding
+            paddings[index] += owned.next([(n, p.shape) for n, p in reversed(group)], None, owned_apart=False).padding
     return paddings
 
 
@@ -257,7 +263,9 @@ def _shape_of_module(
     owned_buffers = _OwnedLayouts(world_size, alignment, whole)
     for group in group_by_dtype(trainable):  # one flat buffer per dtype, as the engines build
         layout = owned_buffers.next(
-            [(n, p.shape) for n, p in reversed(group)], _bucket_cap_numel(bucket_cap_mb, group[0][1].element_size())
+            [(n, p.shape) for n, p in reversed(group)],
+            _bucket_cap_numel(bucket_cap_mb, group[0][1].element_size()),
+            owned_apart=True,
         )
         buckets += [b.range.size for b in layout.buckets]
         bucket_padding += layout.padding
