@@ -48,10 +48,13 @@ factored moments, LARS's trust ratio, Shampoo's preconditioners: ``shardpar.opti
 decides, optim/sharded.py), gets each of its tensors whole on one rank, its *owner*, by the
 layout alone: such a tensor is placed whole inside its owner's slice of its bucket.
 
-- Which tensors share a bucket does not change (the cap decides, laid out densely in the given
-  order: :meth:`BufferLayout._bucket_members`). Within a bucket, its elementwise tensors come
-  first, back to back from the bucket's start (cut across slices as always); the owned ones
-  follow in the room left in the slices, each whole in one. The slice size is the smallest
+- Which tensors share a bucket window does not change (the cap decides, laid out densely in
+  the given order: :meth:`BufferLayout._bucket_members`). Where a window is one bucket (a
+  stage-3 unit's flat group), its elementwise tensors come first, back to back from the
+  bucket's start (cut across slices as always); the owned ones follow in the room left in the
+  slices, each whole in one. Where it may be more (stages 1-2: ``owned_apart``), the owned
+  tensors get a bucket of their own behind the others', which stay densely sliced: elementwise
+  state 1/N exactly, the owned balanced alone. The slice size is the smallest
   multiple of ``bucket_multiple / N`` for which they fit and the ranks stay balanced: each
   owned tensor, longest first, goes to the rank that updates the fewest elements so far (over
   every layout of the engine, elementwise pieces counted too) among those whose slice has room,
