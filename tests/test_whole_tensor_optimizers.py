@@ -302,8 +302,9 @@ def _save_then_continue(case: str, stage: int, directory: str) -> dict[str, Any]
     return out
 
 
-def _resume(case: str, stage: int, directory: str) -> dict[str, Any]:
-    model = shardpar.wrap(_net(), stage=stage, bucket_cap_mb=0.001, min_unit_params=1)
+def _resume(case: str, stage: int, directory: str, shard_group_size: int | None = None) -> dict[str, Any]:
+    hybrid = {} if shard_group_size is None else {"shard_group_size": shard_group_size}
+    model = shardpar.wrap(_net(), stage=stage, bucket_cap_mb=0.001, min_unit_params=1, **hybrid)
     optimizers = OPTIMIZERS[case](model, _shardpar_make(model))
     for index, opt in enumerate(optimizers):
         shardpar.load_checkpoint(f"{directory}/optimizer{index}", model, opt)
@@ -321,6 +322,52 @@ def _train_steps(model: Any, optimizers: list[Any], steps: range) -> None:
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
+
+
+def test_a_checkpoint_resumes_under_hybrid_sharding_as_training_straight_through(tmp_path: Any) -> None:
+    """Saved at world 2, full sharding (one shard group of 2), resumed at world 4 in shard groups
+    of 2: each owned tensor's state goes to its owner in every shard group."""
+    through = run_ranks(_save_then_continue, 2, "torch Muon + AdamW", 2, str(tmp_path), timeout=180)
+    back = run_ranks(_resume, 4, "torch Muon + AdamW", 2, str(tmp_path), 2, timeout=180)
+    for name, value in through[0]["params"].items():
+        for rank, out in enumerate(back):
+            assert torch.allclose(out["params"][name], value, rtol=1e-4, atol=1e-6), (rank, name)
+
+
+def _accumulated(case: str, stage: int, micro_batches: int) -> dict[str, torch.Tensor]:
+    """One step per global batch of 16 rows, as ``micro_batches`` backwards (all but the last
+    under ``no_sync``), each on its part of this rank's rows and its loss divided by their number."""
+    model = shardpar.wrap(_net(), stage=stage, bucket_cap_mb=0.001, min_unit_params=1)
+    optimizers = OPTIMIZERS[case](model, _shardpar_make(model))
+    for step in range(STEPS):
+        rows = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+        mine = rows[C.get_rank() * 8 : (C.get_rank() + 1) * 8]
+        for micro, part in enumerate(mine.chunk(micro_batches)):
+            with contextlib.nullcontext() if micro == micro_batches - 1 else model.no_sync():
+                (model(part).square().mean() / micro_batches).backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    params = model.full_state_dict()
+    model.engine.close()
+    return params
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("case", ["torch Muon + AdamW", "nanochat Muon + AdamW", "Adafactor"])
+def test_four_micro_batches_step_as_one_batch_of_four(case: str, stage: int) -> None:
+    """Accumulated gradients reach the owner once, after the last micro-batch: the update is the
+    one of the whole batch, within the precision of the update (the two sum the rows' gradients
+    in another order; Muon orthogonalises in bfloat16)."""
+    whole = run_ranks(_accumulated, 2, case, stage, 1, timeout=120)
+    accumulated = run_ranks(_accumulated, 2, case, stage, 4, timeout=120)
+    for rank in range(2):
+        for name, value in whole[rank].items():
+            assert torch.allclose(accumulated[rank][name], value, rtol=1e-3, atol=1e-5), (
+                rank,
+                name,
+                (accumulated[rank][name] - value).abs().max().item(),
+            )
 
 
 @pytest.mark.parametrize(
