@@ -291,23 +291,24 @@ def test_clipping_by_the_global_norm_then_muon_trains_as_torch_ddp(stage: int) -
 
 def _save_then_continue(case: str, stage: int, directory: str) -> dict[str, Any]:
     """Two steps, a checkpoint per optimizer, two steps more: the straight-through result."""
-    model = shardpar.wrap(_net(), stage=stage, bucket_cap_mb=0.001, min_unit_params=1)
-    optimizers = OPTIMIZERS[case](model, _shardpar_make(model))
-    _train_steps(model, optimizers, range(2))
-    for index, opt in enumerate(optimizers):
-        shardpar.save_checkpoint(f"{directory}/optimizer{index}", model, opt)
-    _train_steps(model, optimizers, range(2, 4))
-    out = {"params": model.full_state_dict()}
-    model.engine.close()
-    return out
+    return _steps_2_and_3(case, stage, directory, resume=False)
 
 
 def _resume(case: str, stage: int, directory: str, shard_group_size: int | None = None) -> dict[str, Any]:
+    """The checkpoints of :func:`_save_then_continue` loaded, then its last two steps."""
+    return _steps_2_and_3(case, stage, directory, resume=True, shard_group_size=shard_group_size)
+
+
+def _steps_2_and_3(
+    case: str, stage: int, directory: str, resume: bool, shard_group_size: int | None = None
+) -> dict[str, Any]:
     hybrid = {} if shard_group_size is None else {"shard_group_size": shard_group_size}
     model = shardpar.wrap(_net(), stage=stage, bucket_cap_mb=0.001, min_unit_params=1, **hybrid)
     optimizers = OPTIMIZERS[case](model, _shardpar_make(model))
+    if not resume:
+        _train_steps(model, optimizers, range(2))
     for index, opt in enumerate(optimizers):
-        shardpar.load_checkpoint(f"{directory}/optimizer{index}", model, opt)
+        (shardpar.load_checkpoint if resume else shardpar.save_checkpoint)(f"{directory}/optimizer{index}", model, opt)
     _train_steps(model, optimizers, range(2, 4))
     out = {"params": model.full_state_dict()}
     model.engine.close()
