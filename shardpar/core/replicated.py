@@ -23,7 +23,7 @@ flat groups (and use-module hooks) for the new buckets.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,11 +68,8 @@ class ParamBuffer:
         self.alignment = alignment
         self.world_size = world_size
         self.bucket_cap_numel = bucket_cap_numel
-        self.owners: dict[str, int] = {}
-        """Its tensors owned whole by one rank each, and that rank: chosen once, kept by every
-        later layout ([Note: whole-tensor ownership] in layout.py)."""
         # Reverse registration order: see [Note: layout order] in layout.py.
-        self.layout = self.layout_in([name for name, _ in reversed(named)])
+        self.layout = self.layout_in([name for name, _ in reversed(named)], owners={})
         self.data = torch.zeros(self.layout.numel, dtype=self.compute_dtype, device=self.device)  # 1-D, padded
 
     def hold_params(self) -> None:
@@ -85,18 +82,23 @@ class ParamBuffer:
                 param.data = view
 
     def layout_in(
-        self, order: Sequence[str], whole: frozenset[str] = frozenset(), loads: Sequence[int] | None = None
+        self,
+        order: Sequence[str],
+        whole: frozenset[str] = frozenset(),
+        loads: Sequence[int] | None = None,
+        owners: Mapping[str, int] | None = None,
     ) -> BufferLayout:
-        """This buffer's tensors laid out in ``order`` and cut into buckets, those it owns whole
-        each in its owner's slice and those in ``whole`` in the slice of a rank chosen by
-        ``loads`` (see :class:`BufferLayout`): the one place its layouts are built, at wrap,
-        when tensors become owned whole and when the buckets are rebuilt."""
+        """This buffer's tensors laid out in ``order`` and cut into buckets, those owned whole
+        each in its owner's slice (``owners``, None: the current layout's, chosen once and kept:
+        [Note: whole-tensor ownership] in layout.py) and those in ``whole`` in the slice of a
+        rank chosen by ``loads`` (see :class:`BufferLayout`): the one place its layouts are
+        built, at wrap, when tensors become owned whole and when the buckets are rebuilt."""
         return BufferLayout(
             [(name, self.orders[name]) for name in order],
             self.world_size,
             self.bucket_cap_numel,
             **self.alignment._asdict(),
-            owners=self.owners,
+            owners=self.layout.owners if owners is None else owners,
             whole=whole,
             loads=loads,
             owned_apart=True,
@@ -205,14 +207,14 @@ class ReplicatedStorage:
     def whole_layouts(self, names: frozenset[str]) -> dict[ParamBuffer, BufferLayout]:
         """Each buffer's layout in its order with ``names`` owned whole besides those owned
         before (owners given to the new ones only), for the buffers where that moves anything
-        ([Note: whole-tensor ownership] in layout.py). The buffers own them from now on."""
+        ([Note: whole-tensor ownership] in layout.py)."""
 
-        def lay_out(buf: ParamBuffer, whole: frozenset[str], loads: list[int]) -> BufferLayout:
-            layout = buf.layout_in(list(buf.layout.slots), whole, loads)
-            buf.owners = dict(layout.owners)
-            return layout
-
-        return whole_layouts(self.buffers, names, self.world_size, lay_out)
+        return whole_layouts(
+            self.buffers,
+            names,
+            self.world_size,
+            lambda buf, whole, loads: buf.layout_in(list(buf.layout.slots), whole, loads),
+        )
 
     def relayout(self, moves: dict[ParamBuffer, Relayout]) -> None:
         """Move the buffers to their new layouts; stages 1-2 track the new buckets."""

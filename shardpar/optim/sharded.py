@@ -558,15 +558,19 @@ def _probe(
         param = nn.Parameter(values[start : start + numel].clone().reshape(shape))
         start += numel
         handed: list[Any] = [param] if options is None else [{**options, "params": [param]}]
-        probe = optimizer_class(handed, **defaults)
-        for group in probe.param_groups:
-            lr = group.get("lr")
-            if isinstance(lr, torch.Tensor):
-                group["lr"] = torch.full_like(lr, _PROBE_LR)  # never fill the user's tensor
-            elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
-                group["lr"] = _PROBE_LR
-        built.append((param, probe))
+        built.append((param, _at_probe_lr(optimizer_class(handed, **defaults))))
     return built
+
+
+def _at_probe_lr(probe: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``probe`` with every group at ``_PROBE_LR`` (see there)."""
+    for group in probe.param_groups:
+        lr = group.get("lr")
+        if isinstance(lr, torch.Tensor):
+            group["lr"] = torch.full_like(lr, _PROBE_LR)  # never fill the user's tensor
+        elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
+            group["lr"] = _PROBE_LR
+    return probe
 
 
 def _step_needs_closure(optimizer_class: type[torch.optim.Optimizer]) -> bool:
@@ -821,13 +825,7 @@ def _probe_together(
         nn.Parameter(values[i : i + numel].clone().reshape(_PROBE_SHAPE)) for i in range(0, values.numel(), numel)
     ]
     handed: list[Any] = list(params) if options is None else [{**options, "params": list(params)}]
-    probe = optimizer_class(handed, **defaults)
-    for group in probe.param_groups:
-        lr = group.get("lr")
-        if isinstance(lr, torch.Tensor):
-            group["lr"] = torch.full_like(lr, _PROBE_LR)
-        elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
-            group["lr"] = _PROBE_LR
+    probe = _at_probe_lr(optimizer_class(handed, **defaults))
     for grad in grads:
         pieces = [grad[i * numel : (i + 1) * numel].clone().reshape(_PROBE_SHAPE) for i in range(len(params))]
         if needs_closure:
