@@ -58,7 +58,7 @@ from ..core.wait_clock import WaitClock
 from .buffer_sync import BufferSync
 from .casts import MixedPrecisionCasts
 from .grad_placeholder_hooks import GradPlaceholders
-from .hooks import engine_hook, grad_ready_hooks, grad_tensors, on_first_grad
+from .hooks import engine_hook, grad_ready_hooks, grad_tensors, never_compiled, on_first_grad
 from .module_hooks import UnitHooks, UseHooks, module_of_params
 from .stages import RowInputs
 
@@ -131,6 +131,8 @@ class Engine:
         self._handles: list[Any] = []
         self._backward_start_hook = _disabled(lambda grad: self.ensure_backward_started())
         """Put on the root output once per forward; made once (see on_first_grad)."""
+        self._finish_backward_eagerly = never_compiled(self._finish_backward)
+        """The end-of-backward callback, made once."""
         self._tree = ModuleTree(module)
         self.unit_hooks: UnitHooks | None = None
         """Stage 3's hooks on units' hook and entry modules (installed by the stage's row)."""
@@ -287,7 +289,9 @@ class Engine:
         self.state.begin_backward()
         self.reducer.begin_backward()
         self.state.final_callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        # Never compiled: a training step compiled with its backward runs this callback while
+        # dynamo's frame callback is set, and it waits for and launches collectives.
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward_eagerly)
         self.reducer.orders.backward_starts(self._exchange_with_every_rank)
         self.gatherer.begin_backward()
 

@@ -1,7 +1,7 @@
 """How the engine's hooks are made: module hooks run eagerly and are marked as the engine's;
 tensor hooks fire once per backward, and those on parameters hold the engine weakly.
 
-Hooks are excluded from compilation (``torch.compiler.disable``), because they launch
+Hooks are excluded from compilation (:func:`never_compiled`), because they launch
 collectives: where compiled code calls one (``torch.compile`` of the whole wrapped model) it is
 a graph break, and under ``fullgraph=True`` an error, so none is placed inside a compiled module
 ([Note: compiled modules] in core/units.py). Each module hook is marked, so that a method
@@ -34,6 +34,7 @@ holds the model or the optimizer. Module hooks are plain Python and need no such
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,9 +47,58 @@ FORWARD_HOOK_MARK = "_shardpar_forward_hook"
 """Set on every forward hook an engine registers: what a registered method runs."""
 
 
+@functools.cache
+def _frame_skipper() -> Callable[[Any], None] | None:
+    """What marks a code object's frames, and all they call, to run eagerly under dynamo
+    (torch >= 2.6's frame strategies); None on an older torch. Asked at the first wrap, not at
+    ``import shardpar``: importing dynamo takes seconds, as ``torch.compiler.disable`` does."""
+    from torch._dynamo import eval_frame
+
+    set_strategy = getattr(eval_frame, "set_code_exec_strategy", None)
+    if set_strategy is None:
+        return None
+    skip_all = eval_frame.FrameExecStrategy(eval_frame.FrameAction.SKIP, eval_frame.FrameAction.SKIP)  # type: ignore[attr-defined]  # not re-exported by torch
+    return lambda code: set_strategy(code, skip_all)
+
+
+def _code_of(fn: Callable[..., Any]) -> Any:
+    """The code object a call of ``fn`` runs: of a function, a bound method, or a partial of either."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    return getattr(fn, "__code__", None)
+
+
+def never_compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, which dynamo neither traces nor inlines, nor anything it calls.
+
+    [Note: excluded from compilation at no cost per call]
+    ``torch.compiler.disable(fn)`` wraps ``fn`` in a Python function that switches dynamo's
+    frame callback off and on again around each call, about 2 µs on a CPU core: on a
+    post-accumulate-grad hook, more than the hook's own work (issue #44; measured by
+    interleaved backward passes of the overhead model, 386 hooks). The same exclusion is two
+    marks made once: the frame strategy of ``fn``'s code (skip it, and every frame it calls,
+    which is what the wrapper's switch does for a call from eager code or a compiled graph's
+    break) and ``_torchdynamo_disable`` on ``fn`` itself (what dynamo asks before inlining a
+    call, where the wrapper's mark stops it: a graph break, after which the call is a frame
+    again). A call then costs nothing more where no compilation is under way. Where the marks
+    cannot be made (older torch, or an object without its own attributes), the wrapper it is.
+    The code is marked for every function made from it, which is what every engine hook wants:
+    its code is the engine's and never meant for compiled graphs."""
+    code, skip_frames_of = _code_of(fn), _frame_skipper()
+    if skip_frames_of is None or code is None:
+        return torch.compiler.disable(fn)  # type: ignore[no-untyped-call,no-any-return]  # untyped in torch
+    try:
+        fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # dynamo's own mark
+    except AttributeError:  # a bound method, say
+        return torch.compiler.disable(fn)  # type: ignore[no-untyped-call,no-any-return]  # untyped in torch
+    skip_frames_of(code)
+    return fn
+
+
 def engine_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` as one of the engine's hooks: never compiled, and marked."""
-    hook: Callable[..., Any] = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]  # torch.compiler.disable is unannotated
+    hook = never_compiled(fn)
     setattr(hook, FORWARD_HOOK_MARK, True)
     return hook
 
@@ -86,7 +136,7 @@ def grad_ready_hooks(
             if engine_method is not None:  # else the engine is gone: the parameter is plain again
                 engine_method(name, param)
 
-        return torch.compiler.disable(on_accumulated)  # type: ignore[no-untyped-call,no-any-return]  # untyped in torch
+        return never_compiled(on_accumulated)
 
     return [
         param.register_post_accumulate_grad_hook(hook_for(name))  # type: ignore[no-untyped-call]  # untyped in torch

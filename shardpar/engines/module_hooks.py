@@ -35,7 +35,7 @@ from ..core.gatherer import UnitGatherer
 from ..core.reducer import GradientReducer
 from ..core.training_state import TrainingState
 from ..core.units import Unit, UnitPlan, display_name
-from .hooks import engine_hook, grad_tensors, on_first_grad
+from .hooks import engine_hook, grad_tensors, never_compiled, on_first_grad
 
 
 def module_of_params(tree: Any, storage: Any) -> dict[str, str]:
@@ -159,11 +159,7 @@ class UnitHooks:
         # Made once: a hook per unit output per forward is only registered, not built. The
         # hooks are partials of the methods (no lambda between: a call fewer per hook, three
         # per unit per step).
-        self._pre_backward_hooks = {
-            # (torch.compiler.disable is untyped in torch)
-            unit: torch.compiler.disable(functools.partial(self._pre_backward, unit))  # type: ignore[no-untyped-call]
-            for unit in units
-        }
+        self._pre_backward_hooks = {unit: never_compiled(functools.partial(self._pre_backward, unit)) for unit in units}
         self.on_hook_modules: list[Any] = []
         for unit in units:
             for hook_name in unit.hook_modules:
