@@ -74,7 +74,7 @@ def never_compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     [Note: excluded from compilation at no cost per call]
     ``torch.compiler.disable(fn)`` wraps ``fn`` in a Python function that switches dynamo's
-    frame callback off and on again around each call, about 2 µs on a CPU core: on a
+    frame callback off and on again around each call, 1-2 µs on a CPU core: on a
     post-accumulate-grad hook, more than the hook's own work (issue #44; measured by
     interleaved backward passes of the overhead model, 386 hooks). The same exclusion is two
     marks made once: the frame strategy of ``fn``'s code (skip it, and every frame it calls,
@@ -86,14 +86,15 @@ def never_compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     The code is marked for every function made from it, which is what every engine hook wants:
     its code is the engine's and never meant for compiled graphs."""
     code, skip_frames_of = _code_of(fn), _frame_skipper()
-    if skip_frames_of is None or code is None:
-        return torch.compiler.disable(fn)  # type: ignore[no-untyped-call,no-any-return]  # untyped in torch
-    try:
-        fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # dynamo's own mark
-    except AttributeError:  # a bound method, say
-        return torch.compiler.disable(fn)  # type: ignore[no-untyped-call,no-any-return]  # untyped in torch
-    skip_frames_of(code)
-    return fn
+    if skip_frames_of is not None and code is not None:
+        try:
+            fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # dynamo's own mark
+        except AttributeError:  # a bound method, say: the wrapper below
+            pass
+        else:
+            skip_frames_of(code)
+            return fn
+    return torch.compiler.disable(fn)  # type: ignore[no-untyped-call,no-any-return]  # untyped in torch
 
 
 def engine_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
