@@ -144,7 +144,16 @@ def _compiled_step_run() -> dict[int, dict[str, Any]]:
         seen_compiling.append(torch.compiler.is_compiling())
         return on_grad_ready(self, name, param)
 
+    arrived_in_place = GradientReducer.arrived_in_place
+
+    def recording_in_place(self: GradientReducer, name: str, param: nn.Parameter) -> bool:
+        taken = arrived_in_place(self, name, param)
+        if taken:  # else on_grad_ready takes it, and records it
+            seen_compiling.append(torch.compiler.is_compiling())
+        return taken
+
     GradientReducer.on_grad_ready = recording  # type: ignore[method-assign]
+    GradientReducer.arrived_in_place = recording_in_place  # type: ignore[method-assign]
     out = {}
     try:
         for stage in STAGES:
@@ -168,6 +177,7 @@ def _compiled_step_run() -> dict[int, dict[str, Any]]:
             out[stage] = {"final": model.full_state_dict(), "compiling": list(seen_compiling)}
     finally:
         GradientReducer.on_grad_ready = on_grad_ready  # type: ignore[method-assign]
+        GradientReducer.arrived_in_place = arrived_in_place  # type: ignore[method-assign]
     return out
 
 

@@ -7,17 +7,21 @@ cached (``tests.support.parity.sharded``) so one run serves every property check
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from fractions import Fraction
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import shardpar
 from shardpar.comm import collectives as C
+from tests.support.harness import run_ranks
 from tests.support.models import (
     KITCHEN,
     KITCHEN_BATCHNORM,
@@ -367,3 +371,79 @@ def _weights_after_wrap() -> Result:
     torch.manual_seed(100 + C.get_rank())  # deliberately different initial weights per rank
     model = shardpar.wrap(KitchenSink(norm="batch"), stage=0)
     return Result(state=model.full_state_dict())
+
+
+# --------------------------------------------------------------------------- gradients in place
+
+
+def _in_place_run(stage: int) -> dict[str, Any]:
+    """Four backwards of the MLP at ``stage`` (several buckets), the third under no_sync
+    (accumulated into the fourth): per backward, how many arrivals each of the reducer's two
+    paths took; whether ``.grad`` was None after each ``zero_grad``; the final state, and plain
+    torch's on the whole batch ([Note: gradients accumulate in the buffer] in core/reducer.py)."""
+    from shardpar.core.reducer import GradientReducer
+
+    counts = {"full": 0, "in_place": 0}
+    on_grad_ready, arrived_in_place = GradientReducer.on_grad_ready, GradientReducer.arrived_in_place
+
+    def full(self: GradientReducer, name: str, param: torch.nn.Parameter) -> Any:
+        counts["full"] += 1
+        return on_grad_ready(self, name, param)
+
+    def in_place(self: GradientReducer, name: str, param: torch.nn.Parameter) -> bool:
+        taken = arrived_in_place(self, name, param)
+        counts["in_place"] += taken
+        return taken
+
+    GradientReducer.on_grad_ready, GradientReducer.arrived_in_place = full, in_place  # type: ignore[method-assign]
+    try:
+        module = MLP.build()
+        reference = copy.deepcopy(module)
+        model = shardpar.wrap(module, stage=stage, **dict(SEVERAL_BUCKETS))
+        opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        rank, world = C.get_rank(), C.get_world_size()
+        rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        per_backward, none_after_zero_grad = [], []
+        for step in range(4):
+            x, y = module.example(8, torch.Generator().manual_seed(step))  # type: ignore[operator]
+            counts.update(full=0, in_place=0)
+            with model.no_sync() if step == 2 else contextlib.nullcontext():
+                F.mse_loss(model(x[rows]), y[rows]).backward()
+            per_backward.append(dict(counts))
+            F.mse_loss(reference(x), y).backward()
+            if step != 2:
+                opt.step()
+                ref_opt.step()
+                opt.zero_grad()
+                ref_opt.zero_grad()
+                none_after_zero_grad.append(all(p.grad is None for p in module.parameters()))
+        out = {
+            "per_backward": per_backward,
+            "buckets": len(model.engine.reducer.buckets),
+            "tensors": len(model.engine.reducer.names),
+            "none_after_zero_grad": none_after_zero_grad,
+            "state": model.full_state_dict(),
+            "reference": reference.state_dict(),
+        }
+        model.engine.close()
+        return out
+    finally:
+        GradientReducer.on_grad_ready, GradientReducer.arrived_in_place = on_grad_ready, arrived_in_place  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_gradients_accumulate_in_the_buffer_and_one_arrival_per_bucket_takes_the_full_path(stage: int) -> None:
+    """From the second synchronising backward on, autograd accumulates into the buffer's views
+    and the reducer counts each arrival in one call; only the arrival that completes a bucket
+    takes the full path. The first backward (every gradient checked as autograd made it) and a
+    no_sync backward take the full path for every gradient. ``zero_grad`` still leaves
+    ``.grad`` None, and training matches plain torch on the whole batch."""
+    for rank, out in enumerate(run_ranks(_in_place_run, 2, stage, timeout=120)):
+        tensors, buckets = out["tensors"], out["buckets"]
+        assert buckets > 1, buckets  # several buckets, so several complete during backward
+        everything = {"full": tensors, "in_place": 0}
+        counted = {"full": buckets, "in_place": tensors - buckets}
+        assert out["per_backward"] == [everything, counted, everything, counted], (rank, out["per_backward"])
+        assert out["none_after_zero_grad"] == [True, True, True], rank
+        assert_states_close(out["state"], out["reference"], what=f"stage {stage}, rank {rank}")

@@ -53,6 +53,8 @@ class BucketReduction(Protocol):
     max_in_flight: int | None
     """How many reductions may be outstanding (None: no bound)."""
 
+    def in_place_views(self) -> dict[str, torch.Tensor]: ...
+    def grads_into_buffer(self, buckets: Sequence[GradBucket]) -> None: ...
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
     def accumulate_no_sync(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
     def accept_again(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None: ...
@@ -134,14 +136,53 @@ class _FullGradBuffer:
         # (accept_grad points it at its view then).
         self.views = {name: s.layout.view(self.grad_buffers[s], name) for s in spaces for name in s.params}
 
+    def in_place_views(self) -> dict[str, torch.Tensor]:
+        """The views that autograd accumulates into in place once :meth:`grads_into_buffer`
+        made them ``.grad``: those of the parameters whose dtype is the buffer's."""
+        return {
+            name: self.views[name]
+            for space in self.spaces
+            if self.grad_buffers[space].dtype == space.compute_dtype
+            for name in space.params
+        }
+
+    def grads_into_buffer(self, buckets: Sequence[GradBucket]) -> None:
+        """At the start of every backward, each parameter without a gradient gets its view,
+        zeroed, as ``.grad``: see [Note: gradients accumulate in the buffer]. A bucket that holds
+        reduced gradients (stage 1's, kept for accumulation across reductions) is left as it is:
+        its first gradient carries them aside (accept_grad)."""
+        for space in self.spaces:
+            data = self.grad_buffers[space]
+            if data.dtype != space.compute_dtype:
+                continue  # the buffer accumulates by add_: see accept_grad
+            views = self.views
+            with metadata_only():  # stage 1's parameters may be guarded here (a gather pending)
+                without = [
+                    (param, views[name])
+                    for bucket in buckets
+                    if bucket.space is space and not bucket.reduced
+                    for name, param in bucket.members
+                    if param.grad is None
+                ]
+                if not without:
+                    continue
+                if len(without) == len(space.params):
+                    data.zero_()  # the common case, after zero_grad: one memset
+                else:
+                    for _, view in without:
+                        view.zero_()
+                for param, view in without:
+                    param.grad = view
+
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
         assert param.grad is not None  # called from its post-accumulate-grad hook: the gradient is there
         view = self.views[name]
         if param.grad is view:
-            return
+            return  # autograd added it into the buffer in place: see grads_into_buffer
         if view.dtype == param.dtype:
-            # .grad was None (zero_grad, or an unused parameter's), so autograd allocated a
-            # fresh tensor: take its value and point .grad back at the buffer.
+            # .grad was not the view when autograd accumulated (the gradient arrived after its
+            # bucket launched, or before grads_into_buffer ran, or under create_graph, where
+            # autograd accumulates out of place): take its value and point .grad back at the buffer.
             view.copy_(param.grad)
             param.grad = view
         else:
@@ -190,10 +231,9 @@ class _FullGradBuffer:
                 self.accept_grad(bucket, name, param)
 
     def clear(self) -> None:
-        # As torch's zero_grad(set_to_none=True): no memset. The next backward's first gradient
-        # of each parameter is copied over the stale values (accept_grad), parameters that get
-        # none are zeroed (fill_missing). Only a buffer that accumulates by add_ (reduce dtype
-        # differs from the parameters') is zeroed.
+        # As torch's zero_grad(set_to_none=True): no memset here. The next backward zeroes the
+        # buffer once as it points .grad at it (grads_into_buffer). Only a buffer that
+        # accumulates by add_ (reduce dtype differs from the parameters') is zeroed now.
         for space, grad in self.grad_buffers.items():
             if grad.dtype != space.compute_dtype:
                 grad.zero_()

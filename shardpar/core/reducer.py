@@ -60,6 +60,32 @@ zeros*) until a ``zero_grad`` that sets them to None: they have a gradient whate
 used-flags say, its values are zeroed wherever the strategy keeps them (``clear_params``),
 and at stage 0, where ``.grad`` is a view of the full buffer, ``.grad`` stays that zeroed
 view.
+
+[Note: gradients accumulate in the buffer]
+At stages 0-1 the full gradient buffer holds a view per parameter (its slot, with the
+parameter's shape and strides). At the start of every synchronising backward -- its first
+hook, which for a backward through the model's output runs before any parameter's gradient
+exists -- each parameter whose ``.grad`` is None gets its view, zeroed, as ``.grad`` (one
+memset per buffer when every parameter was cleared, as after ``zero_grad``). Autograd then
+adds each gradient into that view in place, as it does into any ``.grad`` that exists, instead
+of handing over a new tensor that the hook copied into the buffer; and the post-accumulate-grad
+hook only counts the arrival (:meth:`GradientReducer.arrived_in_place`: one call, no tensor op).
+It is DDP's ``gradient_as_bucket_view`` with torch's ``zero_grad`` kept: between ``zero_grad()``
+and the next backward ``.grad`` is None, as in plain torch, and under ``no_sync`` nothing is
+pointed (a parameter the backward does not reach stays None, as under DDP's no_sync). Nor in
+the first synchronising backward since wrap, where every gradient arrives as autograd made it: that is
+where a sparse gradient (from a functional call no wrap-time check sees) is refused, naming
+the parameter; a later one would be added into the dense view in place, its values intact.
+Every other arrival takes the full path (:meth:`GradientReducer.on_grad_ready`): the one that
+completes its bucket (which then launches), a second arrival (reentrant checkpointing), one
+after its bucket launched (its view was taken off), one that autograd accumulated out of place
+(``create_graph=True``) or before the views were set (a backward that began at a parameter),
+every arrival of a backward under ``no_sync``, and every arrival while the ready order or a
+timeline is recorded (the first step). Where the reduce dtype is not the parameters' (mixed
+precision), the buffer cannot be ``.grad``: each gradient is added into it and released, as
+before. Stages 2-3 have no full buffer: each gradient is copied into its staging bucket.
+What it saves, per gradient: the copy and the calls of the full path (docs/benchmarks.md,
+"#44: gradients accumulate in the buffer").
 """
 
 from __future__ import annotations
@@ -158,8 +184,8 @@ class GradientReducer:
         ready_order: ReadyOrder | None = None,
     ) -> None:
         self.spaces = list(spaces)
-        self._build_buckets()
         self.strategy = strategy
+        self._build_buckets()
         self.state = state
         self.wait_clock = wait_clock
         self.orders = FirstStepOrders([bucket.names for bucket in self.buckets], state, ready_order)
@@ -177,6 +203,10 @@ class GradientReducer:
         """Parameters whose gradient arrived in the backward in progress."""
         self._late: dict[int, torch.Tensor] = {}
         """Bucket position -> gradients that arrived after it launched, this backward."""
+        self._counting_in_place = False
+        """This backward's arrivals may be counted by :meth:`arrived_in_place`."""
+        self._synced_before = False
+        """A synchronising backward began since wrap (see [Note: gradients accumulate in the buffer])."""
 
     def _build_buckets(self) -> None:
         """Buckets, in layout order over all spaces, and the maps from names to them."""
@@ -187,6 +217,13 @@ class GradientReducer:
         self.flag_index = {name: i for i, name in enumerate(self.names)}
         self._slot_of = {name: (self.bucket_of[name], i) for i, name in enumerate(self.names)}
         """name -> (its bucket, its flag index): the one look-up a gradient hook makes."""
+        in_place = self.strategy.in_place_views()
+        self._in_place_of = {name: (self.bucket_of[name], i, in_place.get(name)) for i, name in enumerate(self.names)}
+        """name -> (its bucket, its flag index, the view autograd accumulates its gradient into
+        if any): see [Note: gradients accumulate in the buffer]."""
+        self.counts_in_place = bool(in_place)
+        """Whether :meth:`arrived_in_place` can take any arrival (stages 0-1, unless the buffer's
+        dtype is not the parameters')."""
 
     @property
     def launch_order(self) -> LaunchOrder:
@@ -228,10 +265,42 @@ class GradientReducer:
     # ------------------------------------------------------------------ during backward
 
     def begin_backward(self) -> None:
-        """The first hook of a backward ran: nothing has arrived yet."""
+        """The first hook of a backward ran: nothing has arrived yet, and in a synchronising
+        backward ``.grad`` points into the buffer wherever autograd can accumulate there (see
+        [Note: gradients accumulate in the buffer])."""
         self._arrived = bytearray(len(self.names))
         for bucket in self.buckets:
             bucket.launched = False
+        syncs = self.state.backward_syncs
+        if syncs and self._synced_before:
+            self.strategy.grads_into_buffer(self.buckets)
+        self._synced_before = self._synced_before or syncs
+        self._counting_in_place = syncs and self.timeline is None and self.orders.ready is None and self.counts_in_place
+
+    def end_backward(self) -> None:
+        """The backward's end-of-backward callback ran (or it raised): every later arrival takes
+        the full path."""
+        self._counting_in_place = False
+
+    def arrived_in_place(self, name: str, param: nn.Parameter) -> bool:
+        """The common arrival in a synchronising backward, counted without further calls: the
+        gradient is already in the bucket (autograd added it into ``.grad``, the bucket's view),
+        the parameter arrives for the first time, and its bucket is neither launched nor
+        completed by it. Returns False where anything else holds, and then
+        :meth:`on_grad_ready` (through the backward path) takes the arrival. Stages 0-1 only,
+        whose backward path does nothing for an arrival that completes no bucket; at stages 2-3
+        there is no view to compare with. See [Note: gradients accumulate in the buffer]."""
+        if not self._counting_in_place:
+            return False
+        bucket, index, view = self._in_place_of[name]
+        missing = bucket.missing
+        arrived = self._arrived
+        if param.grad is not view or arrived[index] or bucket.launched or len(missing) == 1:
+            return False
+        arrived[index] = 1
+        self.ledger.used[index] = 1
+        missing.discard(name)
+        return True
 
     def on_grad_ready(self, name: str, param: nn.Parameter) -> GradBucket | None:
         """A parameter's gradient arrived: final for this backward, unless its module is

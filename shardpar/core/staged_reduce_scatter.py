@@ -105,6 +105,14 @@ class StagedReduceScatter(ShardedAverage):
 
     # ------------------------------------------------------------------ gradients arriving
 
+    def in_place_views(self) -> dict[str, torch.Tensor]:
+        """None are: a staging bucket exists only from its first gradient to its reduction, so each
+        gradient is copied into it (accept_grad) rather than accumulated there by autograd."""
+        return {}
+
+    def grads_into_buffer(self, buckets: Sequence[GradBucket]) -> None:
+        """Nothing to point ``.grad`` at before backward: see :meth:`in_place_views`."""
+
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
         assert param.grad is not None  # called from its post-accumulate-grad hook: the gradient is there
         staging = self._staging.get(bucket.position)

@@ -170,7 +170,9 @@ class Engine:
         )
         reducer = self.reducer
         self._handles += grad_ready_hooks(
-            ((name, reducer.bucket_of[name].params[name]) for name in reducer.names), self._on_grad_ready
+            ((name, reducer.bucket_of[name].params[name]) for name in reducer.names),
+            self._on_grad_ready,
+            reducer.arrived_in_place if reducer.counts_in_place else None,
         )
         if self.grad_placeholders is not None:
             self._handles += self.grad_placeholders.before_accumulation_hooks(self.ensure_backward_started)
@@ -330,6 +332,7 @@ class Engine:
                 self.gatherer.finish_backward()
                 self.buffer_sync.after_backward()
         finally:
+            self.reducer.end_backward()
             self.state.end_backward()
 
     def settle_gradients(self) -> None:

@@ -15,10 +15,13 @@ placeholders' pre-accumulation hook) is what the host pays per parameter tensor:
 tools/bench.py's overhead model; docs/benchmarks.md measures it at about 10 µs a gradient on a
 CPU core, most of it torch's own dispatch -- autograd calling into Python, the compile guard,
 the copy into the bucket -- and about 0.1 µs per Python call). So such a hook is one
-closure, with what it needs bound in; it asks the cheap question first (has this backward started? an attribute) and calls
-into the engine only when there is work; the engine, the backward path, the reducer and the
-strategy then make one call each, the reducer doing its per-gradient bookkeeping (used
-flag, ready order, the bucket's count) inline rather than in a helper per fact. Work that
+closure, with what it needs bound in, reaching its owner through ``weakref.ref`` (not
+``WeakMethod``, whose ``__call__`` is Python); it asks the cheap question first and calls
+further only when there is work. At stages 0-1 the common arrival is one call: the reducer
+counts it, the gradient being in the bucket already ([Note: gradients accumulate in the
+buffer] in core/reducer.py). Any other arrival goes through the engine, the backward path,
+the reducer and the strategy, one call each, the reducer doing its per-gradient bookkeeping
+(used flag, ready order, the bucket's count) inline rather than in a helper per fact. Work that
 is the same for every parameter of a bucket is done per bucket at launch, with the
 (parameter, view) pairs computed once per layout.
 
@@ -123,21 +126,41 @@ def on_first_grad(tensors: list[torch.Tensor], hook: Callable[[Any], None]) -> A
     return torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
 
 
+def _weakly(method: Callable[..., Any]) -> tuple[Callable[[], Any], Callable[..., Any]]:
+    """A bound method as (a weak reference to its object, its function): calling the function
+    on the referent is a bound call without ``weakref.WeakMethod``'s Python-level ``__call__``
+    (about 1 µs a gradient on a CPU core, [Note: the host's share of a step])."""
+    return weakref.ref(method.__self__), method.__func__  # type: ignore[attr-defined]  # a bound method's
+
+
 def grad_ready_hooks(
-    params: Iterable[tuple[str, nn.Parameter]], on_ready: Callable[[str, nn.Parameter], None]
+    params: Iterable[tuple[str, nn.Parameter]],
+    on_ready: Callable[[str, nn.Parameter], None],
+    arrived_in_place: Callable[[str, nn.Parameter], bool] | None = None,
 ) -> list[Any]:
-    """One post-accumulate-grad hook per parameter, calling ``on_ready`` (a bound method)
-    through a weak reference: see [Note: hooks hold their owner weakly]. Each hook is one
-    closure over its parameter's name ([Note: the host's share of a step])."""
-    receiver = weakref.WeakMethod(on_ready)
+    """One post-accumulate-grad hook per (name, parameter), calling ``on_ready`` (a bound
+    method) through a weak reference to its object: see [Note: hooks hold their owner weakly].
+    Each hook is one closure; where ``arrived_in_place`` (a bound method too) is given, it is
+    asked first and ``on_ready`` is called only when it did not take the arrival ([Note: the
+    host's share of a step])."""
+    receiver, on_ready_fn = _weakly(on_ready)
+    counter, counted_fn = (None, None) if arrived_in_place is None else _weakly(arrived_in_place)
 
     def hook_for(name: str) -> Callable[[nn.Parameter], None]:
         def on_accumulated(param: nn.Parameter) -> None:
-            engine_method = receiver()
-            if engine_method is not None:  # else the engine is gone: the parameter is plain again
-                engine_method(name, param)
+            engine = receiver()
+            if engine is not None:  # else the engine is gone: the parameter is plain again
+                on_ready_fn(engine, name, param)
 
-        return never_compiled(on_accumulated)
+        def on_accumulated_counted(param: nn.Parameter) -> None:
+            reducer = counter()  # type: ignore[misc]  # not None here: this hook is made only with it
+            if reducer is not None and counted_fn(reducer, name, param):  # type: ignore[misc]
+                return
+            engine = receiver()
+            if engine is not None:
+                on_ready_fn(engine, name, param)
+
+        return never_compiled(on_accumulated if counter is None else on_accumulated_counted)
 
     return [
         param.register_post_accumulate_grad_hook(hook_for(name))  # type: ignore[no-untyped-call]  # untyped in torch
