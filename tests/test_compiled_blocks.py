@@ -304,15 +304,15 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def _assert_close(got: dict[str, Any], want: dict[str, Any], rank: int, what: str) -> None:
-    """Losses (this rank's, where ``want`` holds every rank's) and parameters within TOL."""
+def _assert_close(got: dict[str, Any], want: dict[str, Any], rank: int, what: str, tol: float = TOL) -> None:
+    """Losses (this rank's, where ``want`` holds every rank's) and parameters within ``tol``."""
     for step, (loss, expected) in enumerate(zip(got["losses"], want["losses"])):
         expected = expected[rank] if isinstance(expected, list) else expected
-        assert abs(loss - expected) <= TOL * abs(expected), f"{what}: step {step} loss {loss} vs {expected}"
+        assert abs(loss - expected) <= tol * abs(expected), f"{what}: step {step} loss {loss} vs {expected}"
     assert got["state"].keys() == want["state"].keys(), what
     for name, tensor in want["state"].items():
         err = _relative(got["state"][name], tensor)
-        assert err <= TOL, f"{what}: {name} differs by {err:.3g} relative"
+        assert err <= tol, f"{what}: {name} differs by {err:.3g} relative"
 
 
 @pytest.mark.parametrize(("compile_", "checkpointing"), CASES, ids=[f"{c}-ac-{a}" for c, a in CASES])
@@ -347,14 +347,16 @@ def test_fsdp2_with_the_same_compiled_blocks_matches_stage_3() -> None:
 
 def test_inductor_fullgraph_blocks_at_stage_3() -> None:
     """torchtitan's own backend: inductor's fused CPU kernels may differ from eager ones in the
-    last bits, so its reference is plain torch on the same inductor-compiled blocks; against
-    eager the same tolerance holds for this model and these two steps."""
+    last bits, so its reference is plain torch on the same inductor-compiled blocks, within TOL.
+    Against eager shardpar, 1e-4: how far inductor's kernels drift from eager ones depends on
+    the CPU they are generated for (1.6e-5 in a LayerNorm bias on an AMD EPYC core, under 1e-5
+    on Intel); a missed gather or a wrong average still shows at 1e-3 or more."""
     for rank, runs in enumerate(rank_runs()):
         got, what = runs[(3, "inductor", "none")], f"inductor, stage 3, rank {rank}"
         assert got["compiled_calls"] >= 2 * STEPS, what
         assert got["comm"] == runs[(3, None, "none")]["comm"], what
         _assert_close(got, plain_torch("inductor", "none"), rank, f"{what} vs plain torch, same compiled blocks")
-        _assert_close(got, runs[(3, None, "none")], rank, f"{what} vs eager shardpar")
+        _assert_close(got, runs[(3, None, "none")], rank, f"{what} vs eager shardpar", tol=1e-4)
 
 
 @pytest.mark.parametrize("stage", MIXED_PRECISION_STAGES)
