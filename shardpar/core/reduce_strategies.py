@@ -115,6 +115,24 @@ def zero_pieces(space: BucketedParams, rank: int, names: set[str], shards: torch
             piece.local_range.of(shards).zero_()
 
 
+IN_PLACE_MAX_NUMEL = {"cpu": 4096}
+"""Per device type, the largest parameter whose gradient accumulates into its bucket view in
+place ([Note: gradients accumulate in the buffer] in reducer.py); other device types: 2**20.
+In place, a gradient costs the host one short hook call instead of a copy and the full path
+(about 5 µs on a CPU core), and the memory two more passes (the view zeroed, then read by the
+add) than the copy. On a CPU core (about 10 GB/s) the two are even near 4096 fp32 elements:
+mlp:large's 262,144-element weights were 4% slower in place (docs/benchmarks.md). On a GPU
+(several TB/s) the passes over 2**20 elements take about 2 µs of device time, while the host's
+time per tensor is what a small model waits for: an estimate from bandwidth, not measured here."""
+
+
+def accumulates_in_place(view: torch.Tensor) -> bool:
+    """Whether the gradient that ``view`` (its slot in the buffer) holds is small enough to
+    accumulate there in place (IN_PLACE_MAX_NUMEL). Asked of the view, not the parameter,
+    which at stage 1 may be guarded until its gather completes."""
+    return view.numel() <= IN_PLACE_MAX_NUMEL.get(view.device.type, 1 << 20)
+
+
 def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of ``tensors`` together."""
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -135,44 +153,43 @@ class _FullGradBuffer:
         # .grad stays None until a backward gives the parameter a gradient, as in plain torch
         # (accept_grad points it at its view then).
         self.views = {name: s.layout.view(self.grad_buffers[s], name) for s in spaces for name in s.params}
+        self._in_place: dict[str, torch.Tensor] | None = None
+        """:meth:`in_place_views`, once per layout."""
 
     def in_place_views(self) -> dict[str, torch.Tensor]:
         """The views that autograd accumulates into in place once :meth:`grads_into_buffer`
-        made them ``.grad``: those of the parameters whose dtype is the buffer's."""
+        made them ``.grad``: those of the small gradients (:func:`accumulates_in_place`) whose
+        dtype is the buffer's."""
         return {
             name: self.views[name]
             for space in self.spaces
             if self.grad_buffers[space].dtype == space.compute_dtype
             for name in space.params
+            if accumulates_in_place(self.views[name])
         }
 
     def grads_into_buffer(self, buckets: Sequence[GradBucket]) -> None:
-        """At the start of every backward, each parameter without a gradient gets its view,
-        zeroed, as ``.grad``: see [Note: gradients accumulate in the buffer]. A bucket that holds
-        reduced gradients (stage 1's, kept for accumulation across reductions) is left as it is:
-        its first gradient carries them aside (accept_grad)."""
-        for space in self.spaces:
-            data = self.grad_buffers[space]
-            if data.dtype != space.compute_dtype:
-                continue  # the buffer accumulates by add_: see accept_grad
-            views = self.views
-            with metadata_only():  # stage 1's parameters may be guarded here (a gather pending)
-                without = [
-                    (param, views[name])
-                    for bucket in buckets
-                    if bucket.space is space and not bucket.reduced
-                    for name, param in bucket.members
-                    if param.grad is None
-                ]
-                if not without:
-                    continue
-                if len(without) == len(space.params):
-                    data.zero_()  # the common case, after zero_grad: one memset
-                else:
-                    for _, view in without:
-                        view.zero_()
-                for param, view in without:
-                    param.grad = view
+        """At the start of every backward after the first synchronising one, each parameter of
+        :meth:`in_place_views` without a gradient gets its view, zeroed, as ``.grad``: see
+        [Note: gradients accumulate in the buffer] in reducer.py. A bucket that holds reduced
+        gradients (stage 1's, kept for accumulation across reductions) is left as it is: its
+        first gradient carries them aside (accept_grad)."""
+        in_place = self._in_place
+        if in_place is None:
+            in_place = self._in_place = self.in_place_views()
+        with metadata_only():  # stage 1's parameters may be guarded here (a gather pending)
+            without = [
+                (param, view)
+                for bucket in buckets
+                if not bucket.reduced
+                for name, param in bucket.members
+                if (view := in_place.get(name)) is not None and param.grad is None
+            ]
+            if not without:
+                return
+            torch._foreach_zero_([view for _, view in without])
+            for param, view in without:
+                param.grad = view
 
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
         assert param.grad is not None  # called from its post-accumulate-grad hook: the gradient is there
@@ -262,6 +279,7 @@ class _FullGradBuffer:
         a ``param.grad`` that was a view of the old buffer becomes the same view of the new."""
         old_views = {name: self.views[name] for name in space.params}
         self.grad_buffers[space] = data
+        self._in_place = None
         for name, param in space.params.items():
             self.views[name] = space.layout.view(data, name)
             if param.grad is old_views[name]:

@@ -65,8 +65,9 @@ view.
 At stages 0-1 the full gradient buffer holds a view per parameter (its slot, with the
 parameter's shape and strides). At the start of every synchronising backward -- its first
 hook, which for a backward through the model's output runs before any parameter's gradient
-exists -- each parameter whose ``.grad`` is None gets its view, zeroed, as ``.grad`` (one
-memset per buffer when every parameter was cleared, as after ``zero_grad``). Autograd then
+exists -- each small parameter (``IN_PLACE_MAX_NUMEL`` in reduce_strategies.py: where the
+host's time per tensor outweighs two more passes over its memory) whose ``.grad`` is None gets
+its view, zeroed, as ``.grad`` (the views zeroed by one ``_foreach_zero_``). Autograd then
 adds each gradient into that view in place, as it does into any ``.grad`` that exists, instead
 of handing over a new tensor that the hook copied into the buffer; and the post-accumulate-grad
 hook only counts the arrival (:meth:`GradientReducer.arrived_in_place`: one call, no tensor op).
