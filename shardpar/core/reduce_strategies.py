@@ -121,7 +121,7 @@ place ([Note: gradients accumulate in the buffer] in reducer.py); other device t
 In place, a gradient costs the host one short hook call instead of a copy and the full path
 (about 5 µs on a CPU core), and the memory two more passes (the view zeroed, then read by the
 add) than the copy. On a CPU core (about 10 GB/s) the two are even near 4096 fp32 elements:
-mlp:large's 262,144-element weights were 4% slower in place (docs/benchmarks.md). On a GPU
+mlp:large's weights of 1,048,576 elements were 3-7% slower in place (docs/benchmarks.md). On a GPU
 (several TB/s) the passes over 2**20 elements take about 2 µs of device time, while the host's
 time per tensor is what a small model waits for: an estimate from bandwidth, not measured here."""
 

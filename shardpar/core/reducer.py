@@ -86,7 +86,7 @@ timeline is recorded (the first step). Where the reduce dtype is not the paramet
 precision), the buffer cannot be ``.grad``: each gradient is added into it and released, as
 before. Stages 2-3 have no full buffer: each gradient is copied into its staging bucket.
 What it saves, per gradient: the copy and the calls of the full path (docs/benchmarks.md,
-"#44: gradients accumulate in the buffer").
+"The host's share of a step (#44): gradients accumulate in the buffer").
 """
 
 from __future__ import annotations
