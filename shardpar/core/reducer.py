@@ -74,9 +74,10 @@ hook only counts the arrival (:meth:`GradientReducer.arrived_in_place`: one call
 It is DDP's ``gradient_as_bucket_view`` with torch's ``zero_grad`` kept: between ``zero_grad()``
 and the next backward ``.grad`` is None, as in plain torch, and under ``no_sync`` nothing is
 pointed (a parameter the backward does not reach stays None, as under DDP's no_sync). Nor in
-the first synchronising backward since wrap, where every gradient arrives as autograd made it: that is
-where a sparse gradient (from a functional call no wrap-time check sees) is refused, naming
-the parameter; a later one would be added into the dense view in place, its values intact.
+the first synchronising backward since wrap, where every gradient arrives as autograd made
+it: that is where a sparse gradient (from a functional call no wrap-time check sees) is
+refused, naming the parameter; a later one of a small parameter is added into its dense view
+in place, its values intact.
 Every other arrival takes the full path (:meth:`GradientReducer.on_grad_ready`): the one that
 completes its bucket (which then launches), a second arrival (reentrant checkpointing), one
 after its bucket launched (its view was taken off), one that autograd accumulated out of place
