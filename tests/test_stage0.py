@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import shardpar
 from shardpar.comm import collectives as C
+from shardpar.core.reduce_strategies import IN_PLACE_MAX_NUMEL
 from tests.support.harness import run_ranks
 from tests.support.models import (
     KITCHEN,
@@ -422,6 +423,7 @@ def _in_place_run(stage: int) -> dict[str, Any]:
             "per_backward": per_backward,
             "buckets": len(model.engine.reducer.buckets),
             "tensors": len(model.engine.reducer.names),
+            "largest": max(p.numel() for p in module.parameters()),
             "none_after_zero_grad": none_after_zero_grad,
             "state": model.full_state_dict(),
             "reference": reference.state_dict(),
@@ -442,6 +444,7 @@ def test_gradients_accumulate_in_the_buffer_and_one_arrival_per_bucket_takes_the
     for rank, out in enumerate(run_ranks(_in_place_run, 2, stage, timeout=120)):
         tensors, buckets = out["tensors"], out["buckets"]
         assert buckets > 1, buckets  # several buckets, so several complete during backward
+        assert out["largest"] <= IN_PLACE_MAX_NUMEL["cpu"], out["largest"]  # every tensor small enough
         everything = {"full": tensors, "in_place": 0}
         counted = {"full": buckets, "in_place": tensors - buckets}
         assert out["per_backward"] == [everything, counted, everything, counted], (rank, out["per_backward"])
