@@ -248,9 +248,11 @@ class _FullGradBuffer:
                 self.accept_grad(bucket, name, param)
 
     def clear(self) -> None:
-        # As torch's zero_grad(set_to_none=True): no memset here. The next backward zeroes the
-        # buffer once as it points .grad at it (grads_into_buffer). Only a buffer that
-        # accumulates by add_ (reduce dtype differs from the parameters') is zeroed now.
+        # As torch's zero_grad(set_to_none=True): no memset here. The next synchronising
+        # backward zeroes the small gradients' views as it points .grad at them
+        # (grads_into_buffer); the others are copied over the stale values (accept_grad), and
+        # those that get none are zeroed (fill_missing). Only a buffer that accumulates by add_
+        # (reduce dtype differs from the parameters') is zeroed now.
         for space, grad in self.grad_buffers.items():
             if grad.dtype != space.compute_dtype:
                 grad.zero_()
