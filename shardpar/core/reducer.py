@@ -217,12 +217,10 @@ class GradientReducer:
         self.bucket_of = {name: bucket for bucket in self.buckets for name in bucket.names}
         self.names = [name for bucket in self.buckets for name in bucket.names]
         self.flag_index = {name: i for i, name in enumerate(self.names)}
-        self._slot_of = {name: (self.bucket_of[name], i) for i, name in enumerate(self.names)}
-        """name -> (its bucket, its flag index): the one look-up a gradient hook makes."""
         in_place = self.strategy.in_place_views()
-        self._in_place_of = {name: (self.bucket_of[name], i, in_place.get(name)) for i, name in enumerate(self.names)}
+        self._slot_of = {name: (self.bucket_of[name], i, in_place.get(name)) for i, name in enumerate(self.names)}
         """name -> (its bucket, its flag index, the view autograd accumulates its gradient into
-        if any): see [Note: gradients accumulate in the buffer]."""
+        if any: [Note: gradients accumulate in the buffer]): the one look-up a gradient hook makes."""
         self.counts_in_place = bool(in_place)
         """Whether :meth:`arrived_in_place` can take any arrival (stages 0-1, unless the buffer's
         dtype is not the parameters')."""
@@ -294,7 +292,7 @@ class GradientReducer:
         there is no view to compare with. See [Note: gradients accumulate in the buffer]."""
         if not self._counting_in_place:
             return False
-        bucket, index, view = self._in_place_of[name]
+        bucket, index, view = self._slot_of[name]
         missing = bucket.missing
         arrived = self._arrived
         if param.grad is not view or arrived[index] or bucket.launched or len(missing) == 1:
@@ -312,7 +310,7 @@ class GradientReducer:
         so the bookkeeping is inline ([Note: the host's share of a step] in engines/hooks.py):
         the used flag (the ledger's vector is in this reducer's name order), the ready order
         while one is recorded, and the bucket's count."""
-        bucket, index = self._slot_of[name]
+        bucket, index, _ = self._slot_of[name]
         self.ledger.used[index] = 1
         if not self.state.backward_syncs:
             self.strategy.accumulate_no_sync(bucket, name, param)

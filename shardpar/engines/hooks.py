@@ -144,23 +144,20 @@ def grad_ready_hooks(
     asked first and ``on_ready`` is called only when it did not take the arrival ([Note: the
     host's share of a step])."""
     receiver, on_ready_fn = _weakly(on_ready)
-    counter, counted_fn = (None, None) if arrived_in_place is None else _weakly(arrived_in_place)
+    counting = None if arrived_in_place is None else _weakly(arrived_in_place)
 
     def hook_for(name: str) -> Callable[[nn.Parameter], None]:
         def on_accumulated(param: nn.Parameter) -> None:
+            if counting is not None:
+                counter, counted = counting
+                reducer = counter()
+                if reducer is not None and counted(reducer, name, param):
+                    return
             engine = receiver()
             if engine is not None:  # else the engine is gone: the parameter is plain again
                 on_ready_fn(engine, name, param)
 
-        def on_accumulated_counted(param: nn.Parameter) -> None:
-            reducer = counter()  # type: ignore[misc]  # not None here: this hook is made only with it
-            if reducer is not None and counted_fn(reducer, name, param):  # type: ignore[misc]
-                return
-            engine = receiver()
-            if engine is not None:
-                on_ready_fn(engine, name, param)
-
-        return never_compiled(on_accumulated if counter is None else on_accumulated_counted)
+        return never_compiled(on_accumulated)
 
     return [
         param.register_post_accumulate_grad_hook(hook_for(name))  # type: ignore[no-untyped-call]  # untyped in torch
