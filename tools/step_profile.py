@@ -70,6 +70,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--calls", action="store_true", help="count Python calls per step under cProfile")
     parser.add_argument("--top", type=int, default=0, help="with --calls: print the N functions with most calls")
     parser.add_argument(
+        "--sort",
+        default="ncalls",
+        choices=("ncalls", "tottime", "cumtime"),
+        help="with --top: the order (default ncalls)",
+    )
+    parser.add_argument(
+        "--only", default="", help="with --top: only functions whose file:line(name) contains this (e.g. shardpar/)"
+    )
+    parser.add_argument(
         "--cycles", action="store_true", help="count objects per step that only the cyclic garbage collector frees"
     )
     parser.add_argument(
@@ -223,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {key}: {max(rank[key] for rank in slowest):.{digits}f}")
         if profile is not None and args.top:
             out = io.StringIO()
-            pstats.Stats(profile, stream=out).sort_stats("ncalls").print_stats(args.top)
+            restrictions = (args.only, args.top) if args.only else (args.top,)
+            pstats.Stats(profile, stream=out).sort_stats(args.sort).print_stats(*restrictions)
             print(out.getvalue())
     model.engine.close()
     dist.destroy_process_group()
