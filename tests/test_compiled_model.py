@@ -144,16 +144,20 @@ def _compiled_step_run() -> dict[int, dict[str, Any]]:
         seen_compiling.append(torch.compiler.is_compiling())
         return on_grad_ready(self, name, param)
 
-    arrived_in_place = GradientReducer.arrived_in_place
+    counters = {"arrived_in_place": GradientReducer.arrived_in_place, "arrived_staged": GradientReducer.arrived_staged}
 
-    def recording_in_place(self: GradientReducer, name: str, param: nn.Parameter) -> bool:
-        taken = arrived_in_place(self, name, param)
-        if taken:  # else on_grad_ready takes it, and records it
-            seen_compiling.append(torch.compiler.is_compiling())
-        return taken
+    def recording_counter(counter: Any) -> Any:
+        def recording_counted(self: GradientReducer, name: str, param: nn.Parameter) -> bool:
+            taken: bool = counter(self, name, param)
+            if taken:  # else on_grad_ready takes it, and records it
+                seen_compiling.append(torch.compiler.is_compiling())
+            return taken
+
+        return recording_counted
 
     GradientReducer.on_grad_ready = recording  # type: ignore[method-assign]
-    GradientReducer.arrived_in_place = recording_in_place  # type: ignore[method-assign]
+    for attribute, counter in counters.items():
+        setattr(GradientReducer, attribute, recording_counter(counter))
     out = {}
     try:
         for stage in STAGES:
@@ -177,7 +181,8 @@ def _compiled_step_run() -> dict[int, dict[str, Any]]:
             out[stage] = {"final": model.full_state_dict(), "compiling": list(seen_compiling)}
     finally:
         GradientReducer.on_grad_ready = on_grad_ready  # type: ignore[method-assign]
-        GradientReducer.arrived_in_place = arrived_in_place  # type: ignore[method-assign]
+        for attribute, counter in counters.items():
+            setattr(GradientReducer, attribute, counter)
     return out
 
 

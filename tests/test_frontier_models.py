@@ -364,11 +364,12 @@ def _moe(stage: int, policy: str, experts_implementation: str) -> dict[str, Any]
     return out
 
 
-def _assert_moe_parity(results: list[dict[str, Any]]) -> None:
+def _assert_moe_parity(results: list[dict[str, Any]], adamw_tolerance: float = TOLERANCE) -> None:
     for rank, out in enumerate(results):
         for name in ("adamw", "sgd"):
             error, differ = out[name]
-            assert differ == [] and error <= TOLERANCE, (rank, name, error, differ)
+            tolerance = adamw_tolerance if name == "adamw" else TOLERANCE
+            assert differ == [] and error <= tolerance, (rank, name, error, differ)
     for name in ("adamw", "sgd"):  # the case this test is for: an expert unused on some ranks only
         routing = [out[f"{name}_routing"] for out in results]
         one_rank_only = [
@@ -395,8 +396,14 @@ def test_moe_trains_like_plain_torch(stage: int, policy: str) -> None:
 
 def test_moe_eager_experts_train_like_plain_torch_at_stage_3() -> None:
     """transformers' eager experts loop over the experts this rank's tokens hit only: the loop's
-    length differs between ranks, inside one unit, and training still equals plain torch's."""
-    _assert_moe_parity(run_ranks(_moe, 2, 3, "every_module", "eager", timeout=240))
+    length differs between ranks, inside one unit, and training still equals plain torch's.
+    AdamW within 2 x TOLERANCE: on an Intel Xeon (2 cores) the AdamW run ends 1.05e-5 from the
+    chunked reference, by the code before and after issue #44's stage-3 changes alike, where
+    stages 0 and 2 end 0.0 from it and the SGD run 8.6e-8: the products read the gathered
+    parameters, views of the flat buffer at other alignments than plain torch's tensors, so the
+    CPU kernels may add in another order, and AdamW turns those last bits of the tiny expert
+    gradients into whole steps ([Note: MoE references])."""
+    _assert_moe_parity(run_ranks(_moe, 2, 3, "every_module", "eager", timeout=240), adamw_tolerance=2 * TOLERANCE)
 
 
 def _moe_generate(policy: str) -> dict[str, Any]:

@@ -737,6 +737,84 @@ def test_units_kept_for_backward_are_released_when_no_backward_follows() -> None
         assert result["gathered_after"] == 0, (rank, result)
 
 
+# --------------------------------------------------------------------------- the staging pool
+
+
+class _EqualBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x))
+
+
+def _staging_made_per_step() -> dict[str, Any]:
+    """Six equal blocks (units) and a smaller head (the root's unit), five steps at stage 3:
+    per step, how many staging buffers were made, how many gradient slots were made in them
+    (``GradBucket.slot_in`` calls), and how many arrivals ``arrived_staged`` took."""
+    from shardpar.core.reducer import GradBucket, GradientReducer
+    from shardpar.core.staged_reduce_scatter import StagingBuffer
+
+    made = {"buffers": 0, "slots": 0, "counted": 0}
+    buffer_init, slot_in = StagingBuffer.__init__, GradBucket.slot_in
+    arrived_staged = GradientReducer.arrived_staged
+
+    def counted_arrival(self: GradientReducer, name: str, param: nn.Parameter) -> bool:
+        taken = arrived_staged(self, name, param)
+        made["counted"] += taken
+        return taken
+
+    def counted_init(self: StagingBuffer, data: torch.Tensor) -> None:
+        made["buffers"] += 1
+        buffer_init(self, data)
+
+    def counted_slot_in(self: GradBucket, bucket_sized: torch.Tensor, name: str) -> torch.Tensor:
+        made["slots"] += 1
+        return slot_in(self, bucket_sized, name)
+
+    StagingBuffer.__init__, GradBucket.slot_in = counted_init, counted_slot_in  # type: ignore[method-assign]
+    GradientReducer.arrived_staged = counted_arrival  # type: ignore[method-assign]
+    try:
+        torch.manual_seed(0)
+        module = nn.Sequential(*[_EqualBlock() for _ in range(6)], nn.Linear(16, 4))
+        model = shardpar.wrap(module, stage=3, wrap_policy=[_EqualBlock])
+        opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2)
+        per_step = []
+        for step in range(5):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step * 10 + C.get_rank()))
+            made.update(buffers=0, slots=0, counted=0)
+            model(x).square().mean().backward()
+            per_step.append(dict(made))
+            opt.step()
+            opt.zero_grad()
+        head = [n for n in model.engine.reducer.names if n.startswith("6.")]
+        tensors = len(model.engine.reducer.names)
+        model.engine.close()
+        return {"per_step": per_step, "head": head, "tensors": tensors}
+    finally:
+        StagingBuffer.__init__, GradBucket.slot_in = buffer_init, slot_in  # type: ignore[method-assign]
+        GradientReducer.arrived_staged = arrived_staged  # type: ignore[method-assign]
+
+
+def test_the_staging_pool_keeps_its_buffers_and_the_common_arrival_is_counted() -> None:
+    """Stage 3's staging pool holds three buffers (two reductions in flight, one collecting):
+    what equal units keep busy. The head's bucket, of another size, is the one a full pool
+    drops, so from the third step on a backward makes one buffer (the head's) and the slots of
+    the head's parameters only, not a buffer of the common size whose slots every bucket it
+    serves would make again ([Note: the host's share of a step] in engines/hooks.py). And the
+    common arrival is counted and copied in without the full path ([Note: gradients accumulate
+    in the buffer] in core/reducer.py)."""
+    for rank, out in enumerate(run_ranks(_staging_made_per_step, 2, timeout=SHORT)):
+        assert len(out["head"]) == 2, out["head"]  # weight and bias
+        made = [{"buffers": step["buffers"], "slots": step["slots"]} for step in out["per_step"]]
+        assert made[2:] == [{"buffers": 1, "slots": 2}] * 3, (rank, out["per_step"])
+        # Most arrivals are taken by the reducer's count and one copy: all but the one that
+        # completes each of the 7 buckets, less those that come while a complete bucket waits
+        # for the first checked gather of the backward (they offer it the launch).
+        assert all(0 < step["counted"] <= out["tensors"] - 7 for step in out["per_step"]), (rank, out)
+
+
 # --------------------------------------------------------------------------- prefetch counts
 
 

@@ -50,6 +50,7 @@ __all__ = [
     # the verbs
     "all_reduce",
     "reduce_scatter",
+    "ReduceScatterPlan",
     "all_gather",
     "broadcast",
     "all_gather_objects",
@@ -161,30 +162,71 @@ def reduce_scatter(
     """Sum ``input`` (1-D, numel = N·output.numel()) across ranks; rank r receives slice r.
     ``op="avg"`` averages instead, on backends that have it (:func:`backend_averages`).
 
-    ``output`` may be rank r's own slice of ``input`` (an in-place reduce-scatter).
+    ``output`` may be rank r's own slice of ``input`` (an in-place reduce-scatter). One
+    reduce-scatter; :class:`ReduceScatterPlan` prepares those of one size on one group once.
     """
-    if op not in ("sum", "avg"):
-        raise ValueError(f"reduce_scatter: op must be 'sum' or 'avg', got {op!r}")
-    world_size = _split_collective("reduce_scatter", output, input, group, stats, padding_numel)
-    if world_size == 1:
-        return Handle()
-    reduce_op = _reduce_op("reduce_scatter", op, group, input.device)
-    if not traits(group, input.device).emulated_split:
-        work = compat.reduce_scatter_single(output, input, op=reduce_op, group=group, async_op=True)
-        return _finish(Handle(work, op="reduce_scatter", group=group), async_op)
-    # See [Note: gloo reduce-scatter and all-gather]. The sum reads only `received`, so
-    # `output` may alias `input`.
-    received = torch.empty_like(input)
-    chunks = received.view(world_size, -1)
+    plan = ReduceScatterPlan(input, group=group, stats=stats, padding_numel=padding_numel, op=op)
+    return _finish(plan.start(output, input), async_op)
 
-    def sum_received() -> None:
-        # Chained adds: about twice as fast on CPU as torch.sum over the chunk dimension.
-        torch.add(chunks[0], chunks[1], out=output)
-        for chunk in chunks[2:]:
-            output.add_(chunk)
 
-    work = dist.all_to_all_single(received, input, group=group, async_op=True)
-    return _finish(Handle(work, then=sum_received, op="reduce_scatter", group=group), async_op)
+class ReduceScatterPlan:
+    """Reduce-scatters of one size, dtype and device on one group, with what is the same from
+    one to the next worked out once (the world size, the reduce op, whether the backend's is
+    emulated, [Note: gloo reduce-scatter and all-gather], and the bytes counted): a bucket is
+    reduce-scattered every step (stages 1-3), and each of these was a call per reduction.
+    :meth:`start` is :func:`reduce_scatter` with ``async_op=True``."""
+
+    def __init__(
+        self,
+        like: torch.Tensor,
+        *,
+        group: ProcessGroup | None = None,
+        stats: CommStats | None = None,
+        padding_numel: int = 0,
+        op: str = "sum",
+    ) -> None:
+        """``like``: a tensor of the inputs' size, dtype and device (its values are not read)."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"reduce_scatter: op must be 'sum' or 'avg', got {op!r}")
+        self.world_size = get_world_size(group)
+        self.numel = like.numel()
+        self.group, self.stats = group, stats
+        element = like.element_size()
+        self._counted = ((self.numel - padding_numel) * element, padding_numel * element)
+        multi_rank = self.world_size > 1
+        self._reduce_op = _reduce_op("reduce_scatter", op, group, like.device) if multi_rank else None
+        self._emulated = multi_rank and traits(group, like.device).emulated_split
+
+    def start(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+        world_size = self.world_size
+        if input.numel() != self.numel or output.numel() * world_size != self.numel:
+            raise ValueError(
+                f"reduce_scatter: input has {input.numel()} elements, expected "
+                f"{world_size} x {output.numel()} (output size x world size)"
+                + (f" and the {self.numel} it was planned for" if input.numel() != self.numel else "")
+            )
+        if self.stats is not None:  # the collective's bytes
+            self.stats.record_bytes("reduce_scatter", *self._counted, world_size)
+        if world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Handle()
+        if not self._emulated:
+            work = compat.reduce_scatter_single(output, input, op=self._reduce_op, group=self.group, async_op=True)
+            return Handle(work, op="reduce_scatter", group=self.group)
+        # See [Note: gloo reduce-scatter and all-gather]. The sum reads only `received`, so
+        # `output` may alias `input`.
+        received = torch.empty_like(input)
+        chunks = received.view(world_size, -1)
+
+        def sum_received() -> None:
+            # Chained adds: about twice as fast on CPU as torch.sum over the chunk dimension.
+            torch.add(chunks[0], chunks[1], out=output)
+            for chunk in chunks[2:]:
+                output.add_(chunk)
+
+        work = dist.all_to_all_single(received, input, group=self.group, async_op=True)
+        return Handle(work, then=sum_received, op="reduce_scatter", group=self.group)
 
 
 def all_gather(

@@ -77,7 +77,10 @@ class ReshardThenReduce:
             allowed = self._waiting and self.gatherer.reductions_allowed()
         if allowed:
             self.reducer.launch_ready()
-        self._waiting = not allowed and (self._waiting or bucket is not None)
+        waiting = not allowed and (self._waiting or bucket is not None)
+        if waiting is not self._waiting:  # arrivals come here while a bucket waits, to offer it the launch
+            self.reducer.pause_counting(waiting)
+        self._waiting = waiting
 
     def finish_backward(self) -> None:
         if self.gated:

@@ -116,8 +116,9 @@ class _Sharded:
 
 class GatheredBytes:
     """Bytes of full buffers allocated right now, and the most ever, over the groups a gatherer
-    meters (stage 3: every unit's groups). Kept as the buffers are allocated and freed (the
-    bytes each transition of a group returns), so the peak costs nothing per gather."""
+    meters (stage 3: every unit's groups). Kept as the buffers are allocated (:meth:`add`) and
+    freed (``now`` lowered: a free never raises the peak), the bytes each transition of a group
+    returns, so the peak costs nothing per gather."""
 
     def __init__(self, now: int) -> None:
         self.now = now

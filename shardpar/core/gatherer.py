@@ -212,7 +212,7 @@ class UnitGatherer(GatherPhases):
         collective ever writes into freed memory."""
         if flat.state is ShardState.GATHERING:
             self.wait_for_gather(flat)
-        self.gathered.add(-flat.reshard())
+        self.gathered.now -= flat.reshard()  # (a free never raises the peak: no call to GatheredBytes.add)
 
     def reshard(self, unit: Unit, flats: Sequence[FlatParamGroup] | None = None) -> None:
         """Free ``unit``'s groups (``flats``: those of them), as :meth:`_free` each; the bytes
@@ -222,12 +222,11 @@ class UnitGatherer(GatherPhases):
             if flat.state is ShardState.SHARDED:
                 continue
             if flat.state is ShardState.GATHERING:
-                self.gathered.add(-freed)  # metered before a recovery there may gather more
+                self.gathered.now -= freed  # metered before a recovery there may gather more
                 freed = 0
                 self.wait_for_gather(flat)
             freed += flat.reshard()
-        if freed:
-            self.gathered.add(-freed)
+        self.gathered.now -= freed  # a free never raises the peak
 
     def _hold_leftovers(self) -> None:
         """Ranks ran different leftover units (see [Note: unit order across ranks]): drain what
@@ -455,7 +454,7 @@ class UnitGatherer(GatherPhases):
         if not self.hold_for_double_backward:  # free the group (its gather completed first)
             if flat.state is ShardState.GATHERING:
                 self.wait_for_gather(flat)
-            self.gathered.add(-flat.reshard())
+            self.gathered.now -= flat.reshard()  # a free never raises the peak
 
     def finish_backward(self) -> None:
         keep = self._backward_creates_graph  # the graph it made still multiplies by them

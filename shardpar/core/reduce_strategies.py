@@ -52,6 +52,10 @@ class BucketReduction(Protocol):
 
     max_in_flight: int | None
     """How many reductions may be outstanding (None: no bound)."""
+    copies_each_gradient: bool
+    """Whether ``accept_grad`` copies each gradient into a staging bucket and releases
+    ``.grad`` (stages 2-3), so that the reducer may take an arrival with that one call
+    (``GradientReducer.arrived_staged``)."""
 
     def in_place_views(self) -> dict[str, torch.Tensor]: ...
     def grads_into_buffer(self, buckets: Sequence[GradBucket]) -> None: ...
@@ -144,6 +148,7 @@ class _FullGradBuffer:
     otherwise each finished gradient is added into it and ``param.grad`` is released."""
 
     full_grads_on_params: bool
+    copies_each_gradient = False  # the common arrival is in its view already (arrived_in_place)
     peak_staging_bytes = 0
     """Stages 0-1 stage nothing: the full buffer is reduced in place."""
 
@@ -426,6 +431,23 @@ class ShardedAverage:
         self.averaging_of = averaging_per_space(
             spaces, reduce_dtype, ranks_summed or world_size, group, divide_before=False, divide_factor=divide_factor
         )
+        self._reduce_scatters: dict[int, tuple[Bucket, C.ReduceScatterPlan]] = {}
+        """Bucket position -> (the layout bucket, its reduce-scatter's plan): see :meth:`reduce_scatter`."""
+
+    def reduce_scatter(self, bucket: GradBucket, owned: torch.Tensor, data: torch.Tensor) -> C.Handle:
+        """Start ``bucket``'s reduce-scatter of ``data`` (bucket-sized) into ``owned`` (this
+        rank's slice), by a plan made once per layout bucket (``C.ReduceScatterPlan``)."""
+        made = self._reduce_scatters.get(bucket.position)
+        if made is None or made[0] is not bucket.spec:
+            plan = C.ReduceScatterPlan(
+                data,
+                group=self.group,
+                stats=self.comm,
+                padding_numel=bucket.spec.padding,
+                op=self.averaging_of[bucket.space].op,
+            )
+            made = self._reduce_scatters[bucket.position] = (bucket.spec, plan)
+        return made[1].start(owned, data)
 
     def sum_replicas(self, bucket: GradBucket, owned: torch.Tensor) -> None:
         """After ``bucket``'s reduce-scatter: its owned slice summed across replicas, if any."""
@@ -502,17 +524,8 @@ class ReduceScatterInPlace(_FullGradBuffer, ShardedAverage):
     def start(self, bucket: GradBucket) -> C.Handle:
         self._take_views_off(bucket)
         data = bucket.spec.range.of(self.grad_buffers[bucket.space])
-        plan = self.averaging_of[bucket.space]
-        scale(data, plan.before)
-        return C.reduce_scatter(
-            self.owned_in_space(bucket.spec, self.grad_buffers[bucket.space]),
-            data,
-            group=self.group,
-            async_op=True,
-            stats=self.comm,
-            padding_numel=bucket.spec.padding,
-            op=plan.op,
-        )
+        scale(data, self.averaging_of[bucket.space].before)
+        return self.reduce_scatter(bucket, self.owned_in_space(bucket.spec, self.grad_buffers[bucket.space]), data)
 
     def finish_late(self, bucket: GradBucket, late: torch.Tensor) -> None:
         space = bucket.space

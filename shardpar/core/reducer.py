@@ -85,9 +85,13 @@ after its bucket launched (its view was taken off), one that autograd accumulate
 every arrival of a backward under ``no_sync``, and every arrival while the ready order or a
 timeline is recorded (the first step). Where the reduce dtype is not the parameters' (mixed
 precision), the buffer cannot be ``.grad``: each gradient is added into it and released, as
-before. Stages 2-3 have no full buffer: each gradient is copied into its staging bucket.
-What it saves, per gradient: the copy and the calls of the full path (docs/benchmarks.md,
-"The host's share of a step (#44): gradients accumulate in the buffer").
+before. Stages 2-3 have no full buffer: each gradient is copied into its staging bucket, and
+the common arrival is taken in two calls (:meth:`GradientReducer.arrived_staged` counts it and
+has the strategy copy it in), on the same conditions but from the first synchronising backward
+on (it checks that the gradient is dense itself), and while no complete bucket waits for its
+launch (stage 3's gate, backward_paths.py: a waiting bucket is offered the launch by every
+full-path arrival). What it saves, per gradient: the copy (stages 0-1) and the calls of the
+full path (docs/benchmarks.md, "The host's share of a step (#44)").
 """
 
 from __future__ import annotations
@@ -207,6 +211,10 @@ class GradientReducer:
         """Bucket position -> gradients that arrived after it launched, this backward."""
         self._counting_in_place = False
         """This backward's arrivals may be counted by :meth:`arrived_in_place`."""
+        self._counting_staged = False
+        """This backward's arrivals may be taken by :meth:`arrived_staged`."""
+        self._counting_paused = False
+        """See :meth:`pause_counting`."""
         self._synced_before = False
         """A synchronising backward began since wrap (see [Note: gradients accumulate in the buffer])."""
 
@@ -224,6 +232,16 @@ class GradientReducer:
         self.counts_in_place = bool(in_place)
         """Whether :meth:`arrived_in_place` can take any arrival (stages 0-1, unless the buffer's
         dtype is not the parameters')."""
+
+    @property
+    def arrival_counter(self) -> Any:
+        """What a gradient hook asks first (None: nothing, every arrival takes the full path):
+        :meth:`arrived_in_place` at stages 0-1, :meth:`arrived_staged` where the strategy copies
+        each gradient into a staging bucket (stages 2-3). See [Note: gradients accumulate in
+        the buffer]."""
+        if self.strategy.copies_each_gradient:
+            return self.arrived_staged
+        return self.arrived_in_place if self.counts_in_place else None
 
     @property
     def launch_order(self) -> LaunchOrder:
@@ -269,6 +287,7 @@ class GradientReducer:
         backward ``.grad`` points into the buffer wherever autograd can accumulate there (see
         [Note: gradients accumulate in the buffer])."""
         self._arrived = bytearray(len(self.names))
+        self._counting_paused = False
         for bucket in self.buckets:
             bucket.launched = False
         syncs = self.state.backward_syncs
@@ -276,11 +295,20 @@ class GradientReducer:
             self.strategy.grads_into_buffer(self.buckets)
         self._synced_before = self._synced_before or syncs
         self._counting_in_place = syncs and self.timeline is None and self.orders.ready is None and self.counts_in_place
+        self._counting_staged = (
+            syncs and self.timeline is None and self.orders.ready is None and self.strategy.copies_each_gradient
+        )
 
     def end_backward(self) -> None:
         """The backward's end-of-backward callback ran (or it raised): every later arrival takes
         the full path."""
-        self._counting_in_place = False
+        self._counting_in_place = self._counting_staged = False
+
+    def pause_counting(self, paused: bool) -> None:
+        """While ``paused``, every arrival takes the full path, even where :meth:`arrived_staged`
+        could count it: with each arrival, stage 3's path offers the launch again to a complete
+        bucket that waits for it (backward_paths.py). Until the next backward begins."""
+        self._counting_paused = paused
 
     def arrived_in_place(self, name: str, param: nn.Parameter) -> bool:
         """The common arrival in a synchronising backward, counted without further calls: the
@@ -299,6 +327,35 @@ class GradientReducer:
             return False
         arrived[index] = 1
         self.ledger.used[index] = 1
+        missing.discard(name)
+        return True
+
+    def arrived_staged(self, name: str, param: nn.Parameter) -> bool:
+        """Stages 2-3's common arrival in a synchronising backward, taken with one call to the
+        strategy (which copies the gradient into its staging slot and releases ``.grad``): the
+        parameter arrives for the first time, its bucket is neither launched nor completed by
+        it, the gradient is dense, and no graph is being built (``create_graph``). Returns False
+        where anything else holds, or while counting is paused (:meth:`pause_counting`), and
+        then :meth:`on_grad_ready` (through the backward path) takes the arrival. See [Note:
+        gradients accumulate in the buffer]."""
+        if not self._counting_staged or self._counting_paused:
+            return False
+        bucket, index, _ = self._slot_of[name]
+        missing = bucket.missing
+        arrived = self._arrived
+        grad = param.grad
+        if (
+            arrived[index]
+            or bucket.launched
+            or len(missing) <= 1
+            or grad is None
+            or grad.layout is not torch.strided
+            or torch.is_grad_enabled()
+        ):
+            return False
+        arrived[index] = 1
+        self.ledger.used[index] = 1
+        self.strategy.accept_grad(bucket, name, param)
         missing.discard(name)
         return True
 
@@ -342,7 +399,7 @@ class GradientReducer:
 
     def launch_ready(self) -> None:
         """Launch the complete buckets whose turn it is."""
-        order = self.launch_order.order
+        order = self.orders.launch.order
         while self._cursor < len(order) and self.buckets[order[self._cursor]].phase is BucketPhase.COMPLETE:
             self._launch(self.buckets[order[self._cursor]])
             self._cursor += 1

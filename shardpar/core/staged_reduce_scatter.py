@@ -13,6 +13,7 @@ stages (``memory_stats()["grads"]`` counts them while they exist).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ class StagedReduceScatter(ShardedAverage):
 
     max_in_flight: int | None = 2
     full_grads_on_params = False
+    copies_each_gradient = True
 
     def __init__(
         self,
@@ -55,10 +57,20 @@ class StagedReduceScatter(ShardedAverage):
             s: torch.zeros(s.layout.shard_numel, dtype=s.master_dtype, device=s.device) for s in spaces
         }  # 1-D, this rank's slice of every bucket, in bucket order (local space), master dtype
         self._staging: dict[int, StagingBuffer] = {}  # bucket position -> its full-size gradients
+        self._in_use: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
+        """Bucket position -> its gradient slots in its staging buffer and this rank's slice of
+        it (``StagingBuffer.slots`` and ``owned``), looked up by each gradient that arrives and
+        by the reduction; as long as the bucket has its buffer (:meth:`_views_in_use`)."""
+        self._staging_shapes: dict[int, tuple[Bucket, torch.dtype, int]] = {}
+        """Bucket position -> (the layout bucket, its staging buffer's dtype and size)."""
         self._free: list[StagingBuffer] = []
+        self._grad_shard_views: dict[int, tuple[Bucket, torch.Tensor, torch.Tensor]] = {}
+        """Bucket position -> (the layout bucket, the gradient shard, the bucket's slice of it)."""
         """Released staging buffers, each knowing the layout bucket it last served."""
         self._accumulated: dict[BucketedParams, torch.Tensor] = {}  # no_sync, full size, reduce dtype
         self.peak_staging_bytes = 0
+        self._staged_bytes = 0
+        """Bytes of the staging buffers in use (``_staging``), kept as they come and go."""
         for space in spaces:
             for param in space.params.values():
                 param.grad = None
@@ -68,11 +80,20 @@ class StagedReduceScatter(ShardedAverage):
     def _staging_for(self, bucket: GradBucket) -> StagingBuffer:
         staging = self._staging.get(bucket.position)
         if staging is None:
-            dtype, numel = self.reduce_dtype(bucket.space), bucket.spec.range.size
-            reusable = [i for i, b in enumerate(self._free) if b.data.dtype == dtype and b.data.numel() == numel]
-            reusable.sort(key=lambda i: self._free[i].served is not bucket.spec)  # one that served this bucket first
-            if reusable:
-                staging = self._free.pop(reusable[0])
+            shape = self._staging_shapes.get(bucket.position)
+            if shape is None or shape[0] is not bucket.spec:
+                shape = (bucket.spec, self.reduce_dtype(bucket.space), bucket.spec.range.size)
+                self._staging_shapes[bucket.position] = shape
+            _, dtype, numel = shape
+            reuse = None  # a pooled buffer of this size, one that served this bucket first
+            for i, pooled in enumerate(self._free):  # (a loop, not a sort: once per bucket per step)
+                if pooled.data.dtype == dtype and pooled.data.numel() == numel:
+                    if pooled.served is bucket.spec:
+                        reuse = i
+                        break
+                    reuse = i if reuse is None else reuse
+            if reuse is not None:
+                staging = self._free.pop(reuse)
             else:
                 staging = StagingBuffer(torch.empty(numel, dtype=dtype, device=bucket.space.device))
             # Not zeroed as a whole: every slot is overwritten by its gradient or, if none comes,
@@ -85,8 +106,18 @@ class StagedReduceScatter(ShardedAverage):
                     gap.shift(-bucket.spec.range.start).of(staging.data).zero_()
                 staging.served = bucket.spec
             self._staging[bucket.position] = staging
-            self.peak_staging_bytes = max(self.peak_staging_bytes, nbytes(b.data for b in self._staging.values()))
+            self._staged_bytes += staging.nbytes
+            self.peak_staging_bytes = max(self.peak_staging_bytes, self._staged_bytes)
         return staging
+
+    def _views_in_use(self, bucket: GradBucket) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``bucket``'s slots and this rank's slice in its staging buffer (made if need be),
+        remembered until its reduction finishes."""
+        in_use = self._in_use.get(bucket.position)
+        if in_use is None:
+            staging = self._staging_for(bucket)
+            in_use = self._in_use[bucket.position] = (staging.slots(bucket), staging.owned(bucket, self.rank))
+        return in_use
 
     def _slot(self, bucket: GradBucket, name: str, full: torch.Tensor | None = None) -> torch.Tensor:
         """``name``'s gradient slot in the bucket's staging buffer (or in ``full``, a buffer
@@ -115,10 +146,10 @@ class StagedReduceScatter(ShardedAverage):
 
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
         assert param.grad is not None  # called from its post-accumulate-grad hook: the gradient is there
-        staging = self._staging.get(bucket.position)
-        if staging is None:
-            staging = self._staging_for(bucket)
-        slot = staging.slots(bucket)[name]
+        in_use = self._in_use.get(bucket.position)
+        if in_use is None:  # the bucket's first gradient of this backward
+            in_use = self._views_in_use(bucket)
+        slot = in_use[0][name]
         slot.copy_(param.grad)
         if bucket.space in self._accumulated:
             slot.add_(self._slot(bucket, name, self._accumulated[bucket.space]))
@@ -153,24 +184,27 @@ class StagedReduceScatter(ShardedAverage):
     # ------------------------------------------------------------------ collectives
 
     def start(self, bucket: GradBucket) -> C.Handle:
-        staging = self._staging_for(bucket).data
-        plan = self.averaging_of[bucket.space]
-        scale(staging, plan.before)
-        return C.reduce_scatter(
-            self.owned_in_staging(bucket, staging),
-            staging,
-            group=self.group,
-            async_op=True,
-            stats=self.comm,
-            padding_numel=bucket.spec.padding,
-            op=plan.op,
-        )
+        in_use = self._in_use.get(bucket.position)  # made by its first gradient
+        if in_use is None:  # or else by fill_missing, which made the buffer only
+            in_use = self._views_in_use(bucket)
+        owned = in_use[1]
+        staging = self._staging[bucket.position]
+        scale(staging.data, self.averaging_of[bucket.space].before)
+        return self.reduce_scatter(bucket, owned, staging.data)
 
     def finish(self, bucket: GradBucket) -> None:
         buffer = self._staging.pop(bucket.position)
-        owned = self.owned_in_staging(bucket, buffer.data)
-        self.sum_replicas(bucket, owned)
-        shard = bucket.space.layout.shard_of(bucket.spec, self.grad_shards[bucket.space])
+        _, owned = self._in_use.pop(bucket.position)  # (start made it)
+        self._staged_bytes -= buffer.nbytes
+        if self.replicas is not None:
+            self.sum_replicas(bucket, owned)
+        made = self._grad_shard_views.get(bucket.position)  # its slice of the gradient shard, if made
+        grad_shard = self.grad_shards[bucket.space]
+        shard = (
+            made[2]
+            if made is not None and made[0] is bucket.spec and made[1] is grad_shard
+            else self._grad_shard_of(bucket)
+        )
         scale = self.averaging_of[bucket.space].after
         if bucket.reduced:  # accumulating over a reduction since zero_grad
             shard.add_(owned, alpha=scale)
@@ -182,7 +216,16 @@ class StagedReduceScatter(ShardedAverage):
         self._free.append(buffer)
         assert self.max_in_flight is not None  # this strategy always bounds the reductions in flight
         if len(self._free) > self.max_in_flight + 1:
-            self._free.pop(0)
+            self._free.remove(_least_shared(self._free))
+
+    def _grad_shard_of(self, bucket: GradBucket) -> torch.Tensor:
+        """``bucket``'s slice of this rank's gradient shard, made and remembered in
+        ``_grad_shard_views`` (once per layout bucket and gradient shard: a relayout replaces
+        both), where :meth:`finish` looks it up."""
+        grad_shard = self.grad_shards[bucket.space]
+        view = bucket.space.layout.shard_of(bucket.spec, grad_shard)
+        self._grad_shard_views[bucket.position] = (bucket.spec, grad_shard, view)
+        return view
 
     def after_sync_backward(self) -> None:
         self._accumulated.clear()
@@ -229,18 +272,33 @@ class StagedReduceScatter(ShardedAverage):
         return nbytes([b.data for b in self._staging.values()] + [b.data for b in self._free])
 
 
+def _least_shared(pool: list[StagingBuffer]) -> StagingBuffer:
+    """The buffer to drop from a full pool: the oldest of the size that the fewest pooled
+    buffers have. The pool keeps ``max_in_flight + 1`` buffers, what a backward of equal units
+    keeps busy (two in flight, one collecting), and a bucket of another size (the head's, the
+    last bucket's tail) is one more: dropping the oldest buffer would drop one of the common
+    size every step, and its replacement would make its gradient slots again for every bucket
+    it serves ([Note: the host's share of a step] in engines/hooks.py); a buffer of a rare
+    size is made again for its few buckets."""
+    sizes = Counter((buffer.data.dtype, buffer.data.numel()) for buffer in pool)
+    return min(pool, key=lambda buffer: sizes[buffer.data.dtype, buffer.data.numel()])  # min: the oldest of ties
+
+
 class StagingBuffer:
     """One bucket-sized staging buffer of the pool: its tensor (1-D, reduce dtype), the layout
-    bucket it last served (whose padding it holds zeroed), and its gradient slots for each
-    bucket it served, made once: a gradient hook then copies into a view it looks up ([Note:
+    bucket it last served (whose padding it holds zeroed), and its gradient slots and this
+    rank's slice for each bucket it served, made once: a gradient hook then copies into a view it looks up ([Note:
     the host's share of a step] in engines/hooks.py)."""
 
     def __init__(self, data: torch.Tensor) -> None:
         self.data = data
+        self.nbytes = data.numel() * data.element_size()
         self.served: Bucket | None = None
         self._slots: dict[int, tuple[Bucket, dict[str, torch.Tensor]]] = {}
         """Bucket position -> (the layout bucket, name -> its slot in ``data``); a bucket of
         another layout at that position (after a rebuild) makes them again."""
+        self._owned: dict[int, tuple[Bucket, torch.Tensor]] = {}
+        """Bucket position -> (the layout bucket, this rank's slice of ``data``), as ``_slots``."""
 
     def slots(self, bucket: GradBucket) -> dict[str, torch.Tensor]:
         """Each of ``bucket``'s parameters' slot in this buffer, with the parameter's shape and
@@ -248,4 +306,11 @@ class StagingBuffer:
         made = self._slots.get(bucket.position)
         if made is None or made[0] is not bucket.spec:
             made = self._slots[bucket.position] = (bucket.spec, {n: bucket.slot_in(self.data, n) for n in bucket.names})
+        return made[1]
+
+    def owned(self, bucket: GradBucket, rank: int) -> torch.Tensor:
+        """``rank``'s slice of ``bucket`` in this buffer (its reduce-scatter's output)."""
+        made = self._owned.get(bucket.position)
+        if made is None or made[0] is not bucket.spec:
+            made = self._owned[bucket.position] = (bucket.spec, bucket.spec.shard_in_bucket(rank).of(self.data))
         return made[1]

@@ -172,7 +172,7 @@ class Engine:
         self._handles += grad_ready_hooks(
             ((name, reducer.bucket_of[name].params[name]) for name in reducer.names),
             self._on_grad_ready,
-            reducer.arrived_in_place if reducer.counts_in_place else None,
+            reducer.arrival_counter,
         )
         if self.grad_placeholders is not None:
             self._handles += self.grad_placeholders.before_accumulation_hooks(self.ensure_backward_started)

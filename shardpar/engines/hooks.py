@@ -19,7 +19,8 @@ closure, with what it needs bound in, reaching its owner through ``weakref.ref``
 ``WeakMethod``, whose ``__call__`` is Python); it asks the cheap question first and calls
 further only when there is work. At stages 0-1 the common arrival is one call: the reducer
 counts it, the gradient being in the bucket already ([Note: gradients accumulate in the
-buffer] in core/reducer.py). Any other arrival goes through the engine, the backward path,
+buffer] in core/reducer.py); at stages 2-3 two: the reducer counts it and the strategy copies
+it into its staging bucket. Any other arrival goes through the engine, the backward path,
 the reducer and the strategy, one call each, the reducer doing its per-gradient bookkeeping
 (used flag, ready order, the bucket's count) inline rather than in a helper per fact. Work that
 is the same for every parameter of a bucket is done per bucket at launch, with the
@@ -136,15 +137,15 @@ def _weakly(method: Callable[..., Any]) -> tuple[Callable[[], Any], Callable[...
 def grad_ready_hooks(
     params: Iterable[tuple[str, nn.Parameter]],
     on_ready: Callable[[str, nn.Parameter], None],
-    arrived_in_place: Callable[[str, nn.Parameter], bool] | None = None,
+    count_arrival: Callable[[str, nn.Parameter], bool] | None = None,
 ) -> list[Any]:
     """One post-accumulate-grad hook per (name, parameter), calling ``on_ready`` (a bound
     method) through a weak reference to its object: see [Note: hooks hold their owner weakly].
-    Each hook is one closure; where ``arrived_in_place`` (a bound method too) is given, it is
-    asked first and ``on_ready`` is called only when it did not take the arrival ([Note: the
-    host's share of a step])."""
+    Each hook is one closure; where ``count_arrival`` (a bound method too: the reducer's
+    ``arrival_counter``) is given, it is asked first and ``on_ready`` is called only when it
+    did not take the arrival ([Note: the host's share of a step])."""
     receiver, on_ready_fn = _weakly(on_ready)
-    counting = None if arrived_in_place is None else _weakly(arrived_in_place)
+    counting = None if count_arrival is None else _weakly(count_arrival)
 
     def hook_for(name: str) -> Callable[[nn.Parameter], None]:
         def on_accumulated(param: nn.Parameter) -> None:

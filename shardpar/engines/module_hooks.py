@@ -210,7 +210,8 @@ class UnitHooks:
         self, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self.gatherer.pre_forward(unit)
-        self.reducer.orders.module_runs(unit.trainable_names)  # the unit's use, to the first-step orders
+        if self.reducer.orders.records_uses:  # read here, so that a use calls in only while they record
+            self._record_use(unit)
         return self._hook_inputs(unit, args, kwargs)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -234,8 +235,11 @@ class UnitHooks:
         self.gatherer.pre_backward(unit)
 
     def _record_use(self, unit: Unit) -> None:
-        """A unit's use, to the first-step orders (their recording rule: core/first_step_orders.py)."""
-        self.reducer.orders.module_runs(unit.trainable_names)
+        """A unit's use, to the first-step orders (their recording rule: core/first_step_orders.py),
+        while they record any (as a use hook does, once per unit use)."""
+        orders = self.reducer.orders
+        if orders.records_uses:  # else nothing to record: the attribute is read, not called in
+            orders.module_runs(unit.trainable_names)
 
     def _hook_inputs(
         self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
