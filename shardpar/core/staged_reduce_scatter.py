@@ -64,9 +64,9 @@ class StagedReduceScatter(ShardedAverage):
         self._staging_shapes: dict[int, tuple[Bucket, torch.dtype, int]] = {}
         """Bucket position -> (the layout bucket, its staging buffer's dtype and size)."""
         self._free: list[StagingBuffer] = []
+        """Released staging buffers, each knowing the layout bucket it last served."""
         self._grad_shard_views: dict[int, tuple[Bucket, torch.Tensor, torch.Tensor]] = {}
         """Bucket position -> (the layout bucket, the gradient shard, the bucket's slice of it)."""
-        """Released staging buffers, each knowing the layout bucket it last served."""
         self._accumulated: dict[BucketedParams, torch.Tensor] = {}  # no_sync, full size, reduce dtype
         self.peak_staging_bytes = 0
         self._staged_bytes = 0
@@ -287,8 +287,8 @@ def _least_shared(pool: list[StagingBuffer]) -> StagingBuffer:
 class StagingBuffer:
     """One bucket-sized staging buffer of the pool: its tensor (1-D, reduce dtype), the layout
     bucket it last served (whose padding it holds zeroed), and its gradient slots and this
-    rank's slice for each bucket it served, made once: a gradient hook then copies into a view it looks up ([Note:
-    the host's share of a step] in engines/hooks.py)."""
+    rank's slice for each bucket it served, made once: a gradient hook then copies into a view
+    it looks up ([Note: the host's share of a step] in engines/hooks.py)."""
 
     def __init__(self, data: torch.Tensor) -> None:
         self.data = data
