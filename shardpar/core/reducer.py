@@ -98,7 +98,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -234,7 +234,7 @@ class GradientReducer:
         dtype is not the parameters')."""
 
     @property
-    def arrival_counter(self) -> Any:
+    def arrival_counter(self) -> Callable[[str, nn.Parameter], bool] | None:
         """What a gradient hook asks first (None: nothing, every arrival takes the full path):
         :meth:`arrived_in_place` at stages 0-1, :meth:`arrived_staged` where the strategy copies
         each gradient into a staging bucket (stages 2-3). See [Note: gradients accumulate in
