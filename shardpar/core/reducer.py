@@ -87,11 +87,11 @@ timeline is recorded (the first step). Where the reduce dtype is not the paramet
 precision), the buffer cannot be ``.grad``: each gradient is added into it and released, as
 before. Stages 2-3 have no full buffer: each gradient is copied into its staging bucket, and
 the common arrival is taken in two calls (:meth:`GradientReducer.arrived_staged` counts it and
-has the strategy copy it in), on the same conditions but from the first synchronising backward
-on (it checks that the gradient is dense itself), and while no complete bucket waits for its
-launch (stage 3's gate, backward_paths.py: a waiting bucket is offered the launch by every
-full-path arrival). What it saves, per gradient: the copy (stages 0-1) and the calls of the
-full path (docs/benchmarks.md, "The host's share of a step (#44)").
+has the strategy copy it in), on the same conditions except that it need not wait for a first
+synchronising backward (it checks that the gradient is dense itself), and only while no
+complete bucket waits for its launch (stage 3's gate, backward_paths.py: a waiting bucket is
+offered the launch by every full-path arrival). What it saves, per gradient: the copy (stages
+0-1) and the calls of the full path (docs/benchmarks.md, "The host's share of a step (#44)").
 """
 
 from __future__ import annotations
