@@ -177,3 +177,55 @@ def test_uses_through_entry_modules_share_a_gather_in_forward() -> None:
     called = run_ranks(_train, 2, "Sequential called", timeout=120)[0]["gathers"]
     looped = run_ranks(_train, 2, "loop", timeout=120)[0]["gathers"]
     assert looped == [calls + 2 for calls in called], (called, looped)
+
+
+def _train_after_a_raise_at_the_first_entry() -> dict[str, Any]:
+    """"loop" mode, whose blocks are entry modules of their stage, with a first call of
+    ``layer1[0]`` on its own (outside the root's forward, whose end would also end the use)
+    that raises: the use it started ends in the forward hook that entry put on (torch runs it
+    for a raised forward too), and training goes on."""
+    rank, world_size = C.get_rank(), C.get_world_size()
+    built = _build("loop")
+    entered = built.layer1[0]
+    raising = [True]
+
+    def raise_once(module: nn.Module, args: Any) -> None:
+        if raising[0]:
+            raising[0] = False
+            raise ValueError("a data error in the first forward")
+
+    built.layer1[0].conv2.register_forward_pre_hook(raise_once)
+    model = shardpar.wrap(built, stage=3, min_unit_params=MIN_UNIT_PARAMS)
+    hooks_before = len(entered._forward_hooks)  # none of shardpar's until a use enters there
+    with pytest.raises(ValueError, match="data error"):  # a block called on its own, outside the root's forward
+        entered(torch.randn(2, CHANNELS, 6, 6))
+    hooks_after_raise = len(entered._forward_hooks)
+    (stage,) = [unit for unit in model.engine.storage.units if unit.name == "layer1"]
+    left = (stage.running, stage.entered_by)  # the use ended: not running, entered by none
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    share = BATCH // world_size
+    states = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        F.cross_entropy(model(x[rank * share : (rank + 1) * share]), y[rank * share : (rank + 1) * share]).backward()
+        model.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        states.append(model.full_state_dict())
+    hooks_after = len(entered._forward_hooks)
+    model.engine.close()
+    return {"states": states, "hooks": (hooks_before, hooks_after_raise, hooks_after), "left": left}
+
+
+def test_an_entry_modules_use_ends_when_its_first_forward_raises() -> None:
+    # The hook that ends a use begun at an entry module goes on at the first such use (inside
+    # the unit's own uses it would be a call doing nothing, once per entry module per forward):
+    # none before, one from then on, and a forward raised there ends the use all the same.
+    expected = _reference("loop")
+    for rank, result in enumerate(run_ranks(_train_after_a_raise_at_the_first_entry, 2, timeout=120)):
+        assert result["hooks"] == (0, 1, 1), result["hooks"]
+        assert result["left"] == (0, None), result["left"]
+        for step, (state, reference) in enumerate(zip(result["states"], expected["states"])):
+            for name, value in reference.items():
+                error = _rel_error(state[name], value)
+                assert error <= TOL, f"rank {rank}, step {step}: {name} off by {error:.2e}"

@@ -67,6 +67,10 @@ from .unit_order import UnitOrder
 from .units import Unit
 from .wait_clock import WaitClock
 
+_autograd_task = torch._C._current_graph_task_id
+"""-1 outside backward: what :meth:`TrainingState.is_recompute` asks, read here without the
+method's call (twice per unit use)."""
+
 
 class UnitGatherer(GatherPhases):
     """Stage 3; see [Note: one step at stage 3] and [Note: unit order across ranks] (unit_order.py).
@@ -341,7 +345,7 @@ class UnitGatherer(GatherPhases):
         """A use of ``unit`` starts (its hook module's forward): gathered, with the next units
         prefetched, or (a recompute) gathered again. The hook layer then hooks the use's
         inputs for :meth:`post_backward`."""
-        if self.state.is_recompute():
+        if _autograd_task() != -1:  # a recompute (TrainingState.is_recompute, asked without a call)
             # A unit recomputed after its gradients were final in this backward: reentrant
             # checkpointing of one module twice. More gradients will follow (late ones; see
             # [Note: a gradient that arrives twice] in reducer.py), so it is gathered again.
@@ -387,7 +391,7 @@ class UnitGatherer(GatherPhases):
         """A use of ``unit`` ended in forward (the hook layer then hooks its outputs for
         :meth:`pre_backward`): freed now, when the next unit starts, or kept."""
         unit.running = max(unit.running - 1, 0)
-        if self._kept_gathered(unit) or self.state.is_recompute():
+        if self._kept_gathered(unit) or _autograd_task() != -1:  # (-1: not a recompute)
             return  # the recomputed graph is about to use the storage
         if unit.running:
             return  # a use of it is still running (a registered method called from its forward)

@@ -176,32 +176,23 @@ class UnitHooks:
                 )
         self.on_entry_modules: dict[str, list[Any]] = {}
         """Entry module -> its hooks' handles (see [Note: entry modules] in core/units.py)."""
+        self._leave_hooked: set[tuple[Unit, str]] = set()
+        """(unit, entry module) pairs whose forward hook is on (see :meth:`_enter`)."""
         # An entry module runs almost always inside a use of its unit (its block's forward),
-        # where its hooks do nothing: each asks the unit first, itself, and calls down only
-        # when there is something to do (the gatherer's enter/leave ask the same again).
+        # where its hook does nothing: it asks the unit first, itself, and calls down only when
+        # there is something to do (the gatherer's enter asks the same again).
         for unit, plan in zip(units, plans):
             for entry_name in plan.entry_modules:
-                module = modules[entry_name]
-                self.on_entry_modules.setdefault(entry_name, []).extend(
-                    [
-                        module.register_forward_pre_hook(
-                            engine_hook(
-                                lambda m, args, kwargs, unit=unit: (
-                                    None if unit.running else self._enter(unit, m, args, kwargs)
-                                )
-                            ),
-                            prepend=True,
-                            with_kwargs=True,
+                self.on_entry_modules.setdefault(entry_name, []).append(
+                    modules[entry_name].register_forward_pre_hook(
+                        engine_hook(
+                            lambda m, args, kwargs, unit=unit, name=entry_name: (
+                                None if unit.running else self._enter(unit, name, m, args, kwargs)
+                            )
                         ),
-                        module.register_forward_hook(
-                            engine_hook(
-                                lambda m, args, output, unit=unit: (
-                                    self._leave(unit, m, output) if unit.entered_by is m else None
-                                )
-                            ),
-                            always_call=True,
-                        ),
-                    ]
+                        prepend=True,
+                        with_kwargs=True,
+                    )
                 )
 
     # ------------------------------------------------------------------ a use of a unit
@@ -219,12 +210,32 @@ class UnitHooks:
         self._hook_outputs(unit, output)
 
     def _enter(
-        self, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, unit: Unit, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if not self.gatherer.enter(unit, module):
             return None  # a use of the unit is in progress
+        if (unit, name) not in self._leave_hooked:
+            self._hook_leave(unit, name, module)
         self._record_use(unit)
         return self._hook_inputs(unit, args, kwargs)
+
+    def _hook_leave(self, unit: Unit, name: str, module: nn.Module) -> None:
+        """The forward hook that ends a use an entry module started, put on by the first such
+        use rather than at wrap: inside its unit's uses, where an entry module almost always
+        runs, that hook would be a call that does nothing (once per entry module per forward).
+        Registered from the module's own pre-hook, it runs after this very forward: torch reads
+        a module's forward hooks once its forward returns (or raises: ``always_call``). It stays
+        on, so a model that enters this way every step registers it once; it is never removed
+        from inside a call (torch iterates the hooks of a raised forward as a live dict)."""
+        self._leave_hooked.add((unit, name))
+        self.on_entry_modules[name].append(
+            module.register_forward_hook(
+                engine_hook(
+                    lambda m, args, output, unit=unit: self._leave(unit, m, output) if unit.entered_by is m else None
+                ),
+                always_call=True,
+            )
+        )
 
     def _leave(self, unit: Unit, module: nn.Module, output: Any) -> None:
         if self.gatherer.leave(unit, module):
@@ -302,3 +313,4 @@ class UnitHooks:
         for entry_name in [name for name in self.on_entry_modules if tree.inside_compiled(name)]:
             for handle in self.on_entry_modules.pop(entry_name):
                 handle.remove()
+            self._leave_hooked = {(unit, name) for unit, name in self._leave_hooked if name != entry_name}
