@@ -180,7 +180,7 @@ def test_uses_through_entry_modules_share_a_gather_in_forward() -> None:
 
 
 def _train_after_a_raise_at_the_first_entry() -> dict[str, Any]:
-    """"loop" mode, whose blocks are entry modules of their stage, with a first call of
+    """The "loop" mode, whose blocks are entry modules of their stage, with a first call of
     ``layer1[0]`` on its own (outside the root's forward, whose end would also end the use)
     that raises: the use it started ends in the forward hook that entry put on (torch runs it
     for a raised forward too), and training goes on."""
