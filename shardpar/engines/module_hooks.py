@@ -177,7 +177,7 @@ class UnitHooks:
         self.on_entry_modules: dict[str, list[Any]] = {}
         """Entry module -> its hooks' handles (see [Note: entry modules] in core/units.py)."""
         self._leave_hooked: set[tuple[Unit, str]] = set()
-        """(unit, entry module) pairs whose forward hook is on (see :meth:`_enter`)."""
+        """(unit, entry module) pairs whose forward hook is on (see :meth:`_hook_leave`)."""
         # An entry module runs almost always inside a use of its unit (its block's forward),
         # where its hook does nothing: it asks the unit first, itself, and calls down only when
         # there is something to do (the gatherer's enter asks the same again).
