@@ -129,8 +129,16 @@ def _reference(mode: str) -> dict[str, Any]:
 
 
 def _train(mode: str) -> dict[str, Any]:
-    rank, world_size = C.get_rank(), C.get_world_size()
     model = shardpar.wrap(_build(mode), stage=3, min_unit_params=MIN_UNIT_PARAMS)
+    result = _train_wrapped(model)
+    model.engine.close()
+    return result
+
+
+def _train_wrapped(model: Any) -> dict[str, Any]:
+    """STEPS steps of AdamW on this rank's share of each batch, then an evaluation (the engine
+    left open: the caller closes it)."""
+    rank, world_size = C.get_rank(), C.get_world_size()
     units = [unit.name for unit in model.engine.storage.units]
     opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     share = BATCH // world_size
@@ -147,12 +155,21 @@ def _train(mode: str) -> dict[str, Any]:
     model.eval()
     with torch.no_grad():
         evaluated = model(_eval_batch())
-    model.engine.close()
     return {"units": units, "states": states, "eval": evaluated, "gathers": gathers}
 
 
 def _rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
+
+
+def _assert_trains_like(result: dict[str, Any], expected: dict[str, Any], label: str) -> None:
+    """Every step's state and the evaluation within TOL of plain torch's."""
+    for step, (state, reference) in enumerate(zip(result["states"], expected["states"], strict=True)):
+        for name, value in reference.items():
+            error = _rel_error(state[name], value)
+            assert error <= TOL, f"{label}, step {step}: {name} off by {error:.2e}"
+    error = _rel_error(result["eval"], expected["eval"])
+    assert error <= TOL, f"{label}: evaluation off by {error:.2e}"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -162,12 +179,7 @@ def test_default_policy_units_train_like_plain_torch_when_their_forward_is_bypas
     results = run_ranks(_train, world_size, mode, timeout=120)
     for rank, result in enumerate(results):
         assert {"layer1", "layer2"} <= set(result["units"]), result["units"]  # the stages are units
-        for step, (state, reference) in enumerate(zip(result["states"], expected["states"])):
-            for name, value in reference.items():
-                error = _rel_error(state[name], value)
-                assert error <= TOL, f"{mode}, rank {rank}, step {step}: {name} off by {error:.2e}"
-        error = _rel_error(result["eval"], expected["eval"])
-        assert error <= TOL, f"{mode}, rank {rank}: evaluation off by {error:.2e}"
+        _assert_trains_like(result, expected, f"{mode}, rank {rank}")
 
 
 def test_uses_through_entry_modules_share_a_gather_in_forward() -> None:
@@ -184,7 +196,6 @@ def _train_after_a_raise_at_the_first_entry() -> dict[str, Any]:
     ``layer1[0]`` on its own (outside the root's forward, whose end would also end the use)
     that raises: the use it started ends in the forward hook that entry put on (torch runs it
     for a raised forward too), and training goes on."""
-    rank, world_size = C.get_rank(), C.get_world_size()
     built = _build("loop")
     entered = built.layer1[0]
     raising = [True]
@@ -202,19 +213,10 @@ def _train_after_a_raise_at_the_first_entry() -> dict[str, Any]:
     hooks_after_raise = len(entered._forward_hooks)
     (stage,) = [unit for unit in model.engine.storage.units if unit.name == "layer1"]
     left = (stage.running, stage.entered_by)  # the use ended: not running, entered by none
-    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
-    share = BATCH // world_size
-    states = []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        F.cross_entropy(model(x[rank * share : (rank + 1) * share]), y[rank * share : (rank + 1) * share]).backward()
-        model.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        states.append(model.full_state_dict())
+    result = _train_wrapped(model)
     hooks_after = len(entered._forward_hooks)
     model.engine.close()
-    return {"states": states, "hooks": (hooks_before, hooks_after_raise, hooks_after), "left": left}
+    return {**result, "hooks": (hooks_before, hooks_after_raise, hooks_after), "left": left}
 
 
 def test_an_entry_modules_use_ends_when_its_first_forward_raises() -> None:
@@ -225,7 +227,4 @@ def test_an_entry_modules_use_ends_when_its_first_forward_raises() -> None:
     for rank, result in enumerate(run_ranks(_train_after_a_raise_at_the_first_entry, 2, timeout=120)):
         assert result["hooks"] == (0, 1, 1), result["hooks"]
         assert result["left"] == (0, None), result["left"]
-        for step, (state, reference) in enumerate(zip(result["states"], expected["states"])):
-            for name, value in reference.items():
-                error = _rel_error(state[name], value)
-                assert error <= TOL, f"rank {rank}, step {step}: {name} off by {error:.2e}"
+        _assert_trains_like(result, expected, f"rank {rank}")
