@@ -32,7 +32,9 @@ the carry back. The carry (``4Ψ/N``) exists only then and ``zero_grad`` frees i
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -68,7 +70,7 @@ class BucketReduction(Protocol):
     def fill_missing(self, bucket: GradBucket) -> None: ...
     def start(self, bucket: GradBucket) -> C.Handle: ...
     def finish(self, bucket: GradBucket) -> None: ...
-    def after_sync_backward(self) -> None: ...
+    def after_sync_backward(self, buckets: Sequence[GradBucket]) -> None: ...
     def clear(self) -> None: ...
     def clear_params(self, names: set[str], set_to_none: bool = True) -> None: ...
     def release_unused(self, names: set[str]) -> None: ...
@@ -142,6 +144,50 @@ def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+_grad_of = operator.attrgetter("grad")
+
+
+def _all_none(grads: list[torch.Tensor | None]) -> bool:
+    """Whether every one of ``grads`` is None (by identity, in C: no ``Tensor.__eq__``)."""
+    return all(map(operator.is_, grads, repeat(None)))
+
+
+def _point_grads(params: Iterable[nn.Parameter], grads: Iterable[torch.Tensor]) -> None:
+    """``param.grad = grad`` for each pair (inside :func:`~.param_guard.metadata_only` where
+    parameters may be guarded). A plain loop: ``map(setattr, ...)`` drained in C is no faster,
+    the setter's own checks being most of the cost."""
+    for param, grad in zip(params, grads):
+        param.grad = grad
+
+
+class _BucketViews:
+    """One bucket's parameters and their views in the full buffer, listed once per layout: what
+    the loops that put views on ``.grad`` read (before a synchronising backward, and after it at
+    stage 0), each a few C-level passes over these lists instead of a Python loop with a dict
+    look-up per parameter ([Note: the host's share of a step] in engines/hooks.py)."""
+
+    __slots__ = ("spec", "same_dtype", "in_place", "span")
+
+    def __init__(
+        self,
+        bucket: GradBucket,
+        views: dict[str, torch.Tensor],
+        in_place: dict[str, torch.Tensor],
+        grad_buffer: torch.Tensor,
+    ) -> None:
+        self.spec = bucket.spec
+        same = [(param, views[name]) for name, param in bucket.members if views[name].dtype == param.dtype]
+        self.same_dtype = ([param for param, _ in same], [view for _, view in same])
+        """The parameters whose view can be their ``.grad`` (of their dtype), and the views."""
+        pairs = [(param, in_place[name]) for name, param in bucket.members if name in in_place]
+        self.in_place = ([param for param, _ in pairs], [view for _, view in pairs])
+        """The parameters whose gradients autograd accumulates into their views, and the views."""
+        self.span = bucket.spec.range.of(grad_buffer) if len(pairs) == len(bucket.members) else None
+        """The bucket's whole range of the buffer where every parameter of it accumulates in
+        place (None otherwise): zeroed by one op instead of one per view (gaps and padding
+        hold zeros anyway)."""
+
+
 class _FullGradBuffer:
     """Stages 0-1: one full gradient buffer per space in the reduce dtype. When that is the
     parameters' dtype, ``param.grad`` are views into it (autograd accumulates in place);
@@ -160,6 +206,17 @@ class _FullGradBuffer:
         self.views = {name: s.layout.view(self.grad_buffers[s], name) for s in spaces for name in s.params}
         self._in_place: dict[str, torch.Tensor] | None = None
         """:meth:`in_place_views`, once per layout."""
+        self._bucket_views: dict[GradBucket, _BucketViews] = {}
+        """Per bucket, its parameters and views (:meth:`_views_of`), once per layout."""
+
+    def _views_of(self, bucket: GradBucket) -> _BucketViews:
+        listed = self._bucket_views.get(bucket)
+        if listed is None or listed.spec is not bucket.spec:
+            if self._in_place is None:
+                self._in_place = self.in_place_views()
+            listed = _BucketViews(bucket, self.views, self._in_place, self.grad_buffers[bucket.space])
+            self._bucket_views[bucket] = listed
+        return listed
 
     def in_place_views(self) -> dict[str, torch.Tensor]:
         """The views that autograd accumulates into in place once :meth:`grads_into_buffer`
@@ -179,22 +236,22 @@ class _FullGradBuffer:
         [Note: gradients accumulate in the buffer] in reducer.py. A bucket that holds reduced
         gradients (stage 1's, kept for accumulation across reductions) is left as it is: its
         first gradient carries them aside (accept_grad)."""
-        in_place = self._in_place
-        if in_place is None:
-            in_place = self._in_place = self.in_place_views()
+        partly: list[tuple[nn.Parameter, torch.Tensor]] = []
         with metadata_only():  # stage 1's parameters may be guarded here (a gather pending)
-            without = [
-                (param, view)
-                for bucket in buckets
-                if not bucket.reduced
-                for name, param in bucket.members
-                if (view := in_place.get(name)) is not None and param.grad is None
-            ]
-            if not without:
-                return
-            torch._foreach_zero_([view for _, view in without])
-            for param, view in without:
-                param.grad = view
+            for bucket in buckets:
+                if bucket.reduced:
+                    continue
+                listed = self._views_of(bucket)
+                params, views = listed.in_place
+                grads = list(map(_grad_of, params))
+                if listed.span is not None and _all_none(grads):
+                    listed.span.zero_()  # the common case after zero_grad: the bucket at once
+                    _point_grads(params, views)
+                else:  # an accumulation over backward passes keeps what .grad holds
+                    partly += [(param, view) for param, view, grad in zip(params, views, grads) if grad is None]
+            if partly:
+                torch._foreach_zero_([view for _, view in partly])
+                _point_grads([param for param, _ in partly], [view for _, view in partly])
 
     def accept_grad(self, bucket: GradBucket, name: str, param: nn.Parameter) -> None:
         assert param.grad is not None  # called from its post-accumulate-grad hook: the gradient is there
@@ -278,7 +335,7 @@ class _FullGradBuffer:
                     view.zero_()
                     param.grad = view if keep_view and view.dtype == param.dtype else None
 
-    def after_sync_backward(self) -> None:
+    def after_sync_backward(self, buckets: Sequence[GradBucket]) -> None:
         pass
 
     def _relayout_buffer(self, space: BucketedParams, data: torch.Tensor) -> None:
@@ -287,6 +344,7 @@ class _FullGradBuffer:
         old_views = {name: self.views[name] for name in space.params}
         self.grad_buffers[space] = data
         self._in_place = None
+        self._bucket_views = {}
         for name, param in space.params.items():
             self.views[name] = space.layout.view(data, name)
             if param.grad is old_views[name]:
@@ -347,12 +405,16 @@ class AllReduceStrategy(_FullGradBuffer):
         if master is not self.grad_buffers[bucket.space]:
             bucket.spec.range.of(master).copy_(bucket.spec.range.of(self.grad_buffers[bucket.space]))
 
-    def after_sync_backward(self) -> None:
+    def after_sync_backward(self, buckets: Sequence[GradBucket]) -> None:
         """``.grad`` is the buffer's view again once nothing more can arrive (see _take_views_off)."""
-        for space in self.spaces:
-            for name, param in space.params.items():
-                view = self.views[name]
-                if param.grad is None and view.dtype == param.dtype:
+        for bucket in buckets:
+            params, views = self._views_of(bucket).same_dtype
+            grads = list(map(_grad_of, params))
+            if _all_none(grads):  # the common case: every view was taken off at launch
+                _point_grads(params, views)
+                continue
+            for param, view, grad in zip(params, views, grads):
+                if grad is None:
                     param.grad = view
 
     def release_unused(self, names: set[str]) -> None:

@@ -471,7 +471,7 @@ class GradientReducer:
         self.ledger.reduce()
         self._cursor = 0
         self.last_backward_wait_s = time.perf_counter() - started
-        self.strategy.after_sync_backward()
+        self.strategy.after_sync_backward(self.buckets)
         if self.ledger.flags_landed():
             self.settle(block=True)
 

@@ -229,7 +229,7 @@ class StagedReduceScatter(ShardedAverage):
         self._grad_shard_views[bucket.position] = (bucket.spec, grad_shard, view)
         return view
 
-    def after_sync_backward(self) -> None:
+    def after_sync_backward(self, buckets: Sequence[GradBucket]) -> None:
         self._accumulated.clear()
 
     def clear(self) -> None:
