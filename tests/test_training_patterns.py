@@ -883,6 +883,108 @@ def test_a_parameter_read_right_after_step_sees_the_updated_values(stage: int) -
         assert torch.equal(reads["state_dict"], full["blocks.1.fc2.weight"])
 
 
+class Reorderable(nn.Module):
+    """Four blocks run in ``self.order``, which a script may change between steps (the module
+    that first uses a bucket is then another)."""
+
+    def __init__(self, compiled: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(DIM, 1)
+        self.order = [0, 1, 2, 3]
+        if compiled:
+            for block in self.blocks:
+                block.compile(backend="eager")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.order:
+            x = self.blocks[i](x)
+        return self.head(x)
+
+
+REORDERED = [[0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]]
+"""The blocks' order at each step: the first is the one the gather hooks are thinned by."""
+BLOCK_MB = 1200 * 4 / 2**20  # about a block (1,104 elements) per bucket, cut across blocks
+
+
+def _reorder_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step * 17 + rank)
+    return torch.randn(BATCH, DIM, generator=generator), torch.randn(BATCH, 1, generator=generator)
+
+
+def _reordered_training(stage: int, compiled: bool) -> dict[str, Any]:
+    from shardpar.core import flat_param
+
+    guarded_reads: list[str] = []  # the gathers a guard completed (not a hook), by group
+    guard = flat_param._PendingGather.on_access
+
+    def counting(self: Any, param: nn.Parameter, operation: str) -> None:
+        guarded_reads.append(self.group.label)
+        guard(self, param, operation)
+
+    flat_param._PendingGather.on_access = counting  # type: ignore[method-assign]  # this rank's process only
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    module = Reorderable(compiled)
+    model = shardpar.wrap(module, stage=stage, bucket_cap_mb=BLOCK_MB)
+    opt = shardpar.optimizer(model, torch.optim.SGD, lr=0.1)
+    rank, hooked, guarded = C.get_rank(), [], []
+    for step, order in enumerate(REORDERED):
+        module.order = order
+        x, y = _reorder_batch(step, rank)
+        guarded_reads.clear()
+        loss = F.mse_loss(model(x), y)
+        guarded.append(len(guarded_reads))
+        hooked.append(sorted(name for name, m in module.named_modules() if name and m._forward_pre_hooks))
+        loss.backward()
+        opt.step()  # its all-gathers stay in flight into the next forward (no state read between)
+        opt.zero_grad()
+    state = model.full_state_dict()
+    buckets = [list(bucket.names) for bucket in model.engine.reducer.buckets]
+    model.engine.close()
+    flat_param._PendingGather.on_access = guard  # type: ignore[method-assign]
+    return {"state": state, "hooked": hooked, "buckets": buckets, "guarded": guarded}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_gather_hook_per_bucket_and_another_first_module_still_reads_updated_values(
+    stage: int, compiled: bool
+) -> None:
+    """[Note: one gather hook per bucket]: after a forward only the module that used a bucket
+    first (in the first forward's order) keeps a gather hook, also once the bucket rebuild put
+    them all back; compiled blocks keep theirs. When later steps run the blocks in other
+    orders, a module without a hook that now comes first reads guarded parameters, the guard
+    completes the gather, and the trained model equals plain torch's running the same orders."""
+    torch.manual_seed(0)
+    reference = Reorderable()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step, order in enumerate(REORDERED):
+        reference.order = order
+        batches = [_reorder_batch(step, rank) for rank in range(2)]
+        loss = sum(F.mse_loss(reference(x), y) for x, y in batches) / 2
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for rank, result in enumerate(run_ranks(_reordered_training, 2, stage, compiled, timeout=120)):
+        buckets, hooked = result["buckets"], result["hooked"]
+        assert len(buckets) >= 3 and all(len({n.rsplit(".", 1)[0] for n in b}) > 1 for b in buckets), buckets
+        if compiled:  # every block is compiled: its hook stays
+            assert all(f"blocks.{i}" in names for names in hooked for i in range(4)), hooked
+        else:  # after the rebuild (step 0's backward): one per bucket, the first user in step 0's order
+            runs = [f"blocks.{i}.{m}" for i in REORDERED[0] for m in ("ln", "fc", "fc2")] + ["head"]
+            first_users = {next(m for m in runs if any(n.startswith(m + ".") for n in b)) for b in buckets}
+            assert hooked[1] == hooked[2] == sorted(first_users), (hooked, buckets)
+            later = [f"blocks.{i}.{m}" for i in REORDERED[1] for m in ("ln", "fc", "fc2")] + ["head"]
+            now_first = {next(m for m in later if any(n.startswith(m + ".") for n in b)) for b in buckets}
+            assert now_first - first_users, "step 1 must make a module without a hook its bucket's first user"
+            assert result["guarded"][0] == 0 and result["guarded"][1] > 0, result["guarded"]  # a guard gathered
+        for name, tensor in reference.state_dict().items():
+            torch.testing.assert_close(
+                result["state"][name], tensor, rtol=TOL, atol=1e-7, msg=lambda m, n=name, r=rank: f"rank {r}: {n}: {m}"
+            )
+
+
 def test_a_view_of_a_sharded_parameter_is_refused_too() -> None:
     model = shardpar.wrap(CheckpointedLM(), stage=3, wrap_policy=[Block])
     for view in (lambda w: w.T, lambda w: w.data, lambda w: w.mT):

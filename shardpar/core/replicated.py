@@ -10,10 +10,12 @@ stages 1-2 (whose updated slices are all-gathered back after ``step()`` by a
 The all-gathers after ``step()`` are launched and left in flight: each bucket's gather is
 completed by a forward pre-hook of the first module that uses one of its parameters (its
 *use module*, lifted out of compiled regions), so the gather of the later buckets overlaps
-the first layers' forward. Anything else that reads a parameter in between sees a guarded
-parameter that waits for its bucket first ([Note: guarded parameters]); ``state_dict``,
-checkpoints and the next ``step()`` wait for everything. The same use-module hooks record,
-in the first forward, the order buckets are first used in ([Note: launch order]).
+the first layers' forward. Every use module has that hook in the first forward, which records
+the order they run in; after it only the first of each bucket's keeps it ([Note: one gather
+hook per bucket] in engines/module_hooks.py). Anything else that reads a parameter in between
+sees a guarded parameter that waits for its bucket first ([Note: guarded parameters]);
+``state_dict``, checkpoints and the next ``step()`` wait for everything. The same use-module
+hooks record, in the first forward, the order buckets are first used in ([Note: launch order]).
 
 After the first synchronising backward every buffer may be laid out again in the order
 gradients became ready ([Note: bucket rebuild] in rebuild.py): :meth:`ParamBuffer.layout_in`

@@ -270,7 +270,7 @@ class Engine:
             if tensors:
                 on_first_grad(tensors, self._backward_start_hook)
             self.reducer.orders.forward_ended()
-            self.use_hooks.remove_first_use()  # those of stage 0: needed for the first forward only
+            self.use_hooks.after_forward()  # [Note: one gather hook per bucket] in module_hooks.py
         self.gatherer.end_forward()
 
     def _root_forward_raised(self, module: nn.Module, args: Any, output: Any) -> None:

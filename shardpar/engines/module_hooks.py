@@ -51,7 +51,21 @@ def module_of_params(tree: Any, storage: Any) -> dict[str, str]:
 class UseHooks:
     """Stages 0-2: the modules that register parameters (lifted out of compiled regions)
     tell the first-step orders they run (core/first_step_orders.py) and complete lazy gathers
-    (stages 1-2)."""
+    (stages 1-2).
+
+    [Note: one gather hook per bucket]
+    A forward pre-hook costs every forward a slow path through ``nn.Module.__call__`` (about
+    3 µs on a CPU core, the hook's own work aside): on the overhead model's 193 modules with
+    parameters, 0.55 ms of a stage-1 forward (docs/benchmarks.md). Until the end of the first
+    forward with autograd every use module has its hook, recording the order modules first
+    run in; after it, a bucket's gather is completed by the hook of the module that used the
+    bucket first in that order, and the other hooks go. Two kinds stay: those of compiled
+    modules (compiled code must only ever see plain parameters: [Note: guarded parameters] in
+    core/param_guard.py) and those of a bucket no recorded forward used (a branch not taken
+    then). A module that runs before its bucket's hooked module in a later forward (the
+    control flow changed) reads guarded parameters, and the guard completes the gather first:
+    the same values, later. When the buckets are rebuilt or the hooks move (modules compiled
+    after wrap), the new hooks are thinned at once, by the order recorded."""
 
     def __init__(self, tree: Any, storage: Any, reducer: GradientReducer) -> None:
         self.tree, self.storage, self.reducer = tree, storage, reducer
@@ -59,6 +73,14 @@ class UseHooks:
         """Stage 0's use-module hooks: they record first use in the first forward only."""
         self.gathers: list[Any] = []
         """Stages 1-2's use-module hooks: they complete lazy gathers of the current buckets."""
+        self._gathering: dict[str, tuple[list[int], Any]] = {}
+        """Hook module -> (the positions of the buckets it gathers, its hook's handle), for
+        :meth:`_thin_gathers`."""
+        self._order_recorded = False
+        """Whether a forward with autograd ended, recording the order of :attr:`_first_runs`."""
+        self._first_runs: dict[str, None] = {}
+        """Hook modules in the order they first ran while the first-step orders recorded uses
+        (a dict as an ordered set)."""
         self.installed = False
         """Whether the stage's row installed them (stages 0-2)."""
 
@@ -72,30 +94,63 @@ class UseHooks:
         for hook_name, names in self.storage.use_modules(self.tree.lift).items():
             positions = sorted({self.reducer.bucket_of[name].position for name in names})
             groups = [self.storage.groups[p] for p in positions] if self.storage.groups else []
-            hook = engine_hook(functools.partial(self._on_use, names, groups))  # a partial: no extra Python call
+            hook = engine_hook(functools.partial(self._on_use, hook_name, names, groups))  # a partial: no extra Python call
             handle = modules[hook_name].register_forward_pre_hook(hook, prepend=True)
-            (self.gathers if groups else self.first_use).append(handle)
+            if groups:
+                self.gathers.append(handle)
+                self._gathering[hook_name] = (positions, handle)
+            else:
+                self.first_use.append(handle)
 
-    def _on_use(self, names: list[str], groups: list[FlatParamGroup], module: nn.Module, args: Any) -> None:
+    def _on_use(
+        self, hook_name: str, names: list[str], groups: list[FlatParamGroup], module: nn.Module, args: Any
+    ) -> None:
         orders = self.reducer.orders
         if (
             orders.records_uses
         ):  # else nothing to record: skip the call ([Note: the host's share of a step] in hooks.py)
             orders.module_runs(names)
+            self._first_runs.setdefault(hook_name)
         for group in groups:
             group.wait_unsharded()
+
+    def after_forward(self) -> None:
+        """A forward with autograd returned from the root: after the first, stage 0's first-use
+        hooks go, and stages 1-2 keep one gather hook per bucket ([Note: one gather hook per
+        bucket])."""
+        if not self._order_recorded:
+            self.remove_first_use()
+            self._order_recorded = True
+            self._thin_gathers()
 
     def remove_first_use(self) -> None:
         for handle in self.first_use:
             handle.remove()
         self.first_use.clear()
 
+    def _thin_gathers(self) -> None:
+        first_user: dict[int, str] = {}
+        for hook_name in self._first_runs:
+            if hook_name in self._gathering:
+                for position in self._gathering[hook_name][0]:
+                    first_user.setdefault(position, hook_name)
+        compiled = set(self.tree.compiled)
+        for hook_name, (positions, handle) in list(self._gathering.items()):
+            keeps = hook_name in compiled or any(first_user.get(p, hook_name) == hook_name for p in positions)
+            if not keeps:
+                handle.remove()
+                self.gathers.remove(handle)
+                del self._gathering[hook_name]
+
     def reinstall_gathers(self) -> None:
         """After the buckets were rebuilt: the lazy gathers to complete are the new buckets'."""
         for handle in self.gathers:
             handle.remove()
         self.gathers.clear()
+        self._gathering.clear()
         self.install()
+        if self._order_recorded:
+            self._thin_gathers()
 
     def move_to(self, tree: Any) -> None:
         """Modules were compiled after wrapping (see [Note: compiled after wrap]): the same
@@ -104,18 +159,19 @@ class UseHooks:
         self.tree = tree
         if not self.installed:
             return
-        recording = bool(self.first_use)
         for handle in self.handles:
             handle.remove()
         self.forget()
         self.install()
-        if not recording:
+        if self._order_recorded:
             self.remove_first_use()
+            self._thin_gathers()
 
     def forget(self) -> None:
         """The engine closed (it removed every handle)."""
         self.first_use.clear()
         self.gathers.clear()
+        self._gathering.clear()
 
 
 class _PostBackward(torch.autograd.Function):
