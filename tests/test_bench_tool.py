@@ -455,3 +455,32 @@ def test_muon_models_refuse_the_adamw_only_peers() -> None:
     ], refused.stderr
     peer = run_script([*bench, "--models", "mlp:tiny", "--configs", "distmuon"], timeout=120, cwd=ROOT)
     assert peer.returncode != 0 and "distmuon trains with Muon + AdamW" in peer.stderr, peer.stderr
+
+
+def test_host_floor_measures_every_variant_and_refuses_one_that_changes_gradients(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tools/host_floor.py: every variant's gradients are checked against plain torch's before
+    anything is timed, and each hook variant counts one call per parameter; a variant whose
+    views are not zeroed first (so autograd adds onto stale values) is refused, naming the
+    parameter, rather than timed."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import host_floor
+
+    host_floor.main(["--model", "overhead:4", "--rounds", "4", "--warmup", "1", "--json", str(tmp_path / "f.json")])
+    figures = json.loads((tmp_path / "f.json").read_text())
+    assert figures["tensors"] == _tensors("overhead:4") == 26
+    assert list(figures["variants"]) == list(host_floor.VARIANTS)
+    assert figures["variants"]["plain"]["over_plain_ms"] == 0.0
+    for row in figures["variants"].values():
+        assert row["q1_ms"] <= row["median_ms"] <= row["q3_ms"], row
+
+    def stale_views(variant: host_floor.Variant) -> None:
+        if "views" in variant.name:
+            variant.buffer.fill_(1.0)  # not zeroed: every gradient lands on a stale 1.0
+            for param, view in zip(variant.params, variant.views):
+                param.grad = view
+
+    monkeypatch.setattr(host_floor.Variant, "before_backward", stale_views)
+    with pytest.raises(SystemExit, match=r"variant views: the gradient of 'blocks\.0\.norm\.weight' differs"):
+        host_floor.main(["--model", "overhead:4", "--rounds", "1", "--warmup", "0"])
