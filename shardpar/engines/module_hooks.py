@@ -94,7 +94,8 @@ class UseHooks:
         for hook_name, names in self.storage.use_modules(self.tree.lift).items():
             positions = sorted({self.reducer.bucket_of[name].position for name in names})
             groups = [self.storage.groups[p] for p in positions] if self.storage.groups else []
-            hook = engine_hook(functools.partial(self._on_use, hook_name, names, groups))  # a partial: no extra Python call
+            # A partial: no extra Python call.
+            hook = engine_hook(functools.partial(self._on_use, hook_name, names, groups))
             handle = modules[hook_name].register_forward_pre_hook(hook, prepend=True)
             if groups:
                 self.gathers.append(handle)
