@@ -56,7 +56,8 @@ class UseHooks:
     [Note: one gather hook per bucket]
     A forward pre-hook costs every forward a slow path through ``nn.Module.__call__`` (about
     3 µs on a CPU core, the hook's own work aside): on the overhead model's 193 modules with
-    parameters, 0.55 ms of a stage-1 forward (docs/benchmarks.md). Until the end of the first
+    parameters, about 0.5 ms of a stage-1 step (docs/benchmarks.md, "one gather hook per
+    bucket"). Until the end of the first
     forward with autograd every use module has its hook, recording the order modules first
     run in; after it, a bucket's gather is completed by the hook of the module that used the
     bucket first in that order, and the other hooks go. Two kinds stay: those of compiled
