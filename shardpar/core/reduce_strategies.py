@@ -166,7 +166,7 @@ class _BucketViews:
     stage 0), each a few C-level passes over these lists instead of a Python loop with a dict
     look-up per parameter ([Note: the host's share of a step] in engines/hooks.py)."""
 
-    __slots__ = ("spec", "same_dtype", "in_place", "span")
+    __slots__ = ("same_dtype", "in_place", "span")
 
     def __init__(
         self,
@@ -175,7 +175,6 @@ class _BucketViews:
         in_place: dict[str, torch.Tensor],
         grad_buffer: torch.Tensor,
     ) -> None:
-        self.spec = bucket.spec
         same = [(param, views[name]) for name, param in bucket.members if views[name].dtype == param.dtype]
         self.same_dtype = ([param for param, _ in same], [view for _, view in same])
         """The parameters whose view can be their ``.grad`` (of their dtype), and the views."""
@@ -207,11 +206,12 @@ class _FullGradBuffer:
         self._in_place: dict[str, torch.Tensor] | None = None
         """:meth:`in_place_views`, once per layout."""
         self._bucket_views: dict[GradBucket, _BucketViews] = {}
-        """Per bucket, its parameters and views (:meth:`_views_of`), once per layout."""
+        """Per bucket, its parameters and views (:meth:`_views_of`), once per layout (emptied
+        when the layout changes, before the reducer makes new bucket objects)."""
 
     def _views_of(self, bucket: GradBucket) -> _BucketViews:
         listed = self._bucket_views.get(bucket)
-        if listed is None or listed.spec is not bucket.spec:
+        if listed is None:
             if self._in_place is None:
                 self._in_place = self.in_place_views()
             listed = _BucketViews(bucket, self.views, self._in_place, self.grad_buffers[bucket.space])

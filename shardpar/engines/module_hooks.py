@@ -72,11 +72,9 @@ class UseHooks:
         self.tree, self.storage, self.reducer = tree, storage, reducer
         self.first_use: list[Any] = []
         """Stage 0's use-module hooks: they record first use in the first forward only."""
-        self.gathers: list[Any] = []
-        """Stages 1-2's use-module hooks: they complete lazy gathers of the current buckets."""
         self._gathering: dict[str, tuple[list[int], Any]] = {}
-        """Hook module -> (the positions of the buckets it gathers, its hook's handle), for
-        :meth:`_thin_gathers`."""
+        """Stages 1-2's use-module hooks, which complete lazy gathers of the current buckets:
+        hook module -> (the positions of the buckets it gathers, its hook's handle)."""
         self._order_recorded = False
         """Whether a forward with autograd ended, recording the order of :attr:`_first_runs`."""
         self._first_runs: dict[str, None] = {}
@@ -84,6 +82,11 @@ class UseHooks:
         (a dict as an ordered set)."""
         self.installed = False
         """Whether the stage's row installed them (stages 0-2)."""
+
+    @property
+    def gathers(self) -> list[Any]:
+        """The handles of the gather hooks."""
+        return [handle for _, handle in self._gathering.values()]
 
     @property
     def handles(self) -> list[Any]:
@@ -99,7 +102,6 @@ class UseHooks:
             hook = engine_hook(functools.partial(self._on_use, hook_name, names, groups))
             handle = modules[hook_name].register_forward_pre_hook(hook, prepend=True)
             if groups:
-                self.gathers.append(handle)
                 self._gathering[hook_name] = (positions, handle)
             else:
                 self.first_use.append(handle)
@@ -141,14 +143,12 @@ class UseHooks:
             keeps = hook_name in compiled or any(first_user.get(p, hook_name) == hook_name for p in positions)
             if not keeps:
                 handle.remove()
-                self.gathers.remove(handle)
                 del self._gathering[hook_name]
 
     def reinstall_gathers(self) -> None:
         """After the buckets were rebuilt: the lazy gathers to complete are the new buckets'."""
         for handle in self.gathers:
             handle.remove()
-        self.gathers.clear()
         self._gathering.clear()
         self.install()
         if self._order_recorded:
@@ -172,7 +172,6 @@ class UseHooks:
     def forget(self) -> None:
         """The engine closed (it removed every handle)."""
         self.first_use.clear()
-        self.gathers.clear()
         self._gathering.clear()
 
 
