@@ -462,8 +462,8 @@ def test_host_floor_measures_every_variant_and_refuses_one_that_changes_gradient
 ) -> None:
     """tools/host_floor.py: every variant's gradients are checked against plain torch's before
     anything is timed, and each hook variant counts one call per parameter; a variant whose
-    views are not zeroed first (so autograd adds onto stale values) is refused, naming the
-    parameter, rather than timed."""
+    views are not zeroed first (so autograd adds onto stale values), or whose blocks are not
+    filled from their shards when gathered, is refused, naming the parameter, rather than timed."""
     sys.path.insert(0, str(ROOT / "tools"))
     import host_floor
 
@@ -472,8 +472,21 @@ def test_host_floor_measures_every_variant_and_refuses_one_that_changes_gradient
     assert figures["tensors"] == _tensors("overhead:4") == 26
     assert list(figures["variants"]) == list(host_floor.VARIANTS)
     assert figures["variants"]["plain"]["over_plain_ms"] == 0.0
+    assert figures["variants"]["plain"]["forward_backward_over_plain_ms"] == 0.0
     for row in figures["variants"].values():
         assert row["q1_ms"] <= row["median_ms"] <= row["q3_ms"], row
+        assert row["forward_backward_ms"] > row["median_ms"], row  # the forward is in it too
+
+    # The units variant's backward gathers each block again before its nodes read the
+    # parameters: a gather that only gives the storage back (no copy) leaves stale values.
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            host_floor.UnitGathers,
+            "gather",
+            lambda unit: unit.full.untyped_storage().resize_(unit.storage_bytes) and unit.full.fill_(0.5),
+        )
+        with pytest.raises(SystemExit, match=r"variant units: the gradient of 'blocks\.0\.norm\.weight' differs"):
+            host_floor.main(["--model", "overhead:4", "--rounds", "1", "--warmup", "0"])
 
     def stale_views(variant: host_floor.Variant) -> None:
         if "views" in variant.name:

@@ -18,12 +18,29 @@ of identical copies of the model, main-thread CPU per backward:
   ``gradient_as_bucket_view``; shardpar's [Note: gradients accumulate in the buffer] in
   shardpar/core/reducer.py);
 - ``hook+views``: both, the least a reducer of this kind can pay: shardpar's stages 0-1 add
-  their bookkeeping on top (the counting in each hook, the launch, the end of backward).
+  their bookkeeping on top (the counting in each hook, the launch, the end of backward);
+- ``prehook+hook+views``: that and a tensor hook per parameter that runs before accumulation
+  and does nothing: the least stage 1 pays, whose loud ``.grad`` placeholders must come off
+  before anything accumulates into them, by that hook where a backward reaches a parameter
+  first ([Note: no full gradients at stages 1-3] in shardpar/core/grad_placeholders.py);
+- ``prehook+hook+copy``: no full gradient buffer; each gradient, once accumulated, copied into
+  its slot of a flat staging buffer and ``.grad`` released, and the pre-accumulation hook: the
+  least stage 2's gradient path pays;
+- ``units``: FSDP2's mechanism per block of the model (``ModelSpec.unit_class``) at its
+  leanest, with no collective: each block's parameters are views of one flat full buffer
+  whose storage is freed after the block's forward and given back before its backward
+  (``untyped_storage().resize_``) and filled from a flat shard by one ``copy_`` (a world-1
+  all-gather), a forward pre-hook and a forward hook per block, the block's input through an
+  identity autograd function whose backward ends the block's backward (frees the buffer, and
+  copies the block's gradients into a flat buffer by one ``_foreach_copy_``), a tensor hook
+  on its output that starts it: the least stage 3's per-unit work can cost in Python hooks.
+  Its forward is timed too (every other variant's forward is plain torch's).
 
 Before timing, every variant's gradients are checked to equal ``plain``'s bit for bit (a
 variant that changed them would be measuring something else). One process, no
 process group. Prints one line per variant: the median backward in ms, its interquartile
-range, and the difference from ``plain``'s median; ``--json PATH`` writes the same figures.
+range, and the difference from ``plain``'s median, then the median forward + backward and
+its difference; ``--json PATH`` writes the same figures.
 """
 
 from __future__ import annotations
@@ -36,6 +53,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -44,14 +62,14 @@ import torch.nn.functional as F  # noqa: E402
 from benchkit.models import ModelSpec, parse_models  # noqa: E402
 from torch import nn  # noqa: E402
 
-VARIANTS = ("plain", "hook", "views", "hook+views")
+VARIANTS = ("plain", "hook", "views", "hook+views", "prehook+hook+views", "prehook+hook+copy", "units")
 
 
 class Variant:
     """One copy of the model with one variant's gradient mechanism: ``before_backward`` runs
     just before each backward, inside the timed span."""
 
-    def __init__(self, name: str, model: nn.Module) -> None:
+    def __init__(self, name: str, model: nn.Module, unit_class: type[nn.Module]) -> None:
         self.name, self.model = name, model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.arrivals = 0
@@ -60,12 +78,31 @@ class Variant:
         for param in self.params:
             self.views.append(self.buffer[offset : offset + param.numel()].view_as(param))
             offset += param.numel()
-        if "hook" in name:
+        self.slots = {param: view for param, view in zip(self.params, self.views)}
+        if name in ("hook", "hook+views", "prehook+hook+views"):
             for param in self.params:
+                if name.startswith("prehook"):
+                    param.register_hook(_nothing)
                 param.register_post_accumulate_grad_hook(self._count)
+        if name == "prehook+hook+copy":
+            for param in self.params:
+                param.register_hook(_nothing)
+                param.register_post_accumulate_grad_hook(self._copy_out)
+        self.units = (
+            [UnitGathers(m, self) for m in model.modules() if isinstance(m, unit_class)] if name == "units" else []
+        )
+        counted = name != "plain" and name != "views"
+        self.expected_arrivals = sum(len(u.params) for u in self.units) if self.units else len(self.params) * counted
+        """Gradients its hooks count in one backward (the units': each block's, not the head's)."""
 
     def _count(self, param: nn.Parameter) -> None:
         self.arrivals += 1
+
+    def _copy_out(self, param: nn.Parameter) -> None:
+        self.arrivals += 1
+        assert param.grad is not None
+        self.slots[param].copy_(param.grad)
+        param.grad = None
 
     def clear(self) -> None:
         for param in self.params:
@@ -78,7 +115,81 @@ class Variant:
                 param.grad = view
 
     def grads(self) -> list[torch.Tensor]:
+        if self.name == "prehook+hook+copy":  # the gradients are in the flat buffer
+            return [view.clone() for view in self.views]
+        if self.name == "units":  # the blocks' gradients are; the rest (the head's) on .grad
+            in_units = {p for unit in self.units for p in unit.params}
+            return [self.slots[p].clone() if p in in_units else p.grad.clone() for p in self.params]
         return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
+
+
+def _nothing(grad: torch.Tensor) -> None:
+    return None
+
+
+class _EndOfUnitBackward(torch.autograd.Function):
+    """Identity on a block's input; its backward runs once the block's backward is over (the
+    parameters' gradients accumulated first: autograd runs AccumulateGrad nodes first)."""
+
+    @staticmethod
+    def forward(ctx: Any, unit: UnitGathers, x: torch.Tensor) -> torch.Tensor:
+        ctx.unit = unit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        ctx.unit.after_backward()
+        return None, grad
+
+
+class UnitGathers:
+    """One block under the ``units`` variant (see the module docstring)."""
+
+    def __init__(self, block: nn.Module, variant: Variant) -> None:
+        self.params = [p for p in block.parameters() if p.requires_grad]
+        self.variant = variant
+        self.shard = torch.cat([p.detach().reshape(-1) for p in self.params])
+        self.full = torch.empty_like(self.shard)
+        offset = 0
+        for param in self.params:
+            param.data = self.full[offset : offset + param.numel()].view_as(param)
+            offset += param.numel()
+        self.grad_slots = [variant.slots[p] for p in self.params]
+        self.storage_bytes = self.full.untyped_storage().nbytes()
+        self.full.untyped_storage().resize_(0)
+        self.input_has_grad = True
+        """Whether the block's input of the last forward needs a gradient (the first block's
+        does not: its backward ends with the whole backward's, in a callback)."""
+        block.register_forward_pre_hook(self._pre_forward)
+        block.register_forward_hook(self._post_forward)
+
+    def gather(self) -> None:
+        self.full.untyped_storage().resize_(self.storage_bytes)
+        self.full.copy_(self.shard)
+
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        self.gather()
+        self.input_has_grad = args[0].requires_grad
+        if not self.input_has_grad:
+            return None
+        return (_EndOfUnitBackward.apply(self, args[0]),) + args[1:]
+
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        self.full.untyped_storage().resize_(0)
+        output.register_hook(self._pre_backward)
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        self.gather()
+        if not self.input_has_grad:
+            torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
+
+    def after_backward(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        params = self.params
+        torch._foreach_copy_(self.grad_slots, [p.grad for p in params])
+        for param in params:
+            param.grad = None
+        self.variant.arrivals += len(params)
 
 
 def make_loss(
@@ -109,9 +220,10 @@ def check_same_gradients(variants: list[Variant], losses: list[Callable[[], torc
         for name, expected, got in zip(names, results[0], grads):
             if not torch.equal(expected, got):
                 raise SystemExit(f"error: variant {variant.name}: the gradient of '{name}' differs from plain torch's")
-        if "hook" in variant.name and variant.arrivals != len(variant.params):
+        if variant.arrivals != variant.expected_arrivals:
             raise SystemExit(
-                f"error: variant {variant.name}: {variant.arrivals} hook calls for {len(variant.params)} parameters"
+                f"error: variant {variant.name}: {variant.arrivals} gradients counted, "
+                f"{variant.expected_arrivals} expected"
             )
 
 
@@ -119,26 +231,36 @@ def measure(spec: ModelSpec, rounds: int, warmup: int) -> dict[str, dict[str, fl
     torch.manual_seed(0)
     base = spec.build()
     batch = spec.batch_for(torch.Generator().manual_seed(0))
-    variants = [Variant(name, copy.deepcopy(base)) for name in VARIANTS]
+    variants = [Variant(name, copy.deepcopy(base), spec.unit_class) for name in VARIANTS]
     losses = [make_loss(spec, v.model, batch) for v in variants]
     check_same_gradients(variants, losses)
     times: dict[str, list[float]] = {v.name: [] for v in variants}
+    both: dict[str, list[float]] = {v.name: [] for v in variants}
     for round_ in range(warmup + rounds):
         for variant, loss in zip(variants, losses):
             variant.clear()
+            began = time.thread_time()
             out = loss()
             started = time.thread_time()
             variant.before_backward()
             out.backward()
-            spent = time.thread_time() - started
+            ended = time.thread_time()
             if round_ >= warmup:
-                times[variant.name].append(spent * 1e3)
-    plain = statistics.median(times["plain"])
+                times[variant.name].append((ended - started) * 1e3)
+                both[variant.name].append((ended - began) * 1e3)
+    plain, plain_both = statistics.median(times["plain"]), statistics.median(both["plain"])
     figures = {}
     for name, samples in times.items():
         q1, _, q3 = statistics.quantiles(samples, n=4)
-        median = statistics.median(samples)
-        figures[name] = {"median_ms": median, "q1_ms": q1, "q3_ms": q3, "over_plain_ms": median - plain}
+        median, median_both = statistics.median(samples), statistics.median(both[name])
+        figures[name] = {
+            "median_ms": median,
+            "q1_ms": q1,
+            "q3_ms": q3,
+            "over_plain_ms": median - plain,
+            "forward_backward_ms": median_both,
+            "forward_backward_over_plain_ms": median_both - plain_both,
+        }
     return figures
 
 
@@ -159,8 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{spec.name}: {tensors} parameter tensors; backward, main-thread CPU ms, median of {args.rounds}")
     for name, row in figures.items():
         print(
-            f"  {name:11s} {row['median_ms']:7.3f} (IQR {row['q1_ms']:.3f}-{row['q3_ms']:.3f})"
+            f"  {name:17s} {row['median_ms']:7.3f} (IQR {row['q1_ms']:.3f}-{row['q3_ms']:.3f})"
             f"  {row['over_plain_ms']:+.3f} over plain  ({row['over_plain_ms'] * 1e3 / tensors:+.2f} us a tensor)"
+            f"   forward+backward {row['forward_backward_ms']:7.3f}  {row['forward_backward_over_plain_ms']:+.3f} over plain"
         )
     if args.json is not None:
         args.json.write_text(json.dumps({"model": spec.name, "tensors": tensors, "variants": figures}, indent=1))
