@@ -13,6 +13,9 @@ of identical copies of the model, main-thread CPU per backward:
   floor every configuration is compared with;
 - ``hook``: one post-accumulate-grad hook per parameter that only counts (autograd's call into
   Python per gradient: what any hook-based reducer pays before it does anything);
+- ``builtin-hook``: the same hook as a C function, no Python frame
+  (``functools.partial(arrivals.__setitem__, index)``): what is left of the hook's price
+  when its body costs nothing, i.e. autograd's own call into Python;
 - ``views``: before backward the flat buffer is zeroed (one ``zero_``) and each ``.grad`` set to
   its view of it, so autograd adds every gradient into the buffer in place (DDP's
   ``gradient_as_bucket_view``; shardpar's [Note: gradients accumulate in the buffer] in
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import statistics
 import sys
@@ -62,7 +66,7 @@ import torch.nn.functional as F  # noqa: E402
 from benchkit.models import ModelSpec, parse_models  # noqa: E402
 from torch import nn  # noqa: E402
 
-VARIANTS = ("plain", "hook", "views", "hook+views", "prehook+hook+views", "prehook+hook+copy", "units")
+VARIANTS = ("plain", "hook", "builtin-hook", "views", "hook+views", "prehook+hook+views", "prehook+hook+copy", "units")
 
 
 class Variant:
@@ -84,6 +88,12 @@ class Variant:
                 if name.startswith("prehook"):
                     param.register_hook(_nothing)
                 param.register_post_accumulate_grad_hook(self._count)
+        self.arrived: dict[int, nn.Parameter] = {}
+        """Index -> parameter, filled by the ``builtin-hook`` variant's hooks (which cannot
+        count: each backward writes the same keys again)."""
+        if name == "builtin-hook":
+            for index, param in enumerate(self.params):
+                param.register_post_accumulate_grad_hook(functools.partial(self.arrived.__setitem__, index))
         if name == "prehook+hook+copy":
             for param in self.params:
                 param.register_hook(_nothing)
@@ -220,10 +230,10 @@ def check_same_gradients(variants: list[Variant], losses: list[Callable[[], torc
         for name, expected, got in zip(names, results[0], grads):
             if not torch.equal(expected, got):
                 raise SystemExit(f"error: variant {variant.name}: the gradient of '{name}' differs from plain torch's")
-        if variant.arrivals != variant.expected_arrivals:
+        counted = variant.arrivals + len(variant.arrived)
+        if counted != variant.expected_arrivals:
             raise SystemExit(
-                f"error: variant {variant.name}: {variant.arrivals} gradients counted, "
-                f"{variant.expected_arrivals} expected"
+                f"error: variant {variant.name}: {counted} gradients counted, {variant.expected_arrivals} expected"
             )
 
 
