@@ -479,12 +479,12 @@ def test_host_floor_measures_every_variant_and_refuses_one_that_changes_gradient
 
     # The units variant's backward gathers each block again before its nodes read the
     # parameters: a gather that only gives the storage back (no copy) leaves stale values.
+    def storage_back_not_filled(unit: host_floor.UnitGathers) -> None:
+        unit.full.untyped_storage().resize_(unit.storage_bytes)
+        unit.full.fill_(0.5)
+
     with monkeypatch.context() as patch:
-        patch.setattr(
-            host_floor.UnitGathers,
-            "gather",
-            lambda unit: unit.full.untyped_storage().resize_(unit.storage_bytes) and unit.full.fill_(0.5),
-        )
+        patch.setattr(host_floor.UnitGathers, "gather", storage_back_not_filled)
         with pytest.raises(SystemExit, match=r"variant units: the gradient of 'blocks\.0\.norm\.weight' differs"):
             host_floor.main(["--model", "overhead:4", "--rounds", "1", "--warmup", "0"])
 

@@ -83,27 +83,25 @@ class Variant:
             self.views.append(self.buffer[offset : offset + param.numel()].view_as(param))
             offset += param.numel()
         self.slots = {param: view for param, view in zip(self.params, self.views)}
-        if name in ("hook", "hook+views", "prehook+hook+views"):
-            for param in self.params:
-                if name.startswith("prehook"):
-                    param.register_hook(_nothing)
-                param.register_post_accumulate_grad_hook(self._count)
         self.arrived: dict[int, nn.Parameter] = {}
         """Index -> parameter, filled by the ``builtin-hook`` variant's hooks (which cannot
         count: each backward writes the same keys again)."""
-        if name == "builtin-hook":
-            for index, param in enumerate(self.params):
-                param.register_post_accumulate_grad_hook(functools.partial(self.arrived.__setitem__, index))
-        if name == "prehook+hook+copy":
-            for param in self.params:
+        after_accumulation = {"prehook+hook+copy": self._copy_out}.get(name, self._count)
+        for index, param in enumerate(self.params):
+            if name.startswith("prehook"):
                 param.register_hook(_nothing)
-                param.register_post_accumulate_grad_hook(self._copy_out)
+            if name == "builtin-hook":
+                param.register_post_accumulate_grad_hook(functools.partial(self.arrived.__setitem__, index))
+            elif "hook" in name:
+                param.register_post_accumulate_grad_hook(after_accumulation)
         self.units = (
             [UnitGathers(m, self) for m in model.modules() if isinstance(m, unit_class)] if name == "units" else []
         )
-        counted = name != "plain" and name != "views"
-        self.expected_arrivals = sum(len(u.params) for u in self.units) if self.units else len(self.params) * counted
-        """Gradients its hooks count in one backward (the units': each block's, not the head's)."""
+        if self.units:  # each block's gradients, not the head's
+            self.expected_arrivals = sum(len(unit.params) for unit in self.units)
+        else:
+            self.expected_arrivals = len(self.params) if "hook" in name else 0
+        """Gradients its hooks count in one backward."""
 
     def _count(self, param: nn.Parameter) -> None:
         self.arrivals += 1
