@@ -228,3 +228,93 @@ def test_an_entry_modules_use_ends_when_its_first_forward_raises() -> None:
         assert result["hooks"] == (0, 1, 1), result["hooks"]
         assert result["left"] == (0, None), result["left"]
         _assert_trains_like(result, expected, f"rank {rank}")
+
+
+def _entry_hooks_inside_and_after_a_use() -> dict[str, Any]:
+    """The "Sequential called" mode, where every module inside a stage is an entry module of
+    it, with a user's pre-hooks: one on ``layer1[0].norm1`` from before wrapping (counting its
+    calls), one on ``layer1`` after wrapping that, while the stage's use is in progress, reads
+    how many forward pre-hooks each entry module has, and registers in the first forward a
+    pre-hook on ``layer1[1].conv2`` (counting its calls too)."""
+    built = _build("Sequential called")
+    calls = {"norm1": 0, "conv2": 0}
+
+    def count(name: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            calls[name] += 1
+
+        return hook
+
+    built.layer1[0].norm1.register_forward_pre_hook(count("norm1"))
+    model = shardpar.wrap(built, stage=3, min_unit_params=MIN_UNIT_PARAMS)
+    entries = {name: module for name, module in built.layer1.named_modules() if name}
+    inside: list[dict[str, int]] = []
+    registered: list[Any] = []
+
+    def look_inside(module: nn.Module, args: Any) -> None:
+        inside.append({name: len(m._forward_pre_hooks) for name, m in entries.items()})
+        if not registered:
+            registered.append(built.layer1[1].conv2.register_forward_pre_hook(count("conv2")))
+
+    built.layer1.register_forward_pre_hook(look_inside)
+    result = _train_wrapped(model)
+    after = {name: len(m._forward_pre_hooks) for name, m in entries.items()}
+    registered[0].remove()  # its handle still removes it
+    after_removal = len(built.layer1[1].conv2._forward_pre_hooks)
+    model.engine.close()
+    return {**result, "inside": inside, "after": after, "calls": calls, "after_removal": after_removal}
+
+
+def test_entry_hooks_are_off_inside_a_use_and_other_hooks_stay() -> None:
+    # Inside a use of its unit an entry module's own hook would do nothing, so its hook dict
+    # stands aside and the module takes nn.Module.__call__'s fast path ([Note: entry hooks
+    # quiet inside a use] in shardpar/engines/module_hooks.py); a module with a hook of
+    # anyone else's keeps every hook, and a hook registered during the use stays.
+    expected = _reference("Sequential called")
+    forwards = STEPS + 1  # the training steps and the evaluation
+    for rank, result in enumerate(run_ranks(_entry_hooks_inside_and_after_a_use, 2, timeout=120)):
+        _assert_trains_like(result, expected, f"rank {rank}")
+        assert len(result["inside"]) == forwards, result["inside"]
+        first, *later = result["inside"]
+        kept = {"0.norm1": 2}  # the entry hook and the user's
+        assert first == {name: kept.get(name, 0) for name in first}, first
+        kept["1.conv2"] = 2  # the entry hook and the one registered in the first forward
+        for seen in later:
+            assert seen == {name: kept.get(name, 0) for name in seen}, seen
+        assert result["after"] == {name: kept.get(name, 1) for name in result["after"]}, result["after"]
+        assert result["calls"] == {"norm1": forwards, "conv2": forwards}, result["calls"]
+        assert result["after_removal"] == 1, result["after_removal"]
+
+
+def _train_after_a_raise_inside_a_use() -> dict[str, Any]:
+    """A first forward whose ``layer1`` raises inside the use (the stage's forward hook does
+    not run), then training with the stages bypassed ("loop"), which only the entry hooks
+    gather for."""
+    built = _build("Sequential called")
+    raising = [True]
+
+    def raise_once(module: nn.Module, args: Any) -> None:
+        if raising[0]:
+            raising[0] = False
+            raise ValueError("a data error in the first forward")
+
+    built.layer1[1].register_forward_pre_hook(raise_once)
+    model = shardpar.wrap(built, stage=3, min_unit_params=MIN_UNIT_PARAMS)
+    x, _ = _batch(0)
+    with pytest.raises(ValueError, match="data error"):
+        model(x[:2])
+    entries = {name: len(m._forward_pre_hooks) for name, m in built.named_modules() if name.startswith("layer")}
+    built.mode = "loop"
+    result = _train_wrapped(model)
+    model.engine.close()
+    return {**result, "entries": entries}
+
+
+def test_entry_hooks_are_back_after_a_forward_raised_inside_a_use() -> None:
+    # The raised forward never ended the use; the root's abandonment puts every entry hook
+    # back, so a later forward that bypasses the stages gathers them and trains.
+    expected = _reference("loop")
+    for rank, result in enumerate(run_ranks(_train_after_a_raise_inside_a_use, 2, timeout=120)):
+        hooks = result["entries"]  # shardpar's one on each (the stages': their use's), the raising one
+        assert hooks == {name: 2 if name == "layer1.1" else 1 for name in hooks}, hooks
+        _assert_trains_like(result, expected, f"rank {rank}")

@@ -259,6 +259,13 @@ class Engine:
         self.state.phase = Phase.FORWARD
         self.buffer_sync.before_forward()
         self.gatherer.begin_forward()
+        self._unit_uses_forgotten()
+
+    def _unit_uses_forgotten(self) -> None:
+        """Stage 3: the gatherer forgot the unit uses in progress; the entry hooks taken off
+        for them are back ([Note: entry hooks quiet inside a use] in module_hooks.py)."""
+        if self.unit_hooks is not None:
+            self.unit_hooks.uses_forgotten()
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.state.is_recompute():
@@ -280,6 +287,7 @@ class Engine:
             return
         self.state.phase = Phase.IDLE
         self.gatherer.abandon_forward()
+        self._unit_uses_forgotten()
 
     # ------------------------------------------------------------------ backward
 
@@ -330,6 +338,7 @@ class Engine:
                         self._rebuild_buckets()
                     self._put_grad_placeholders()
                 self.gatherer.finish_backward()
+                self._unit_uses_forgotten()
                 self.buffer_sync.after_backward()
         finally:
             self.reducer.end_backward()

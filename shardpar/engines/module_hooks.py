@@ -22,7 +22,9 @@ wrapping is an error too: the wrapper is not the module the engine wrapped (its 
 
 from __future__ import annotations
 
+import collections
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -175,6 +177,87 @@ class UseHooks:
         self._gathering.clear()
 
 
+class QuietEntries:
+    """Stage 3's entry hooks taken off while a use of their unit is in progress.
+
+    [Note: entry hooks quiet inside a use]
+    An entry module's pre-hook starts a use of its unit only when none is in progress
+    ([Note: entry modules] in core/units.py), and an entry module almost always runs inside
+    one: its block's forward. There the hook does nothing, yet a module with any hook takes
+    ``nn.Module.__call__``'s slow path, about 4 µs a call on a CPU core with the hook's own
+    call: 0.8 ms of a stage-3 step on the overhead model's 192 entry modules (issue #44). So
+    when a use begins, each of the unit's entry modules whose only forward pre-hook is the
+    entry hook gets an empty hook dict in its place (one dict store; with no other hook left
+    the module takes the fast path), and when the use ends the hook dict is put back. Nothing
+    of anyone else's is skipped: a module with another pre-hook, and one that is an entry of
+    another unit too, keeps its hooks. A pre-hook registered on such a module while its dict
+    stood aside lands in the stand-in; putting back then keeps the stand-in, whose handles
+    that registration holds, with the entry hook put back at its front and the entry hook's
+    handle pointed at it. Uses that never end (a raised forward, a recompute that
+    checkpointing stopped early) are forgotten by the gatherer at the root's next forward, its
+    abandonment or the end of backward, when every hook is put back too."""
+
+    def __init__(self) -> None:
+        self._entries: dict[Unit, list[_QuietEntry]] = {}
+        """Unit -> its entry modules that are entries of it alone."""
+        self._off: dict[Unit, list[tuple[_QuietEntry, dict[int, Any]]]] = {}
+        """Unit -> (entry, the module's own hook dict) for each hook dict standing aside."""
+
+    def add(self, unit: Unit, name: str, module: nn.Module, handle: Any) -> None:
+        self._entries.setdefault(unit, []).append(_QuietEntry(name, module, handle))
+
+    def forget(self, name: str) -> None:
+        """The entry hooks of module ``name`` come off for good (it was compiled after wrap)."""
+        for entries in self._entries.values():
+            entries[:] = [entry for entry in entries if entry.name != name]
+
+    def take_off(self, unit: Unit) -> None:
+        """A use of ``unit`` began: its entry modules' hook dicts stand aside where the entry
+        hook is their only pre-hook."""
+        if unit in self._off:
+            return
+        off = []
+        for entry in self._entries.get(unit, ()):
+            module_dict = entry.module_dict
+            hooks = module_dict["_forward_pre_hooks"]
+            if len(hooks) == 1 and entry.handle.id in hooks:
+                module_dict["_forward_pre_hooks"] = entry.stand_in
+                off.append((entry, hooks))
+        self._off[unit] = off
+
+    def put_back(self, unit: Unit) -> None:
+        """The use of ``unit`` ended: every hook dict it took off is back."""
+        for entry, hooks in self._off.pop(unit, ()):
+            stand_in = entry.stand_in
+            if not stand_in:
+                entry.module_dict["_forward_pre_hooks"] = hooks
+                continue
+            # A pre-hook was registered meanwhile: its handle knows the stand-in, which stays.
+            stand_in.update(hooks)
+            stand_in.move_to_end(entry.handle.id, last=False)  # the entry hook was registered with prepend
+            entry.handle.hooks_dict_ref = weakref.ref(stand_in)
+            entry.module_dict["_forward_pre_hooks"] = stand_in
+            entry.stand_in = collections.OrderedDict()
+
+    def put_back_all(self) -> None:
+        for unit in list(self._off):
+            self.put_back(unit)
+
+
+class _QuietEntry:
+    """One entry module :class:`QuietEntries` may quiet: its name, its ``__dict__`` (where
+    ``nn.Module`` keeps its hook dicts), the entry hook's handle, and the empty dict that
+    stands in for its hook dict."""
+
+    __slots__ = ("name", "module_dict", "handle", "stand_in")
+
+    def __init__(self, name: str, module: nn.Module, handle: Any) -> None:
+        self.name = name
+        self.module_dict: dict[str, Any] = module.__dict__
+        self.handle = handle
+        self.stand_in: collections.OrderedDict[int, Any] = collections.OrderedDict()
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a use's inputs; its backward tells the gatherer the use's backward is done.
     As a node of its own it runs before hooks on those input tensors, i.e. before the previous
@@ -237,20 +320,28 @@ class UnitHooks:
         """(unit, entry module) pairs whose forward hook is on (see :meth:`_hook_leave`)."""
         # An entry module runs almost always inside a use of its unit (its block's forward),
         # where its hook does nothing: it asks the unit first, itself, and calls down only when
-        # there is something to do (the gatherer's enter asks the same again).
+        # there is something to do (the gatherer's enter asks the same again). Inside a use
+        # the hook is also taken off for the time being (see [Note: entry hooks quiet inside
+        # a use]).
+        entry_units: dict[str, list[Unit]] = {}
         for unit, plan in zip(units, plans):
             for entry_name in plan.entry_modules:
-                self.on_entry_modules.setdefault(entry_name, []).append(
-                    modules[entry_name].register_forward_pre_hook(
-                        engine_hook(
-                            lambda m, args, kwargs, unit=unit, name=entry_name: (
-                                None if unit.running else self._enter(unit, name, m, args, kwargs)
-                            )
-                        ),
-                        prepend=True,
-                        with_kwargs=True,
-                    )
+                entry_units.setdefault(entry_name, []).append(unit)
+        self._quiet = QuietEntries()
+        for unit, plan in zip(units, plans):
+            for entry_name in plan.entry_modules:
+                handle = modules[entry_name].register_forward_pre_hook(
+                    engine_hook(
+                        lambda m, args, kwargs, unit=unit, name=entry_name: (
+                            None if unit.running else self._enter(unit, name, m, args, kwargs)
+                        )
+                    ),
+                    prepend=True,
+                    with_kwargs=True,
                 )
+                self.on_entry_modules.setdefault(entry_name, []).append(handle)
+                if len(entry_units[entry_name]) == 1:  # an entry of another unit too must keep its hook
+                    self._quiet.add(unit, entry_name, modules[entry_name], handle)
 
     # ------------------------------------------------------------------ a use of a unit
 
@@ -258,12 +349,16 @@ class UnitHooks:
         self, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self.gatherer.pre_forward(unit)
+        if unit.running == 1:  # the use began (not one nested in another use of it)
+            self._quiet.take_off(unit)
         if self.reducer.orders.records_uses:  # read here, so that a use calls in only while they record
             self._record_use(unit)
         return self._hook_inputs(unit, args, kwargs)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         self.gatherer.post_forward(unit)
+        if not unit.running:
+            self._quiet.put_back(unit)
         self._hook_outputs(unit, output)
 
     def _enter(
@@ -271,6 +366,7 @@ class UnitHooks:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if not self.gatherer.enter(unit, module):
             return None  # a use of the unit is in progress
+        self._quiet.take_off(unit)
         if (unit, name) not in self._leave_hooked:
             self._hook_leave(unit, name, module)
         self._record_use(unit)
@@ -296,7 +392,15 @@ class UnitHooks:
 
     def _leave(self, unit: Unit, module: nn.Module, output: Any) -> None:
         if self.gatherer.leave(unit, module):
+            if not unit.running:
+                self._quiet.put_back(unit)
             self._hook_outputs(unit, output)
+
+    def uses_forgotten(self) -> None:
+        """The gatherer forgot the uses in progress (a raised forward, a recompute that
+        checkpointing stopped early, a new forward or the end of backward): every entry hook
+        taken off for one is put back."""
+        self._quiet.put_back_all()
 
     def _pre_backward(self, unit: Unit, grad: Any) -> None:
         self.start_backward()
@@ -367,7 +471,9 @@ class UnitHooks:
                         f"shardpar.wrap (its units are then planned around it), or compile the unit's "
                         f"own module ('{display_name(hook_name)}') after wrapping"
                     )
+        self._quiet.put_back_all()
         for entry_name in [name for name in self.on_entry_modules if tree.inside_compiled(name)]:
+            self._quiet.forget(entry_name)
             for handle in self.on_entry_modules.pop(entry_name):
                 handle.remove()
             self._leave_hooked = {(unit, name) for unit, name in self._leave_hooked if name != entry_name}
