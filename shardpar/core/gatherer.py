@@ -161,9 +161,10 @@ class UnitGatherer(GatherPhases):
         group's full buffer allocated (metered), its gather issued, the group told."""
         for flat in unit.needed:
             if flat.state is ShardState.SHARDED:
-                with torch.no_grad():
-                    self.gathered.add(flat.allocate_full())
-                    flat.begin_gather(self.order.issue(flat), self)
+                # No autograd context: nothing here records a graph (the shards and full
+                # buffers are plain tensors that never require a gradient).
+                self.gathered.add(flat.allocate_full())
+                flat.begin_gather(self.order.issue(flat), self)
 
     def wait(self, unit: Unit) -> None:
         """``unit`` gathered: its gathers started if they were not, and completed."""
