@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardpar
 from shardpar.comm import collectives as C
+from shardpar.engines.hooks import FORWARD_HOOK_MARK
 from tests.support.harness import run_ranks
 
 STEPS = 3
@@ -259,10 +260,20 @@ def _entry_hooks_inside_and_after_a_use() -> dict[str, Any]:
     built.layer1.register_forward_pre_hook(look_inside)
     result = _train_wrapped(model)
     after = {name: len(m._forward_pre_hooks) for name, m in entries.items()}
+    # The entry hook is back in front of the one registered during the use, as it was registered.
+    first_after = list(built.layer1[1].conv2._forward_pre_hooks.values())[0]
+    engine_first = getattr(first_after, FORWARD_HOOK_MARK, False)
     registered[0].remove()  # its handle still removes it
     after_removal = len(built.layer1[1].conv2._forward_pre_hooks)
     model.engine.close()
-    return {**result, "inside": inside, "after": after, "calls": calls, "after_removal": after_removal}
+    return {
+        **result,
+        "inside": inside,
+        "after": after,
+        "calls": calls,
+        "after_removal": after_removal,
+        "engine_first": engine_first,
+    }
 
 
 def test_entry_hooks_are_off_inside_a_use_and_other_hooks_stay() -> None:
@@ -284,6 +295,7 @@ def test_entry_hooks_are_off_inside_a_use_and_other_hooks_stay() -> None:
         assert result["after"] == {name: kept.get(name, 1) for name in result["after"]}, result["after"]
         assert result["calls"] == {"norm1": forwards, "conv2": forwards}, result["calls"]
         assert result["after_removal"] == 1, result["after_removal"]
+        assert result["engine_first"], "the entry hook is no longer the first pre-hook"
 
 
 def _train_after_a_raise_inside_a_use() -> dict[str, Any]:
