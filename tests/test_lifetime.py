@@ -97,6 +97,28 @@ def test_a_parameter_kept_past_its_engine_is_a_plain_parameter(stage: int) -> No
         assert grad == [2.0, 2.0], (rank, grad)
 
 
+def _read_a_parameter_past_its_engine() -> str:
+    """Drop a stage-3 model, keep one of its parameters (sharded: no values here), read it."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model = shardpar.wrap(module, stage=3, min_unit_params=1)
+    model(torch.randn(3, 4)).sum().backward()
+    engine = weakref.ref(model.engine)
+    kept = module[1].weight
+    del model, module
+    gc.collect()
+    assert engine() is None, "the engine outlived its model"
+    with pytest.raises(RuntimeError) as raised:
+        kept + 1
+    return str(raised.value)
+
+
+def test_a_stage3_parameter_kept_past_its_engine_says_so_when_read() -> None:
+    # Its guard went with the engine's flat group (the guard table holds no engine object),
+    # so the read cannot name the unit; it says what happened instead of reading freed memory.
+    for message in run_ranks(_read_a_parameter_past_its_engine, 2):
+        assert "(2, 4)" in message and "engine that held them no longer exists" in message, message
+
+
 GROUPS_SCRIPT = r"""
 import gc, glob, sys, weakref
 import torch, torch.distributed as dist

@@ -916,13 +916,14 @@ def _reordered_training(stage: int, compiled: bool) -> dict[str, Any]:
     from shardpar.core import flat_param
 
     guarded_reads: list[str] = []  # the gathers a guard completed (not a hook), by group
-    guard = flat_param._PendingGather.on_access
+    guard = flat_param._ParamAccess.on_access
 
     def counting(self: Any, param: nn.Parameter, operation: str) -> None:
-        guarded_reads.append(self.group.label)
+        if self.group.state is flat_param.ShardState.GATHERING:
+            guarded_reads.append(self.group.label)
         guard(self, param, operation)
 
-    flat_param._PendingGather.on_access = counting  # type: ignore[method-assign]  # this rank's process only
+    flat_param._ParamAccess.on_access = counting  # type: ignore[method-assign]  # this rank's process only
     torch._dynamo.reset()
     torch.manual_seed(0)
     module = Reorderable(compiled)
@@ -942,7 +943,7 @@ def _reordered_training(stage: int, compiled: bool) -> dict[str, Any]:
     state = model.full_state_dict()
     buckets = [list(bucket.names) for bucket in model.engine.reducer.buckets]
     model.engine.close()
-    flat_param._PendingGather.on_access = guard  # type: ignore[method-assign]
+    flat_param._ParamAccess.on_access = guard  # type: ignore[method-assign]
     return {"state": state, "hooked": hooked, "buckets": buckets, "guarded": guarded}
 
 

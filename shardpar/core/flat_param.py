@@ -38,6 +38,7 @@ ever needs the full group except while it is gathered.
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Sequence
 from typing import Protocol, cast
 
@@ -46,7 +47,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from .layout import Bucket, BufferLayout
-from .param_guard import guard_all, storageless, unguard_all
+from .param_guard import forget_guards, guard_all, set_guard, storageless, unguard_all
 
 
 class ShardState(enum.Enum):
@@ -67,19 +68,6 @@ class GatherWaiter(Protocol):
         ...
 
 
-class _PendingGather:
-    """Guard of a parameter whose group is gathering: reading it waits (see param_guard)."""
-
-    def __init__(self, group: FlatParamGroup) -> None:
-        self.group = group
-
-    def on_access(self, param: nn.Parameter, operation: str) -> None:
-        self.group.wait_unsharded()
-
-    def __str__(self) -> str:
-        return f"all-gather of '{self.group.label}' in flight"
-
-
 class ShardedParameterAccess(RuntimeError):
     """Code read (or wrote) a stage-3 parameter while its unit is sharded."""
 
@@ -89,14 +77,33 @@ class ShardedParameterAccess(RuntimeError):
         self.unit = unit
 
 
-class _Sharded:
-    """Guard of a sharded stage-3 parameter: reading it is an error naming it and its unit."""
+class _ParamAccess:
+    """The guard of one parameter of a group (see param_guard.py), registered once: what a read
+    of it does depends on the group's state. While the group gathers, the read waits for the
+    gather (through the gatherer that issued it); while it is sharded (stage 3), the read is an
+    error naming the parameter and its unit."""
 
     def __init__(self, group: FlatParamGroup, name: str) -> None:
-        self.group = group
+        self._group = weakref.ref(group)
+        """Weakly: the guard table outlives groups, and the group holds the parameter (a strong
+        reference from the table would keep a dropped model alive); the group takes its guards
+        out of the table when it goes."""
         self.name = name
 
+    @property
+    def group(self) -> FlatParamGroup:
+        group = self._group()
+        if group is None:
+            raise RuntimeError(f"parameter '{self.name}' is guarded by a shardpar engine that no longer exists")
+        return group
+
     def on_access(self, param: nn.Parameter, operation: str) -> None:
+        state = self.group.state
+        if state is ShardState.GATHERING:
+            self.group.wait_unsharded()
+            return
+        if state is ShardState.UNSHARDED:
+            return  # guarded again after its gather completed (model.gathered() gives guards back): usable
         raise ShardedParameterAccess(
             f"parameter '{self.name}' of stage-3 unit '{self.group.unit}' was read ({operation}) while the unit "
             "is sharded: its values exist only while the forward (or backward) of a module of that unit runs, "
@@ -111,6 +118,8 @@ class _Sharded:
         )
 
     def __str__(self) -> str:
+        if self.group.state is ShardState.GATHERING:
+            return f"all-gather of '{self.group.label}' in flight"
         return f"sharded, unit '{self.group.unit}'"
 
 
@@ -160,13 +169,14 @@ class FlatParamGroup:
         """Who completes the gather in flight (given to :meth:`begin_gather` with its handle)."""
         self._lay_out(layout, full)
         # Made once, in parameter order: a transition only walks these lists, switching each
-        # parameter's class and guard and pointing its ``.data`` at a view or a placeholder
-        # (no per-parameter call; see [Note: guarded parameters] in param_guard.py).
+        # parameter's class and pointing its ``.data`` at a view or a placeholder (no
+        # per-parameter call; each parameter's guard is registered once, here: see [Note:
+        # guarded parameters] in param_guard.py).
         self._param_list = list(self.params.values())
-        self._pending = _PendingGather(self)
-        self._pending_list = [self._pending] * len(self._param_list)
-        self._sharded = {name: _Sharded(self, name) for name in self.params}
-        self._sharded_list = list(self._sharded.values())
+        guards = [(id(param), _ParamAccess(self, name)) for name, param in self.params.items()]
+        for param, (_, access) in zip(self._param_list, guards):
+            set_guard(param, access)
+        weakref.finalize(self, forget_guards, guards)  # their parameters may go with this group
         self._placeholders = (
             {
                 name: storageless(order.shape, full.dtype, full.device, order.strides)
@@ -256,7 +266,7 @@ class FlatParamGroup:
         assert self.state is not ShardState.GATHERING, f"'{self.label}' is already gathering"
         self.handle, self.waiter = handle, waiter
         self.state = ShardState.GATHERING
-        guard_all(self._param_list, self._pending_list)
+        guard_all(self._param_list)
 
     def take_handle(self) -> C.Handle:
         """The gather's handle, handed to the one caller that waits for it (then :meth:`complete_gather`)."""
@@ -297,7 +307,7 @@ class FlatParamGroup:
         self.state = ShardState.SHARDED
         for param, placeholder in zip(self._param_list, self._placeholder_list):
             param.data = placeholder
-        guard_all(self._param_list, self._sharded_list)
+        guard_all(self._param_list)
         return freed
 
     def point_params_at_full(self) -> None:

@@ -12,13 +12,19 @@ its Python class is switched to :class:`GuardedParameter`, a ``nn.Parameter`` su
 - a *pending* parameter (stages 1-2) waits for its all-gather, then the operation proceeds;
 - a *sharded* parameter (stage 3) raises an error that names the parameter and its unit.
 
-Metadata (``shape``, ``dtype``, ``requires_grad``, ``numel()``, ``repr``...) never needs
-values and passes through. When the values are back the class is switched back, so compute
-inside forward pays nothing (``nn.Parameter`` disables ``__torch_function__``), and
-``torch.compile`` of blocks only ever sees plain parameters. ``isinstance(p, nn.Parameter)``
-holds throughout. Operations that bypass Python (autograd's saved tensors) cannot be
-guarded; for those a sharded parameter's ``.data`` is a tensor with no storage, which makes
-torch raise ("data is not allocated yet") instead of reading freed memory.
+Each parameter's guard -- the object that says what a read does -- is kept in a table by the
+parameter's id, not on the parameter: a flat group registers one guard per parameter once
+(it looks at the group's state: pending while gathering, sharded while sharded), so a
+transition only switches classes, with no attribute set or deleted per parameter (twice per
+unit per step at stage 3), and an unguarded parameter carries nothing of the engine's (a
+pickled or deep-copied parameter takes none of it along). Metadata (``shape``, ``dtype``,
+``requires_grad``, ``numel()``, ``repr``...) never needs values and passes through. When the
+values are back the class is switched back, so compute inside forward pays nothing
+(``nn.Parameter`` disables ``__torch_function__``), and ``torch.compile`` of blocks only ever
+sees plain parameters. ``isinstance(p, nn.Parameter)`` holds throughout. Operations that
+bypass Python (autograd's saved tensors) cannot be guarded; for those a sharded parameter's
+``.data`` is a tensor with no storage, which makes torch raise ("data is not allocated yet")
+instead of reading freed memory.
 """
 
 from __future__ import annotations
@@ -92,10 +98,33 @@ class allow:
         _ALLOWED.difference_update(self.operations)
 
 
+_GUARDS: dict[int, Guard] = {}
+"""id of a parameter -> its guard (see the note): read only while the parameter is guarded.
+Whoever registers guards takes them out when its parameters may go (:func:`forget_guards`):
+the table holds no parameter, so an id here is a live parameter's."""
+
+
+def set_guard(param: nn.Parameter, reason: Guard) -> None:
+    """``reason`` is ``param``'s guard from now on, whenever it is guarded. Nothing is switched."""
+    _GUARDS[id(param)] = reason
+
+
+def forget_guards(registered: Sequence[tuple[int, Guard]]) -> None:
+    """Take out the guards registered as ``(id of the parameter, guard)``, where no other
+    guard replaced them since (a relayout registers new ones for the same parameters)."""
+    for key, reason in registered:
+        if _GUARDS.get(key) is reason:
+            del _GUARDS[key]
+
+
+def guard_of(param: nn.Parameter) -> Guard | None:
+    """The guard of ``param`` if it is guarded now."""
+    return _GUARDS.get(id(param)) if type(param) is GuardedParameter else None
+
+
 class GuardedParameter(nn.Parameter):
     """The class a parameter has while its values are not usable; see the note above."""
 
-    _shardpar_guard: Guard
     _shardpar_class: type
 
     @classmethod
@@ -112,7 +141,7 @@ class GuardedParameter(nn.Parameter):
             param = args[0]
             return (
                 f"Parameter(shape={tuple(param.shape)}, dtype={param.dtype}, requires_grad={param.requires_grad}, "
-                f"values not on this rank right now: {param._shardpar_guard})"
+                f"values not on this rank right now: {_GUARDS.get(id(param))})"
             )
         if name in ("__get__", "__set__"):
             descriptor: Any = getattr(func, "__self__", None)  # the property a getter/setter belongs to
@@ -122,7 +151,13 @@ class GuardedParameter(nn.Parameter):
             leaves, _ = tree_flatten((args, kwargs))
             for leaf in leaves:
                 if isinstance(leaf, GuardedParameter):
-                    leaf._shardpar_guard.on_access(leaf, name)
+                    reason = _GUARDS.get(id(leaf))
+                    if reason is None:
+                        raise RuntimeError(
+                            f"a parameter of shape {tuple(leaf.shape)} was read ({name}) while it has no values "
+                            "on this rank, and the shardpar engine that held them no longer exists"
+                        )
+                    reason.on_access(leaf, name)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -136,31 +171,30 @@ def metadata_only() -> Any:
 
 
 def guard(param: nn.Parameter, reason: Guard) -> None:
-    """Switch ``param`` to :class:`GuardedParameter` (idempotent; the guard is replaced)."""
-    guarded = cast(GuardedParameter, param)  # the same object: its class is switched just below
-    if type(param) is not GuardedParameter:
-        guarded._shardpar_class = type(param)
-        param.__class__ = GuardedParameter
-    guarded._shardpar_guard = reason
+    """Switch ``param`` to :class:`GuardedParameter` with ``reason`` as its guard (idempotent;
+    the guard is replaced)."""
+    set_guard(param, reason)
+    guard_all((param,))
 
 
 def unguard(param: nn.Parameter) -> None:
-    """Give ``param`` back its own class."""
+    """Give ``param`` back its own class (its guard stays registered, for the next time)."""
     if type(param) is GuardedParameter:
         param.__class__ = param._shardpar_class
-        del param._shardpar_guard
 
 
-def guard_all(params: Sequence[nn.Parameter], reasons: Sequence[Guard]) -> None:
-    """:func:`guard` each of ``params`` with the reason at the same position: a flat group's
-    transition, in one call rather than one per parameter (each group guards all of its
-    parameters at once, twice per unit per step at stage 3)."""
-    for param, reason in zip(params, reasons):
-        guarded = cast(GuardedParameter, param)  # the same object: its class is switched just below
+def guard_all(params: Sequence[nn.Parameter]) -> None:
+    """Switch each of ``params``, whose guards are registered (:func:`set_guard`), to
+    :class:`GuardedParameter`: a flat group's transition, in one call rather than one per
+    parameter, and with nothing but the class switched (twice per unit per step at stage 3):
+    each parameter's own class is recorded the first time, to be given back by :func:`unguard`
+    (again only after something replaced the parameter's ``__dict__``, as
+    ``torch.utils.swap_tensors`` does when a meta-device model is materialised)."""
+    for param in params:
         if type(param) is not GuardedParameter:
-            guarded._shardpar_class = type(param)
+            if "_shardpar_class" not in param.__dict__:
+                cast(GuardedParameter, param)._shardpar_class = type(param)
             param.__class__ = GuardedParameter
-        guarded._shardpar_guard = reason
 
 
 def unguard_all(params: Sequence[nn.Parameter]) -> None:
@@ -168,7 +202,6 @@ def unguard_all(params: Sequence[nn.Parameter]) -> None:
     for param in params:
         if type(param) is GuardedParameter:
             param.__class__ = param._shardpar_class
-            del param._shardpar_guard
 
 
 def is_guarded(param: nn.Parameter) -> bool:

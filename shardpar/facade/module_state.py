@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm import watch
 from ..core.masters import FullMaster
-from ..core.param_guard import Guard, GuardedParameter, guard, is_guarded, metadata_only, unguard
+from ..core.param_guard import Guard, guard, guard_of, metadata_only, unguard
 from ..core.pieces import FullValues, TensorPiece
 from ..core.replicated import ReplicatedStorage
 from ..core.training_state import Phase
@@ -137,7 +137,7 @@ class ModuleState:
             for name, param in named:
                 own = param.data
                 value = values.get(name, own)
-                held_guard = cast(GuardedParameter, param)._shardpar_guard if is_guarded(param) else None
+                held_guard = guard_of(param)
                 shown.params.append((name, param, own, value, held_guard))
         for _, param, _, value, _ in shown.params:
             unguard(param)
