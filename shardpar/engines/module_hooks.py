@@ -37,7 +37,7 @@ from ..core.gatherer import UnitGatherer
 from ..core.reducer import GradientReducer
 from ..core.training_state import TrainingState
 from ..core.units import Unit, UnitPlan, display_name
-from .hooks import engine_hook, grad_tensors, never_compiled, on_first_grad
+from .hooks import engine_hook, grad_tensors, hook_first_grad, never_compiled, on_first_grad
 
 
 def module_of_params(tree: Any, storage: Any) -> dict[str, str]:
@@ -447,7 +447,7 @@ class UnitHooks:
             return
         if isinstance(output, torch.Tensor):  # a block's one output: its own hook, without the helpers
             if output.requires_grad:
-                output.register_hook(self._pre_backward_hooks[unit])  # type: ignore[no-untyped-call]  # untyped in torch
+                hook_first_grad(output, self._pre_backward_hooks[unit])
             return
         tensors = grad_tensors(output)
         if tensors:
