@@ -260,8 +260,8 @@ class _QuietEntry:
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a use's inputs; its backward tells the gatherer the use's backward is done.
-    As a node of its own it runs before hooks on those input tensors, i.e. before the previous
-    unit's pre-backward starts its prefetch."""
+    As a node of its own it runs before hooks on those input tensors and on the node that made
+    them, i.e. before the previous unit's pre-backward starts its prefetch."""
 
     @staticmethod
     def forward(ctx: Any, gatherer: UnitGatherer, unit: Unit, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -445,7 +445,7 @@ class UnitHooks:
         """A hook on the use's outputs: their first gradient starts the use's backward."""
         if not torch.is_grad_enabled():
             return
-        if isinstance(output, torch.Tensor):  # a block's one output: its own hook, without the helpers
+        if isinstance(output, torch.Tensor):  # a block's one output: hooked without grad_tensors' walk
             if output.requires_grad:
                 hook_first_grad(output, self._pre_backward_hooks[unit])
             return
