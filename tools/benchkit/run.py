@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .comm_alone import collectives_alone_s
 from .measure import Measured, count_calls, run_step
-from .memory import TIMING_MMAP_BYTES, measure_memory, set_allocator
+from .memory import TIMING_MMAP_BYTES, measure_memory, release_free_memory, set_allocator
 from .models import SIZES, ModelSpec
 from .runners import Runner, build_runner, shardpar_packages
 from .stats import summarize
@@ -51,6 +51,10 @@ def bench_model(spec: ModelSpec, configs: list[str], args) -> dict[str, Any]:
     batches = [_on(spec.batch_for(generator), args.torch_device) for _ in range(4)]
     measured = {config: measure_memory(config, spec, base, batches, args) for config in configs}
     set_allocator(TIMING_MMAP_BYTES)
+    # The memory runs leave the heap fragmented: the runners built first would otherwise get its
+    # scattered free chunks and those built last fresh ones (an A/A launch read stage 2 4% slower
+    # than the same code built after it; docs/benchmarks.md, #44's "entry hooks quiet" section).
+    release_free_memory()
     runners: dict[str, Runner] = {}
     for config in configs:
         runner = runners[config] = build_runner(config, copy.deepcopy(base), spec, args)
