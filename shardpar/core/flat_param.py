@@ -98,14 +98,14 @@ class _ParamAccess:
         return group
 
     def on_access(self, param: nn.Parameter, operation: str) -> None:
-        state = self.group.state
-        if state is ShardState.GATHERING:
-            self.group.wait_unsharded()
+        group = self.group
+        if group.state is ShardState.GATHERING:
+            group.wait_unsharded()
             return
-        if state is ShardState.UNSHARDED:
+        if group.state is ShardState.UNSHARDED:
             return  # guarded again after its gather completed (model.gathered() gives guards back): usable
         raise ShardedParameterAccess(
-            f"parameter '{self.name}' of stage-3 unit '{self.group.unit}' was read ({operation}) while the unit "
+            f"parameter '{self.name}' of stage-3 unit '{group.unit}' was read ({operation}) while the unit "
             "is sharded: its values exist only while the forward (or backward) of a module of that unit runs, "
             "or a method of such a module declared with shardpar.register_forward_method(module, 'method_name') "
             "(a generate that reads parameters directly). Read parameters of another unit only inside that "
@@ -114,13 +114,14 @@ class _ParamAccess:
             "whole parameters and their gradients between backward and step (per-parameter clipping such as "
             "timm's adaptive gradient clipping) needs stage=0: only stage 0 keeps whole gradients",
             self.name,
-            self.group.unit,
+            group.unit,
         )
 
     def __str__(self) -> str:
-        if self.group.state is ShardState.GATHERING:
-            return f"all-gather of '{self.group.label}' in flight"
-        return f"sharded, unit '{self.group.unit}'"
+        group = self.group
+        if group.state is ShardState.GATHERING:
+            return f"all-gather of '{group.label}' in flight"
+        return f"sharded, unit '{group.unit}'"
 
 
 class GatheredBytes:

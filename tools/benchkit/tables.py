@@ -23,10 +23,15 @@ torch's step, at world 2 over DDP's (stages 1-3 there: no worse than before, whi
 ``--candidate`` launch shows). They replace #16's on that model."""
 
 
+def _held_to_44(result: dict[str, Any]) -> bool:
+    """Whether ``result`` is the overhead model's, which #44's targets apply to instead of #16's."""
+    return bool(result["model"].startswith("overhead"))
+
+
 def host_share_target(result: dict[str, Any], config: str) -> tuple[float, str, float] | None:
     """(limit, peer, measured ratio) of ``config``'s #44 target in ``result``, if it has one and
     its peer ran."""
-    if not result["model"].startswith("overhead"):
+    if not _held_to_44(result):
         return None
     limit = HOST_SHARE_TARGETS.get(result["world"], {}).get(config)
     peer = PLAIN if result["world"] == 1 else "ddp"
@@ -189,10 +194,7 @@ def limits_section(results: list[dict[str, Any]], nproc: int) -> list[str]:
     missed = [
         (result, config, row)
         for result, config, row in rows
-        if config in TARGETS
-        and row["peer"] != PLAIN
-        and row["vs_peer"] > TARGETS[config]
-        and not result["model"].startswith("overhead")  # its targets are #44's (host_share_target)
+        if config in TARGETS and row["peer"] != PLAIN and row["vs_peer"] > TARGETS[config] and not _held_to_44(result)
     ]
     if all(row["peer"] == PLAIN for _, _, row in rows):
         lines.append(
@@ -274,7 +276,7 @@ def targets_section(results: list[dict[str, Any]]) -> list[str]:
             continue
         for config, limit in TARGETS.items():
             row = result["configs"].get(config)
-            if row is None or "vs_peer" not in row or result["model"].startswith("overhead"):
+            if row is None or "vs_peer" not in row or _held_to_44(result):
                 continue
             met = "yes" if row["vs_peer"] <= limit else "**no**"
             lines.append(
