@@ -986,6 +986,81 @@ def test_one_gather_hook_per_bucket_and_another_first_module_still_reads_updated
             )
 
 
+class HiddenOutput:
+    """A block's result in an object of the model's own class, which torch's pytree does not
+    open: no hook on a block's output can see the tensor inside."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.hidden = hidden
+
+
+class HidingBlock(Block):
+    """Returns its result hidden: in a :class:`HiddenOutput`, or (``into`` given) appended to
+    a list the caller passed, returning None."""
+
+    def forward(self, x: torch.Tensor, into: list[torch.Tensor] | None = None) -> Any:  # type: ignore[override]
+        y = super().forward(x)
+        if into is not None:
+            into.append(y)
+            return None
+        return HiddenOutput(y)
+
+
+class HidingLM(CheckpointedLM):
+    """CheckpointedLM whose blocks hide their outputs: the first and last in a HiddenOutput,
+    the middle one in a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(HidingBlock() for _ in range(3))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](self.emb(tokens)).hidden
+        results: list[torch.Tensor] = []
+        self.blocks[1](x, into=results)
+        return self.head(self.blocks[2](results[0]).hidden)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_blocks_whose_outputs_hide_their_tensors_train_like_plain_torch(stage: int) -> None:
+    """A block that returns its result in an object of the model's own class, or in a list it
+    was handed: at stage 3 no hook sees those tensors, yet backward reaches the block's
+    parameters through them, so the unit stays gathered until its backward is over (before,
+    backward read what stands in for a freed parameter and the process crashed). Every stage
+    trains like plain torch on both ranks' batches, and at stage 3 nothing is left gathered
+    after a step."""
+    torch.manual_seed(0)
+    model = HidingLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        loss = sum(_lm_loss(model(_tokens(step, r)), _tokens(step, r)) for r in range(2)) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    results = run_ranks(_hiding_run, 2, stage, timeout=120)
+    for result in results:
+        for name, tensor in model.state_dict().items():
+            err = (result["state"][name] - tensor).abs().max() / tensor.abs().max()
+            assert err <= TOL, f"stage {stage}: {name} {float(err):.3g}"
+        assert result["gathered_after_step"] == 0
+
+
+def _hiding_run(stage: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = shardpar.wrap(HidingLM(), stage=stage, **_wrap_options(stage, HidingBlock))
+    opt = shardpar.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    rank = C.get_rank()
+    for step in range(STEPS):
+        tokens = _tokens(step, rank)
+        _lm_loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    gathered = model.engine.gatherer.gathered.now if stage == 3 else 0
+    out = {"state": model.full_state_dict(), "gathered_after_step": gathered}
+    model.engine.close()
+    return out
+
+
 def test_a_view_of_a_sharded_parameter_is_refused_too() -> None:
     model = shardpar.wrap(CheckpointedLM(), stage=3, wrap_policy=[Block])
     for view in (lambda w: w.T, lambda w: w.data, lambda w: w.mT):

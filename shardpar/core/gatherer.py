@@ -45,6 +45,15 @@ prefetch the first kept unit issued; with no prefetch the reductions wait for th
 unit's gather), and gathers are always completed in the order they were issued
 (``UnitOrder.pop_earlier``, before every wait), so every rank meets the first mismatching
 gather before any later collective.
+output that hides its tensors (a use whose output holds no tensor at all where torch's pytree
+          looks: an object of the model's own class, or nothing, the result handed out some
+          other way): no hook can start that use's backward, yet autograd reaches its
+          parameters through the tensors it hides. Freed, the parameters would be read by
+          that backward as what stands in for them, so the unit is held gathered instead
+          (:meth:`UnitGatherer.hold_until_backward`) until its backward is over: backward
+          reaches its inputs or its gradients are final, or else at the end of backward (or
+          at the next forward, if no backward follows). It costs the unit's full size
+          through forward, nothing else.
 double backward (``torch.autograd.grad(..., create_graph=True)``, a gradient penalty): the
           graph that backward creates saves the gathered parameters it multiplied by, and a
           later backward runs through it. So from a backward that creates a graph until the
@@ -118,6 +127,9 @@ class UnitGatherer(GatherPhases):
         self._kept_for_backward: list[Unit] = []
         self.last_kept: list[Unit] = []
         """The units the last forward kept gathered into backward (one gather fewer each: gathers_per_step)."""
+        self._held: list[Unit] = []
+        """Units whose output hides its tensors, held gathered until their backward is over
+        (see [Note: one step at stage 3], "output that hides its tensors")."""
         self._shard_bytes = sum(f.shard_bytes for f in self.flats)
         self.gathered = GatheredBytes(sum(f.allocated_full_bytes() for f in self.flats))
         # Off the CPU a gather that cannot be told apart is checked later, see [Note: deferred
@@ -260,7 +272,7 @@ class UnitGatherer(GatherPhases):
         gathers = [(flat.layout.numel, flat.dtype) for flat in self.flats]
         if not self.reshard_after_forward:
             return gathers
-        kept = {flat for unit in self.last_kept for flat in unit.flats}
+        kept = {flat for unit in self.last_kept + self._held for flat in unit.flats}
         return gathers + [(flat.layout.numel, flat.dtype) for flat in self.flats if flat not in kept]
 
     def memory_stats(self) -> dict[str, int]:
@@ -320,7 +332,7 @@ class UnitGatherer(GatherPhases):
         self._kept_for_backward, self._forward_ended = list(keep), []
         self.last_kept = list(keep)
         for unit in self.units:
-            if unit in keep:
+            if unit in keep or unit in self._held:
                 continue
             for flat in unit.flats:
                 if flat.state is ShardState.GATHERING or (
@@ -338,9 +350,13 @@ class UnitGatherer(GatherPhases):
         self._free_deferred()
 
     def _free_deferred(self) -> None:
-        """Free every unit whose release was deferred ([Note: kept for backward])."""
+        """Free every unit whose release was deferred ([Note: kept for backward]), and the
+        units held for a backward that did not come."""
         self._free_forward_ended(None)
         self._free_kept()
+        for unit in self._held:
+            self.reshard(unit)
+        self._held = []
 
     def pre_forward(self, unit: Unit) -> None:
         """A use of ``unit`` starts (its hook module's forward): gathered, with the next units
@@ -402,6 +418,16 @@ class UnitGatherer(GatherPhases):
             self.reshard(unit)  # called outside the root's forward: nothing to keep it for
         elif unit not in self._forward_ended:
             self._forward_ended.append(unit)  # see [Note: kept for backward]
+
+    def hold_until_backward(self, unit: Unit) -> None:
+        """A use of ``unit`` ended whose output hides its tensors: the unit stays gathered
+        until its backward is over (see [Note: one step at stage 3], "output that hides its
+        tensors"); gathered again if it was freed already (a use outside the root's forward)."""
+        if unit in self._forward_ended:
+            self._forward_ended.remove(unit)
+        if unit not in self._held:
+            self._held.append(unit)
+        self.wait(unit)
 
     def _free_forward_ended(self, starting: Unit | None) -> None:
         for unit in self._forward_ended:
@@ -475,6 +501,7 @@ class UnitGatherer(GatherPhases):
             if unit.final:
                 unit.clear_final()
         self._kept_for_backward = []
+        self._held = []
         self._forget_running()
         if self._backward_uses:
             self._last_backward = self._backward_uses

@@ -22,9 +22,13 @@ pickled or deep-copied parameter takes none of it along). Metadata (``shape``, `
 values are back the class is switched back, so compute inside forward pays nothing
 (``nn.Parameter`` disables ``__torch_function__``), and ``torch.compile`` of blocks only ever
 sees plain parameters. ``isinstance(p, nn.Parameter)`` holds throughout. Operations that
-bypass Python (autograd's saved tensors) cannot be guarded; for those a sharded parameter's
-``.data`` is a tensor with no storage, which makes torch raise ("data is not allocated yet")
-instead of reading freed memory.
+bypass Python (autograd's saved tensors, code inside ``DisableTorchFunctionSubclass``) cannot
+be guarded; for those a sharded parameter's ``.data`` is a tensor with no storage, so they
+never read freed memory or another unit's values: torch refuses some of them ("data is not
+allocated yet": matrix products, ``tolist``), and an elementwise kernel ends the process. So
+stage 3 makes sure its own backward never gets there: a unit is gathered before its backward
+reads it, held gathered where no hook could tell when that is ([Note: one step at stage 3]
+in gatherer.py, "output that hides its tensors").
 """
 
 from __future__ import annotations
@@ -234,6 +238,6 @@ def storageless(
     shape: torch.Size, dtype: torch.dtype, device: torch.device, strides: tuple[int, ...] | None = None
 ) -> torch.Tensor:
     """A tensor of ``shape``/``dtype`` (and ``strides``, None: row-major) with no storage:
-    assigned to a sharded parameter's ``.data``, any kernel reading it raises instead of
-    touching freed memory; its metadata stay the parameter's."""
+    assigned to a sharded parameter's ``.data``, a kernel that gets past the guard finds no
+    values rather than freed memory (see the note); its metadata stay the parameter's."""
     return _NoStorage(shape, dtype, device, strides)

@@ -108,14 +108,19 @@ def engine_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
     return hook
 
 
-def grad_tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors in a module's output that autograd will give a gradient."""
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors in a module's output, where torch's pytree looks (and a dict's values)."""
     if isinstance(output, torch.Tensor):  # the common case, without a tree walk
-        return [output] if output.requires_grad else []
+        return [output]
     if isinstance(output, dict):
         output = list(output.values())
     leaves, _ = tree_flatten(output)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def grad_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors in a module's output that autograd will give a gradient."""
+    return [t for t in output_tensors(output) if t.requires_grad]
 
 
 def on_first_grad(tensors: list[torch.Tensor], hook: Callable[[Any], None]) -> Any:

@@ -37,7 +37,7 @@ from ..core.gatherer import UnitGatherer
 from ..core.reducer import GradientReducer
 from ..core.training_state import TrainingState
 from ..core.units import Unit, UnitPlan, display_name
-from .hooks import engine_hook, grad_tensors, hook_first_grad, never_compiled, on_first_grad
+from .hooks import engine_hook, hook_first_grad, never_compiled, on_first_grad, output_tensors
 
 
 def module_of_params(tree: Any, storage: Any) -> dict[str, str]:
@@ -416,7 +416,10 @@ class UnitHooks:
     def _hook_inputs(
         self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """The use's inputs through :class:`_PostBackward`: its backward ends the use's backward."""
+        """The use's inputs through :class:`_PostBackward`: its backward ends the use's backward.
+        Only the arguments that hold a tensor needing a gradient are replaced; a container is
+        made again only if it holds one, so a list the caller passed for the module to fill
+        (``block(x, into=results)``) is still the caller's."""
         if not torch.is_grad_enabled():
             return None
         # (loops rather than comprehensions: each of those is a call, once per unit use)
@@ -426,32 +429,52 @@ class UnitHooks:
                 only_tensors = False
                 break
         if only_tensors:
-            leaves, spec = list(args), None
-        else:
-            leaves, spec = tree_flatten((args, kwargs))
-        positions, tensors = [], []
-        for i, t in enumerate(leaves):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                positions.append(i)
-                tensors.append(t)
-        if not positions:
-            return None  # freed when its gradients are final, or at the end of backward
-        outputs = _PostBackward.apply(self.gatherer, unit, *tensors)  # type: ignore[no-untyped-call]
-        for i, tensor in zip(positions, outputs):
-            leaves[i] = tensor
-        return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)
+            positions, tensors = [], []
+            for i, t in enumerate(args):
+                if t.requires_grad:
+                    positions.append(i)
+                    tensors.append(t)
+            if not positions:
+                return None  # freed when its gradients are final, or at the end of backward
+            leaves = list(args)
+            for i, tensor in zip(positions, _PostBackward.apply(self.gatherer, unit, *tensors)):  # type: ignore[no-untyped-call]
+                leaves[i] = tensor
+            return tuple(leaves), kwargs
+        values = [*args, *kwargs.values()]
+        opened = []  # (position in values, its leaves, their spec) of each value holding such a tensor
+        tensors = []
+        for position, value in enumerate(values):
+            leaves, spec = tree_flatten(value)
+            needing_grad = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            if needing_grad:
+                opened.append((position, leaves, spec))
+                tensors.extend(needing_grad)
+        if not tensors:
+            return None
+        outputs = iter(_PostBackward.apply(self.gatherer, unit, *tensors))  # type: ignore[no-untyped-call]
+        for position, leaves, spec in opened:
+            values[position] = tree_unflatten(
+                [next(outputs) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in leaves], spec
+            )
+        return tuple(values[: len(args)]), dict(zip(kwargs, values[len(args) :]))
 
     def _hook_outputs(self, unit: Unit, output: Any) -> None:
-        """A hook on the use's outputs: their first gradient starts the use's backward."""
+        """A hook on the use's outputs: their first gradient starts the use's backward. An
+        output with no tensor to be seen may hide some (an object of the model's own class):
+        the unit is then held gathered through its backward, which no hook can start (see
+        [Note: one step at stage 3] in core/gatherer.py)."""
         if not torch.is_grad_enabled():
             return
-        if isinstance(output, torch.Tensor):  # a block's one output: hooked without grad_tensors' walk
+        if isinstance(output, torch.Tensor):  # a block's one output: hooked without the tree walk
             if output.requires_grad:
                 hook_first_grad(output, self._pre_backward_hooks[unit])
             return
-        tensors = grad_tensors(output)
-        if tensors:
-            on_first_grad(tensors, self._pre_backward_hooks[unit])
+        tensors = output_tensors(output)
+        needing_grad = [t for t in tensors if t.requires_grad]
+        if needing_grad:
+            on_first_grad(needing_grad, self._pre_backward_hooks[unit])
+        elif not tensors:
+            self.gatherer.hold_until_backward(unit)
 
     @property
     def handles(self) -> list[Any]:
