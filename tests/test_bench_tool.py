@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from tests.support.harness import run_ranks, run_script
 
@@ -534,9 +535,11 @@ def test_host_floor_measures_every_variant_and_refuses_one_that_changes_gradient
         assert row["forward_backward_ms"] > row["median_ms"], row  # the forward is in it too
 
     # The units variant's backward gathers each block again before its nodes read the
-    # parameters: a gather that only gives the storage back (no copy) leaves stale values.
+    # parameters: a gather that leaves other values than the shard's is refused.
+    gather = host_floor.UnitGathers.gather
+
     def storage_back_not_filled(unit: host_floor.UnitGathers) -> None:
-        unit.full.untyped_storage().resize_(unit.storage_bytes)
+        gather(unit)
         unit.full.fill_(0.5)
 
     with monkeypatch.context() as patch:
@@ -553,3 +556,34 @@ def test_host_floor_measures_every_variant_and_refuses_one_that_changes_gradient
     monkeypatch.setattr(host_floor.Variant, "before_backward", stale_views)
     with pytest.raises(SystemExit, match=r"variant views: the gradient of 'blocks\.0\.norm\.weight' differs"):
         host_floor.main(["--model", "overhead:4", "--rounds", "1", "--warmup", "0"])
+
+
+def test_host_floor_guarded_units_keep_the_guarantees_they_price() -> None:
+    """tools/host_floor.py's guarded-units variant keeps what it stands for, not only its cost:
+    between uses a block's parameter raises on an operation (its class) and past the class has
+    no storage (its ``.data``), every parameter that got a gradient is marked used, a block's
+    gradients reach its gradient shard, and a gather whose tag is not the expected one stops."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import host_floor
+    from benchkit.models import parse_models
+
+    (spec,) = parse_models("overhead:4")
+    variant = host_floor.Variant("guarded-units", spec.build(), spec.unit_class)
+    loss = host_floor.make_loss(spec, variant.model, spec.batch_for(torch.Generator().manual_seed(0)))
+    loss().backward()
+    assert list(variant.used) == [1] * len(variant.params) == [1] * 26
+    without_guards = host_floor.Variant("guarded-units", spec.build(), spec.unit_class, ("placeholders",))
+    assert not without_guards.units[0].guards and without_guards.units[0].placeholders_on
+    assert type(without_guards.units[0].params[0]) is nn.Parameter and not any(without_guards.used)
+    unit = variant.units[0]
+    weight = unit.params[0]
+    with pytest.raises(RuntimeError, match="read a sharded parameter"):
+        weight.sum()
+    with torch._C.DisableTorchFunctionSubclass():  # past the class: no storage to read
+        assert weight.data_ptr() == 0 and weight.shape == unit.full_views[0].shape
+    assert weight.grad is None  # its gradient went to the flat buffer, and on into the gradient shard
+    assert torch.equal(unit.grad_shard, unit.grad_flat) and unit.grad_flat.abs().sum() > 0
+
+    unit.tag_sequence = torch.zeros(1, dtype=torch.int64)  # this rank's tag is not what the gather carries
+    with pytest.raises(RuntimeError, match="ranks out of step"):
+        loss()

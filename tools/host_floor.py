@@ -37,7 +37,18 @@ of identical copies of the model, main-thread CPU per backward:
   identity autograd function whose backward ends the block's backward (frees the buffer, and
   copies the block's gradients into a flat buffer by one ``_foreach_copy_``), a tensor hook
   on its output that starts it: the least stage 3's per-unit work can cost in Python hooks.
-  Its forward is timed too (every other variant's forward is plain torch's).
+  Its forward is timed too (every other variant's forward is plain torch's);
+- ``guarded-units``: ``units`` and, at their leanest, the guarantees stage 3 keeps on top of
+  that mechanism: while a block is sharded each parameter is of a guarding subclass (one
+  ``__class__`` switch at each free and each gather: an operation on it raises) and its
+  ``.data`` a tensor of its shape with no storage (a kernel that gets past the class finds
+  nothing to read, never freed memory), each gather carries a tag checked on completion
+  (rank agreement), each parameter a post-accumulate-grad hook that marks it used (the
+  used flags that unused parameters and ``RanksOutOfStep`` rest on), and the block's
+  gradients go on into a gradient shard (a world-1 reduce-scatter: one ``torch.mul`` by
+  1/N). No bookkeeping beyond: what is left between this and shardpar's stage 3 is its own
+  Python. ``--leave-out GUARANTEE`` (repeatable; one of ``GUARANTEES``) takes one out, to
+  price each.
 
 Before timing, every variant's gradients are checked to equal ``plain``'s bit for bit (a
 variant that changed them would be measuring something else). One process, no
@@ -66,14 +77,29 @@ import torch.nn.functional as F  # noqa: E402
 from benchkit.models import ModelSpec, parse_models  # noqa: E402
 from torch import nn  # noqa: E402
 
-VARIANTS = ("plain", "hook", "builtin-hook", "views", "hook+views", "prehook+hook+views", "prehook+hook+copy", "units")
+GUARANTEES = ("guards", "placeholders", "tags", "used-flags", "reduce-scatter")
+"""What ``guarded-units`` keeps on top of ``units`` (see the module docstring), in that order."""
+
+VARIANTS = (
+    "plain",
+    "hook",
+    "builtin-hook",
+    "views",
+    "hook+views",
+    "prehook+hook+views",
+    "prehook+hook+copy",
+    "units",
+    "guarded-units",
+)
 
 
 class Variant:
     """One copy of the model with one variant's gradient mechanism: ``before_backward`` runs
     just before each backward, inside the timed span."""
 
-    def __init__(self, name: str, model: nn.Module, unit_class: type[nn.Module]) -> None:
+    def __init__(
+        self, name: str, model: nn.Module, unit_class: type[nn.Module], guarantees: tuple[str, ...] = GUARANTEES
+    ) -> None:
         self.name, self.model = name, model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.arrivals = 0
@@ -94,8 +120,16 @@ class Variant:
                 param.register_post_accumulate_grad_hook(functools.partial(self.arrived.__setitem__, index))
             elif "hook" in name:
                 param.register_post_accumulate_grad_hook(after_accumulation)
+        kept = frozenset(guarantees if name == "guarded-units" else ())
+        self.used = bytearray(len(self.params))
+        """The used flags, set by the ``guarded-units`` variant's hooks."""
+        if "used-flags" in kept:
+            for index, param in enumerate(self.params):
+                param.register_post_accumulate_grad_hook(functools.partial(self._mark_used, index))
         self.units = (
-            [UnitGathers(m, self) for m in model.modules() if isinstance(m, unit_class)] if name == "units" else []
+            [UnitGathers(m, self, kept) for m in model.modules() if isinstance(m, unit_class)]
+            if name.endswith("units")
+            else []
         )
         if self.units:  # each block's gradients, not the head's
             self.expected_arrivals = sum(len(unit.params) for unit in self.units)
@@ -105,6 +139,9 @@ class Variant:
 
     def _count(self, param: nn.Parameter) -> None:
         self.arrivals += 1
+
+    def _mark_used(self, index: int, param: nn.Parameter) -> None:
+        self.used[index] = 1
 
     def _copy_out(self, param: nn.Parameter) -> None:
         self.arrivals += 1
@@ -125,7 +162,7 @@ class Variant:
     def grads(self) -> list[torch.Tensor]:
         if self.name == "prehook+hook+copy":  # the gradients are in the flat buffer
             return [view.clone() for view in self.views]
-        if self.name == "units":  # the blocks' gradients are; the rest (the head's) on .grad
+        if self.units:  # the blocks' gradients are; the rest (the head's) on .grad
             in_units = {p for unit in self.units for p in unit.params}
             return [self.slots[p].clone() if p in in_units else p.grad.clone() for p in self.params]
         return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -150,21 +187,66 @@ class _EndOfUnitBackward(torch.autograd.Function):
         return None, grad
 
 
-class UnitGathers:
-    """One block under the ``units`` variant (see the module docstring)."""
+class _NoValues(torch.Tensor):
+    """A parameter's shape and dtype with no storage (as shardpar's ``storageless``)."""
 
-    def __init__(self, block: nn.Module, variant: Variant) -> None:
+    @staticmethod
+    def __new__(cls, like: torch.Tensor) -> _NoValues:
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        if func is torch.ops.aten._has_compatible_shallow_copy_type.default:
+            return True
+        raise RuntimeError("read a sharded parameter")
+
+
+class _Sharded(nn.Parameter):
+    """The guarding class of a sharded parameter (``guarded-units``): an operation on it
+    raises; its attributes (``.grad``, ``.shape``) stay readable, as shardpar's guard keeps
+    metadata readable."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") not in ("__get__", "__set__"):
+            raise RuntimeError(f"read a sharded parameter ({getattr(func, '__name__', func)})")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+class UnitGathers:
+    """One block under the ``units`` variant, or with ``guarantees`` (some of
+    ``GUARANTEES``) the ``guarded-units`` one (see the module docstring)."""
+
+    def __init__(self, block: nn.Module, variant: Variant, guarantees: frozenset[str] = frozenset()) -> None:
         self.params = [p for p in block.parameters() if p.requires_grad]
         self.variant = variant
+        # Asked once per gather or free, outside the loops over parameters.
+        self.guards, self.placeholders_on = "guards" in guarantees, "placeholders" in guarantees
+        self.tags, self.reduce_scatter = "tags" in guarantees, "reduce-scatter" in guarantees
         self.shard = torch.cat([p.detach().reshape(-1) for p in self.params])
         self.full = torch.empty_like(self.shard)
-        offset = 0
+        self.full_views, offset = [], 0
         for param in self.params:
             param.data = self.full[offset : offset + param.numel()].view_as(param)
+            self.full_views.append(param.data)
             offset += param.numel()
+        self.placeholders = [_NoValues(view) for view in self.full_views]
         self.grad_slots = [variant.slots[p] for p in self.params]
+        start = self.grad_slots[0].storage_offset()
+        self.grad_flat = variant.buffer[start : start + self.shard.numel()]
+        """The block's gradients in the flat buffer (its parameters' slots are consecutive)."""
+        assert self.grad_slots[-1].storage_offset() + self.grad_slots[-1].numel() == start + self.shard.numel()
+        self.grad_shard = torch.empty_like(self.shard)
+        """This rank's gradient shard of the block (world 1: all of it)."""
         self.storage_bytes = self.full.untyped_storage().nbytes()
-        self.full.untyped_storage().resize_(0)
+        self.sequence = 0
+        """The tag of the next gather (a sequence number every rank counts alike)."""
+        self.tag = torch.zeros(2, dtype=torch.int64)
+        """Where a gather's tag lands, every rank's (one here): the group and the sequence number."""
+        self.tag_sequence = self.tag[1:]
+        """The sequence number's place in the tag (a view made once: the write is one ``fill_``)."""
+        self.free()
         self.input_has_grad = True
         """Whether the block's input of the last forward needs a gradient (the first block's
         does not: its backward ends with the whole backward's, in a callback)."""
@@ -174,6 +256,27 @@ class UnitGathers:
     def gather(self) -> None:
         self.full.untyped_storage().resize_(self.storage_bytes)
         self.full.copy_(self.shard)
+        if self.tags:
+            expected = self.sequence
+            self.sequence += 1
+            self.tag_sequence.fill_(expected)
+            if self.tag.tolist() != [0, expected]:  # every rank's tag (one here) is this rank's
+                raise RuntimeError(f"gather {expected}: ranks out of step")
+        if self.guards:
+            for param in self.params:
+                param.__class__ = nn.Parameter
+        if self.placeholders_on:
+            for param, view in zip(self.params, self.full_views):
+                param.data = view
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        if self.placeholders_on:
+            for param, placeholder in zip(self.params, self.placeholders):
+                param.data = placeholder
+        if self.guards:
+            for param in self.params:
+                param.__class__ = _Sharded
 
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         self.gather()
@@ -183,7 +286,7 @@ class UnitGathers:
         return (_EndOfUnitBackward.apply(self, args[0]),) + args[1:]
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-        self.full.untyped_storage().resize_(0)
+        self.free()
         output.register_hook(self._pre_backward)
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
@@ -192,12 +295,14 @@ class UnitGathers:
             torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
 
     def after_backward(self) -> None:
-        self.full.untyped_storage().resize_(0)
         params = self.params
         torch._foreach_copy_(self.grad_slots, [p.grad for p in params])
         for param in params:
             param.grad = None
         self.variant.arrivals += len(params)
+        if self.reduce_scatter:
+            torch.mul(self.grad_flat, 1.0, out=self.grad_shard)  # the reduce-scatter, at world 1
+        self.free()  # after the gradients are taken: a guarded parameter's .grad costs a Python call
 
 
 def make_loss(
@@ -235,11 +340,13 @@ def check_same_gradients(variants: list[Variant], losses: list[Callable[[], torc
             )
 
 
-def measure(spec: ModelSpec, rounds: int, warmup: int) -> dict[str, dict[str, float]]:
+def measure(
+    spec: ModelSpec, rounds: int, warmup: int, guarantees: tuple[str, ...] = GUARANTEES
+) -> dict[str, dict[str, float]]:
     torch.manual_seed(0)
     base = spec.build()
     batch = spec.batch_for(torch.Generator().manual_seed(0))
-    variants = [Variant(name, copy.deepcopy(base), spec.unit_class) for name in VARIANTS]
+    variants = [Variant(name, copy.deepcopy(base), spec.unit_class, guarantees) for name in VARIANTS]
     losses = [make_loss(spec, v.model, batch) for v in variants]
     check_same_gradients(variants, losses)
     times: dict[str, list[float]] = {v.name: [] for v in variants}
@@ -278,15 +385,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=300, help="timed backward passes per variant (default 300)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed rounds first (default 10)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--leave-out",
+        action="append",
+        default=[],
+        choices=GUARANTEES,
+        metavar="GUARANTEE",
+        help=f"take this guarantee out of guarded-units (repeatable; one of {', '.join(GUARANTEES)})",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     (spec,) = parse_models(args.model)
-    figures = measure(spec, args.rounds, args.warmup)
+    guarantees = tuple(g for g in GUARANTEES if g not in args.leave_out)
+    figures = measure(spec, args.rounds, args.warmup, guarantees)
     tensors = sum(1 for p in spec.build().parameters() if p.requires_grad)
     print(f"{spec.name}: {tensors} parameter tensors; backward, main-thread CPU ms, median of {args.rounds}")
+    if args.leave_out:
+        print(f"  (guarded-units without {', '.join(g for g in GUARANTEES if g not in guarantees)})")
     for name, row in figures.items():
         print(
             f"  {name:17s} {row['median_ms']:7.3f} (IQR {row['q1_ms']:.3f}-{row['q3_ms']:.3f})"
@@ -294,7 +412,11 @@ def main(argv: list[str] | None = None) -> None:
             f"   forward+backward {row['forward_backward_ms']:7.3f}  {row['forward_backward_over_plain_ms']:+.3f} over plain"
         )
     if args.json is not None:
-        args.json.write_text(json.dumps({"model": spec.name, "tensors": tensors, "variants": figures}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"model": spec.name, "tensors": tensors, "guarantees": list(guarantees), "variants": figures}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":
