@@ -24,11 +24,11 @@ The tensors the parts hold, by name, and which ``.data`` is which:
 - **staging** -- ``StagedReduceScatter``'s pool (stages 2-3; core/staged_reduce_scatter.py): a
   bucket's full-size gradients, bounded in bytes, reduce-scattered into the **gradient shard**
   (``grad_shards``) and returned to the pool.
-- **placeholders** -- two kinds, both standing where values are not: a stage-3 parameter's
-  ``.data`` between gathers is a storageless tensor of its shape (core/param_guard.py:
-  ``storageless``) behind a guarded class, and at stages 1-3 (and stage 0 under mixed
+- **placeholders** -- where values are not: at stages 1-3 (and stage 0 under mixed
   precision) ``param.grad`` after a backward is a ``ShardedGrad`` that raises when read
-  (core/grad_placeholders.py), since only the owned slice exists.
+  (core/grad_placeholders.py), since only the owned slice exists. (A stage-3 parameter
+  between gathers needs none: it is its view of the freed full buffer, behind a guarded
+  class, core/param_guard.py.)
 - **full values** -- what ``model.gathered()`` and state dicts show in the parameters for a
   while (facade/module_state.py, [Note: full values in the module]): the live tensors at stage
   0, the masters under mixed precision, assembled copies at stages 1-3.

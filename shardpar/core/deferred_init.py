@@ -311,7 +311,7 @@ def _slot_problem(
     was = built.params.get(name) if built is not None else None
     if now is not was:
         return _slot_change(was, now)
-    if now is None or is_guarded(now):  # an empty slot; a sharded unit's placeholder (its guard polices it)
+    if now is None or is_guarded(now):  # an empty slot; a sharded unit's parameter (its guard polices it)
         return None
     assert built is not None, "a slot the constructor filled"
     changed = _data_change(now, *built.shapes[name])

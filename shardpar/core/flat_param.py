@@ -22,7 +22,12 @@ the gatherer always does (stage 3: after every gather issued before it, its tags
 - stage 3: one group per (unit, dtype, trainable). The shard is the only persistent copy; the
   full buffer's storage exists only while GATHERING/UNSHARDED (it is resized to 0 by
   ``reshard``, never replaced, so tensors autograd saved in forward see the values again once
-  the next gather refills the same storage).
+  the next gather refills the same storage). The parameters stay views of the full buffer
+  from the group's first free on, sharded or not: freed, a view has no storage to read (see
+  [Note: guarded parameters]), and the next gather gives it its values back with no
+  ``.data`` assignment (two per parameter per gather otherwise). Only a new layout
+  (``move_to``) or a borrow of the parameters (the facade's full values) points them
+  elsewhere: the group points them back at its next transition, the borrower when it is done.
 - stages 1-2: one group per gradient bucket, a view of the replicated buffer whose owned slice
   the optimizer updated; after ``step()`` it is GATHERING until the first module using it runs
   (it never reshards).
@@ -47,7 +52,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from .layout import Bucket, BufferLayout
-from .param_guard import forget_guards, guard_all, set_guard, storageless, unguard_all
+from .param_guard import forget_guards, guard_all, set_guard, unguard_all
 
 
 class ShardState(enum.Enum):
@@ -169,24 +174,14 @@ class FlatParamGroup:
         self.waiter: GatherWaiter | None = None
         """Who completes the gather in flight (given to :meth:`begin_gather` with its handle)."""
         self._lay_out(layout, full)
-        # Made once, in parameter order: a transition only walks these lists, switching each
-        # parameter's class and pointing its ``.data`` at a view or a placeholder (no
-        # per-parameter call; each parameter's guard is registered once, here: see [Note:
-        # guarded parameters] in param_guard.py).
+        # Made once, in parameter order: a transition only walks this list, switching each
+        # parameter's class (no per-parameter call; each parameter's guard is registered once,
+        # here: see [Note: guarded parameters] in param_guard.py).
         self._param_list = list(self.params.values())
         guards = [(id(param), _ParamAccess(self, name)) for name, param in self.params.items()]
         for param, (_, access) in zip(self._param_list, guards):
             set_guard(param, access)
         weakref.finalize(self, forget_guards, guards)  # their parameters may go with this group
-        self._placeholders = (
-            {
-                name: storageless(order.shape, full.dtype, full.device, order.strides)
-                for name, order in layout.orders().items()
-            }
-            if frees_storage
-            else {}
-        )
-        self._placeholder_list = [self._placeholders[name] for name in self.params] if frees_storage else []
 
     def _lay_out(self, layout: BufferLayout, full: torch.Tensor) -> None:
         self.layout = layout
@@ -197,13 +192,17 @@ class FlatParamGroup:
         self._storage_bytes = cast(int, (full.storage_offset() + full.numel()) * full.element_size())
         self._views = {name: layout.view(full, name) for name in self.params}
         self._view_list = list(self._views.values())
+        self._params_on_views = False
+        """Whether the parameters are this layout's views now, which a transition then need
+        not say again (stage 3 only: see :meth:`_point_params_at_views`)."""
         self.full_bytes = layout.numel * full.element_size()
         """Bytes of the full buffer while allocated (the tag's room in front not counted)."""
 
     def move_to(self, layout: BufferLayout, full: torch.Tensor, shard: torch.Tensor) -> None:
         """Stage 3, sharded: lay the group out anew ([Note: whole-tensor ownership] in
         layout.py), its full buffer ``full`` (storage freed) and its shard ``shard``
-        replacing the old ones; the parameters stay the same objects, placeholders."""
+        replacing the old ones; the parameters stay the same objects, pointed at the new
+        views at the next transition."""
         assert self.frees_storage and self.state is ShardState.SHARDED, f"'{self.label}' is in use"
         assert len(layout.buckets) == 1, "a flat parameter group is one bucket"
         self._lay_out(layout, full)
@@ -283,8 +282,8 @@ class FlatParamGroup:
         self.handle = self.waiter = None
         self.state = ShardState.UNSHARDED
         unguard_all(self._param_list)
-        for param, view in zip(self._param_list, self._view_list):  # the parameters are views of the full buffer again
-            param.data = view
+        if not self._params_on_views:
+            self._point_params_at_views()
 
     def wait_unsharded(self) -> None:
         """Block until the gather is done, through the gatherer that issued it: for code that
@@ -306,12 +305,19 @@ class FlatParamGroup:
         freed = self.full_bytes if storage.nbytes() > 0 else 0
         storage.resize_(0)
         self.state = ShardState.SHARDED
-        for param, placeholder in zip(self._param_list, self._placeholder_list):
-            param.data = placeholder
+        if not self._params_on_views:  # the first free (or the first after a new layout or a borrow)
+            self._point_params_at_views()
         guard_all(self._param_list)
         return freed
 
     def point_params_at_full(self) -> None:
         unguard_all(self._param_list)
+        self._point_params_at_views()
+
+    def _point_params_at_views(self) -> None:
+        """Each parameter's ``.data`` its view of the full buffer. Stage 3's stay so (see
+        [Note: flat parameter groups]); stages 1-2's are pointed again at every gather, as
+        their replicated buffer may point them elsewhere meanwhile (its casts and relayouts)."""
         for param, view in zip(self._param_list, self._view_list):
             param.data = view
+        self._params_on_views = self.frees_storage

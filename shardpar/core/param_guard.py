@@ -23,9 +23,10 @@ values are back the class is switched back, so compute inside forward pays nothi
 (``nn.Parameter`` disables ``__torch_function__``), and ``torch.compile`` of blocks only ever
 sees plain parameters. ``isinstance(p, nn.Parameter)`` holds throughout. Operations that
 bypass Python (autograd's saved tensors, code inside ``DisableTorchFunctionSubclass``) cannot
-be guarded; for those a sharded parameter's ``.data`` is a tensor with no storage, so they
-never read freed memory or another unit's values: torch refuses some of them ("data is not
-allocated yet": matrix products, ``tolist``), and an elementwise kernel ends the process. So
+be guarded; for those a sharded parameter has no storage (its ``.data`` is its view of its
+unit's full buffer, whose storage is freed: [Note: flat parameter groups] in flat_param.py),
+so they never read freed memory or another unit's values: torch refuses some of them ("data
+is not allocated yet": matrix products, ``tolist``), and an elementwise kernel ends the process. So
 stage 3 makes sure its own backward never gets there: a unit is gathered before its backward
 reads it, held gathered where no hook could tell when that is ([Note: one step at stage 3]
 in gatherer.py, "output that hides its tensors").
@@ -210,34 +211,3 @@ def unguard_all(params: Sequence[nn.Parameter]) -> None:
 
 def is_guarded(param: nn.Parameter) -> bool:
     return type(param) is GuardedParameter
-
-
-class _NoStorage(torch.Tensor):
-    """Only used to make tensors with metadata and no storage at all (see the note)."""
-
-    @staticmethod
-    def __new__(
-        cls, shape: torch.Size, dtype: torch.dtype, device: torch.device, strides: tuple[int, ...] | None = None
-    ) -> _NoStorage:
-        return torch.Tensor._make_wrapper_subclass(cls, shape, strides=strides, dtype=dtype, device=device)
-
-    # torch declares Tensor.__torch_dispatch__ as a plain function attribute, not the classmethod
-    # every subclass must define, so mypy sees any real override as incompatible.
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        if func is torch.ops.aten._has_compatible_shallow_copy_type.default:
-            # ``param.data = placeholder`` asks this (a metadata question) when inference mode
-            # bypasses the autograd kernel that answers it otherwise: the swap is shardpar's own.
-            return True
-        raise RuntimeError("this tensor stands in for a sharded parameter and has no values")
-
-
-def storageless(
-    shape: torch.Size, dtype: torch.dtype, device: torch.device, strides: tuple[int, ...] | None = None
-) -> torch.Tensor:
-    """A tensor of ``shape``/``dtype`` (and ``strides``, None: row-major) with no storage:
-    assigned to a sharded parameter's ``.data``, a kernel that gets past the guard finds no
-    values rather than freed memory (see the note); its metadata stay the parameter's."""
-    return _NoStorage(shape, dtype, device, strides)

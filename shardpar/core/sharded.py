@@ -183,12 +183,12 @@ class ShardedStorage:
         return {name: order for flat in self.groups for name, order in flat.layout.orders().items()}
 
     params_are_masters = False
-    """Parameters are placeholders between uses: state dicts and loads go to the shards."""
+    """Parameters have no values between uses: state dicts and loads go to the shards."""
     relayouts = False
     """Its buckets are its units: never laid out again."""
 
     full_values = FullValues.GATHERED
-    """Parameters are placeholders between uses: full values are gathered from the shards."""
+    """Parameters have no values between uses: full values are gathered from the shards."""
 
     def layout_summary(self) -> dict[str, Any]:
         return {"units": [{"name": u.name, "params": [n for f in u.flats for n in f.layout.names]} for u in self.units]}

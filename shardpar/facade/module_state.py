@@ -133,7 +133,7 @@ class ModuleState:
             with metadata_only():
                 values = {name: values.get(name, param.data).clone() for name, param in named}
         shown = _Shown([], [], fresh=copies or kind is FullValues.GATHERED, writeback=writeback)
-        with metadata_only():  # a stage-3 parameter's (storageless) data is taken, not read
+        with metadata_only():  # a sharded stage-3 parameter's data (no storage) is taken, not read
             for name, param in named:
                 own = param.data
                 value = values.get(name, own)
