@@ -40,9 +40,9 @@ of identical copies of the model, main-thread CPU per backward:
   Its forward is timed too (every other variant's forward is plain torch's);
 - ``guarded-units``: ``units`` and, at their leanest, the guarantees stage 3 keeps on top of
   that mechanism: while a block is sharded each parameter is of a guarding subclass (one
-  ``__class__`` switch at each free and each gather: an operation on it raises) and its
-  ``.data`` a tensor of its shape with no storage (a kernel that gets past the class finds
-  nothing to read, never freed memory), each gather carries a tag checked on completion
+  ``__class__`` switch at each free and each gather: an operation on it raises; a kernel that
+  gets past the class finds no storage, as in ``units``, where the parameters are views of
+  the freed buffer), each gather carries a tag checked on completion
   (rank agreement), each parameter a post-accumulate-grad hook that marks it used (the
   used flags that unused parameters and ``RanksOutOfStep`` rest on), and the block's
   gradients go on into a gradient shard (a world-1 reduce-scatter: one ``torch.mul`` by
@@ -77,7 +77,7 @@ import torch.nn.functional as F  # noqa: E402
 from benchkit.models import ModelSpec, parse_models  # noqa: E402
 from torch import nn  # noqa: E402
 
-GUARANTEES = ("guards", "placeholders", "tags", "used-flags", "reduce-scatter")
+GUARANTEES = ("guards", "tags", "used-flags", "reduce-scatter")
 """What ``guarded-units`` keeps on top of ``units`` (see the module docstring), in that order."""
 
 VARIANTS = (
@@ -187,20 +187,6 @@ class _EndOfUnitBackward(torch.autograd.Function):
         return None, grad
 
 
-class _NoValues(torch.Tensor):
-    """A parameter's shape and dtype with no storage (as shardpar's ``storageless``)."""
-
-    @staticmethod
-    def __new__(cls, like: torch.Tensor) -> _NoValues:
-        return torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype)
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        if func is torch.ops.aten._has_compatible_shallow_copy_type.default:
-            return True
-        raise RuntimeError("read a sharded parameter")
-
-
 class _Sharded(nn.Parameter):
     """The guarding class of a sharded parameter (``guarded-units``): an operation on it
     raises; its attributes (``.grad``, ``.shape``) stay readable, as shardpar's guard keeps
@@ -222,16 +208,13 @@ class UnitGathers:
         self.params = [p for p in block.parameters() if p.requires_grad]
         self.variant = variant
         # Asked once per gather or free, outside the loops over parameters.
-        self.guards, self.placeholders_on = "guards" in guarantees, "placeholders" in guarantees
-        self.tags, self.reduce_scatter = "tags" in guarantees, "reduce-scatter" in guarantees
+        self.guards, self.tags, self.reduce_scatter = (g in guarantees for g in ("guards", "tags", "reduce-scatter"))
         self.shard = torch.cat([p.detach().reshape(-1) for p in self.params])
         self.full = torch.empty_like(self.shard)
-        self.full_views, offset = [], 0
+        offset = 0
         for param in self.params:
             param.data = self.full[offset : offset + param.numel()].view_as(param)
-            self.full_views.append(param.data)
             offset += param.numel()
-        self.placeholders = [_NoValues(view) for view in self.full_views]
         self.grad_slots = [variant.slots[p] for p in self.params]
         start = self.grad_slots[0].storage_offset()
         self.grad_flat = variant.buffer[start : start + self.shard.numel()]
@@ -265,15 +248,9 @@ class UnitGathers:
         if self.guards:
             for param in self.params:
                 param.__class__ = nn.Parameter
-        if self.placeholders_on:
-            for param, view in zip(self.params, self.full_views):
-                param.data = view
 
     def free(self) -> None:
         self.full.untyped_storage().resize_(0)
-        if self.placeholders_on:
-            for param, placeholder in zip(self.params, self.placeholders):
-                param.data = placeholder
         if self.guards:
             for param in self.params:
                 param.__class__ = _Sharded
