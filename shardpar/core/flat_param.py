@@ -30,7 +30,9 @@ the gatherer always does (stage 3: after every gather issued before it, its tags
   elsewhere: the group points them back at its next transition, the borrower when it is done.
 - stages 1-2: one group per gradient bucket, a view of the replicated buffer whose owned slice
   the optimizer updated; after ``step()`` it is GATHERING until the first module using it runs
-  (it never reshards).
+  (it never reshards). Its parameters are views of the same memory already (the replicated
+  buffer's), pointed at the group's own views at its first gather; a relayout of the buffer
+  makes new groups.
 
 While not UNSHARDED the parameters are guarded ([Note: guarded parameters] in
 ``param_guard.py``): a pending parameter waits for its gather when read, a sharded one raises
@@ -194,7 +196,7 @@ class FlatParamGroup:
         self._view_list = list(self._views.values())
         self._params_on_views = False
         """Whether the parameters are this layout's views now, which a transition then need
-        not say again (stage 3 only: see :meth:`_point_params_at_views`)."""
+        not say again."""
         self.full_bytes = layout.numel * full.element_size()
         """Bytes of the full buffer while allocated (the tag's room in front not counted)."""
 
@@ -310,14 +312,9 @@ class FlatParamGroup:
         guard_all(self._param_list)
         return freed
 
-    def point_params_at_full(self) -> None:
-        unguard_all(self._param_list)
-        self._point_params_at_views()
-
     def _point_params_at_views(self) -> None:
-        """Each parameter's ``.data`` its view of the full buffer. Stage 3's stay so (see
-        [Note: flat parameter groups]); stages 1-2's are pointed again at every gather, as
-        their replicated buffer may point them elsewhere meanwhile (its casts and relayouts)."""
+        """Each parameter's ``.data`` its view of the full buffer, where it stays (see [Note:
+        flat parameter groups])."""
         for param, view in zip(self._param_list, self._view_list):
             param.data = view
-        self._params_on_views = self.frees_storage
+        self._params_on_views = True
