@@ -104,32 +104,40 @@ class GradPlaceholderSet:
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], where: str) -> None:
         self.params = dict(named_params)
         self.where = where
-        self._made: dict[tuple[str, torch.dtype], ShardedGrad] = {}
-        self._on = False
+        self._made: dict[str, tuple[nn.Parameter, ShardedGrad]] = {}
+        """Name -> the parameter and its placeholder, made at its first put_on (a parameter's
+        dtype never changes after wrap)."""
+        self._on: dict[str, tuple[nn.Parameter, ShardedGrad]] = {}
+        """The placeholders put on and not taken off yet (each goes once per step: the walks
+        over them are per parameter per step)."""
         claim_params(named_params, where)
 
     def put_on(self, names: Iterable[str]) -> None:
+        made, on = self._made, self._on
         with metadata_only():
             for name in names:
-                param = self.params[name]
+                pair = made.get(name)
+                if pair is None:
+                    param = self.params[name]
+                    pair = made[name] = (param, ShardedGrad(param, name, self.where))
+                param, grad = pair
                 if param.grad is None:
-                    key = (name, param.dtype)
-                    grad = self._made.get(key)
-                    if grad is None:
-                        grad = self._made[key] = ShardedGrad(param, name, self.where)
                     param.grad = grad
-                    self._on = True
+                    on[name] = pair
 
     def take_off(self, names: Iterable[str] | None = None) -> None:
         """Take the placeholders off (``names``: only those parameters')."""
-        if not self._on:
+        on = self._on
+        if not on:
             return
-        params = self.params if names is None else {n: self.params[n] for n in names if n in self.params}
+        if names is None:  # (zero_grad of an optimizer over every parameter asks this way too)
+            taken, self._on = on, {}
+        else:
+            taken = {name: on.pop(name) for name in [n for n in names if n in on]}
         with metadata_only():
-            for param in params.values():
-                if isinstance(param.grad, ShardedGrad):
+            for param, grad in taken.values():
+                if param.grad is grad:  # (else the user replaced it: theirs now)
                     param.grad = None
-            self._on = names is not None and any(isinstance(p.grad, ShardedGrad) for p in self.params.values())
 
 
 # --------------------------------------------------------------------------- torch optimizers
