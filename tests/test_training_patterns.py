@@ -187,18 +187,23 @@ def test_activation_checkpointing_changes_neither_results_nor_collectives(
         )
 
 
-def test_the_unchekpointed_runs_match_plain_torch() -> None:
-    """The baseline the checkpointed runs are compared with is itself plain torch's result:
-    one process on both ranks' batches with the loss averaged over them."""
+def _plain_torch_state(build: Any) -> dict[str, torch.Tensor]:
+    """Plain torch's result for a 2-rank run of ``build()``'s model: one process on both ranks'
+    batches with the loss averaged over them, the same AdamW."""
     torch.manual_seed(0)
-    model = CheckpointedLM()
+    model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(STEPS):
         loss = sum(_lm_loss(model(_tokens(step, r)), _tokens(step, r)) for r in range(2)) / 2
         loss.backward()
         opt.step()
         opt.zero_grad()
-    expected = model.state_dict()
+    return model.state_dict()
+
+
+def test_the_unchekpointed_runs_match_plain_torch() -> None:
+    """The baseline the checkpointed runs are compared with is itself plain torch's result."""
+    expected = _plain_torch_state(CheckpointedLM)
     for stage in STAGES:
         state = checkpoint_runs()[0][(stage, "none", True)]["state"]
         for name, tensor in expected.items():
@@ -1029,17 +1034,10 @@ def test_blocks_whose_outputs_hide_their_tensors_train_like_plain_torch(stage: i
     backward read what stands in for a freed parameter and the process crashed). Every stage
     trains like plain torch on both ranks' batches, and at stage 3 nothing is left gathered
     after a step."""
-    torch.manual_seed(0)
-    model = HidingLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    for step in range(STEPS):
-        loss = sum(_lm_loss(model(_tokens(step, r)), _tokens(step, r)) for r in range(2)) / 2
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    expected = _plain_torch_state(HidingLM)
     results = run_ranks(_hiding_run, 2, stage, timeout=120)
     for result in results:
-        for name, tensor in model.state_dict().items():
+        for name, tensor in expected.items():
             err = (result["state"][name] - tensor).abs().max() / tensor.abs().max()
             assert err <= TOL, f"stage {stage}: {name} {float(err):.3g}"
         assert result["gathered_after_step"] == 0
