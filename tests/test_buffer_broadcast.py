@@ -12,7 +12,10 @@ shardpar/engines/buffer_sync.py.
 - with activation checkpointing around a BatchNorm (its recompute updates the statistics
   again, inside backward) the same holds;
 - a state dict loaded on every rank between a step and the next forward is not overwritten
-  by rank 0's statistics of before the load.
+  by rank 0's statistics of before the load;
+- a buffer re-assigned in every training forward (``self.mean = ...``, a new tensor each
+  time) and one registered at the first forward, after wrap, are the ones sent, as DDP sends
+  them (it re-reads ``named_buffers()`` before each broadcast).
 
 World sizes 2 and 3; one harness call per world size runs DDP and stages 0-3.
 """
@@ -39,10 +42,28 @@ MICRO = 3  # micro-batches per step in the accumulation scenarios
 TOL = 1e-5  # fp32 reductions in another order than DDP's differ by a few ulps; a rank off by one broadcast differs by >1e-2
 
 
+class Drift(nn.Module):
+    """Centres and scales its input by statistics it keeps in buffers the way some modules
+    do: ``mean`` re-assigned to a new tensor by every training forward, ``peak`` registered
+    at the first one."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+            if not hasattr(self, "peak"):
+                self.register_buffer("peak", x.detach().abs().amax(0) + 1)
+        return (x - self.mean) / self.peak
+
+
 class BatchNormNet(nn.Module):
-    def __init__(self, checkpointed: bool = False) -> None:
+    def __init__(self, checkpointed: bool = False, drifting: bool = False) -> None:
         super().__init__()
         self.checkpointed = checkpointed
+        self.drift = Drift(6) if drifting else nn.Identity()
         """Activation checkpointing around the first BatchNorm: its recompute in backward
         updates the running statistics a second time (in plain torch and DDP too)."""
         # No bias before a BatchNorm: its gradient is zero up to rounding, which Adam would
@@ -54,14 +75,14 @@ class BatchNormNet(nn.Module):
         self.out = nn.Linear(16, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        first = lambda x: F.relu(self.bn1(self.inp(x)))  # noqa: E731
+        first = lambda x: F.relu(self.bn1(self.inp(self.drift(x))))  # noqa: E731
         h = checkpoint(first, x, use_reentrant=False) if self.checkpointed and torch.is_grad_enabled() else first(x)
         return self.out(F.relu(self.bn2(self.mid(h))))
 
 
 def _net(scenario: str) -> BatchNormNet:
     torch.manual_seed(0)
-    return BatchNormNet(checkpointed="checkpointed" in scenario)
+    return BatchNormNet(checkpointed="checkpointed" in scenario, drifting="re-assigned" in scenario)
 
 
 def _batch(step: int, micro: int, rank: int) -> torch.Tensor:
@@ -115,6 +136,7 @@ def _train(scenario: str, model: Any, module: nn.Module, opt: Any, no_sync: Any)
             "accumulate, evaluate between micro-batches",
             "load, then evaluate",
             "evaluate, BatchNorm checkpointed",
+            "evaluate, buffers re-assigned and registered in forward",
         ):
             evaluate()
         elif scenario == "evaluate on rank 0 only":
@@ -132,6 +154,7 @@ SCENARIOS = (
     "accumulate, evaluate between micro-batches",
     "load, then evaluate",
     "evaluate, BatchNorm checkpointed",
+    "evaluate, buffers re-assigned and registered in forward",
 )
 
 

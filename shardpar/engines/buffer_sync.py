@@ -30,6 +30,13 @@ the same wherever every rank wrote the same values, the usual case (a checkpoint
 The copy costs ranks other than 0 one copy of the module's buffers from the end of a backward
 to the next forward. After ``wrap`` every rank already holds rank 0's buffers (DDP also
 broadcasts at its first forward), so the first forward sends nothing.
+
+Which buffers: the module's, read at every broadcast from each module's own buffer dict, so a
+buffer re-assigned or registered after ``wrap`` (a rotary cache made at the first forward) is
+the one sent, as DDP re-reads ``named_buffers()`` before each of its broadcasts. The modules
+themselves are listed once, at wrap: walking ``named_modules()`` at every backward's end costs
+more than a hundred microseconds on a model of a few hundred modules (a dozen for this
+list), and a submodule added after wrap has no parameters shardpar manages either.
 """
 
 from __future__ import annotations
@@ -56,7 +63,9 @@ class BufferSync:
         comm: C.CommStats,
         wait_clock: WaitClock,
     ) -> None:
-        self.module = module
+        self.buffer_dicts = [sub._buffers for sub in module.modules()]
+        """Every module's own buffer dict (see the note's last paragraph): torch keeps one dict
+        per module for its life, and every registration or re-assignment writes into it."""
         self.group = group
         self.rank = rank
         self.enabled = enabled and world_size > 1
@@ -93,7 +102,9 @@ class BufferSync:
             self.received = self._broadcast(into_copies=self.rank != 0)
 
     def _broadcast(self, into_copies: bool = False) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        buffers = list(self.module.buffers())
+        # Each buffer once, in the modules' order, as module.buffers() gives them: one tensor
+        # may be registered under two modules.
+        buffers = list({id(b): b for own in self.buffer_dicts for b in own.values() if b is not None}.values())
         targets = [torch.empty_like(b) if into_copies else b for b in buffers]
         with torch.no_grad():
             handles = [C.broadcast(t, 0, group=self.group, async_op=True, stats=self.comm) for t in targets]
