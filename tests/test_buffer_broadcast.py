@@ -63,9 +63,9 @@ class BatchNormNet(nn.Module):
     def __init__(self, checkpointed: bool = False, drifting: bool = False) -> None:
         super().__init__()
         self.checkpointed = checkpointed
-        self.drift = Drift(6) if drifting else nn.Identity()
         """Activation checkpointing around the first BatchNorm: its recompute in backward
         updates the running statistics a second time (in plain torch and DDP too)."""
+        self.drift = Drift(6) if drifting else nn.Identity()
         # No bias before a BatchNorm: its gradient is zero up to rounding, which Adam would
         # turn into full-size steps of a sign that depends on the order of the sums.
         self.inp = nn.Linear(6, 16, bias=False)
